@@ -1,0 +1,32 @@
+# Two entry points that set themselves up on a fresh machine:
+#   make train   -> virtual env + pinned deps, then train the default model on the default corpus
+#   make test    -> virtual env + pinned deps, then ruff and the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.meshlm-installed
+
+.PHONY: setup train test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/meshlm train $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: $(STAMP) lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/single_process.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

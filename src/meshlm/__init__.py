@@ -1,0 +1,13 @@
+"""meshlm: readable 5D-parallel LLM training on PyTorch."""
+
+__version__ = "0.1.0"
+
+
+def load_model(path: str, device: str = "cpu"):  # noqa: ANN201 - lazy import keeps CLI start fast
+    """The plain model from a meshlm run directory or checkpoint directory."""
+    from .checkpoint.loading import load_model as _load
+
+    return _load(path, device=device)
+
+
+__all__ = ["__version__", "load_model"]

@@ -1,0 +1,147 @@
+"""Command line: ``meshlm train | info | generate``.
+
+User mistakes (config, data path, checkpoint) end with one ``meshlm: error: ...`` line and
+exit status 2, before any worker starts or any file is written; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .checkpoint.state import CheckpointError
+from .config import ConfigError, load_config, to_toml
+
+
+def _split_overrides(rest: list[str]) -> list[str]:
+    """Accept ``--a.b=c`` and ``--a.b c``; anything else is an error."""
+    out, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--") or "." not in item.split("=")[0]:
+            raise ConfigError(f"unexpected argument {item!r} (overrides look like --section.key=value)")
+        if "=" not in item:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"override {item!r} has no value")
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        out.append(item)
+        i += 1
+    return out
+
+
+def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    cfg = load_config(args.config, _split_overrides(rest))
+    if args.dry_run:
+        from .train.estimate import memory_estimate
+
+        print(to_toml(cfg))
+        for line in memory_estimate(cfg):
+            print(line)
+        return 0
+    from .train.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
+    from .models.presets import PRESETS
+
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    rows = []
+    for name, mc in PRESETS.items():
+        rows.append({
+            "preset": name, "params": mc.num_params(), "active_params": mc.num_params(active=True),
+            "layers": mc.n_layers, "dim": mc.dim, "heads": mc.n_heads, "kv_heads": mc.n_kv_heads,
+            "experts": mc.moe_experts, "flops_per_token": mc.flops_per_token(args.seq_len),
+        })
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"meshlm {__version__} presets (training FLOPs/token at seq {args.seq_len})")
+    for col in ("preset", "params", "active", "layers", "dim", "heads/kv", "experts", "FLOPs/token"):
+        table.add_column(col, justify="left" if col == "preset" else "right")
+    for r in rows:
+        table.add_row(
+            r["preset"], _human(r["params"]), _human(r["active_params"]), str(r["layers"]),
+            str(r["dim"]), f"{r['heads']}/{r['kv_heads']}", str(r["experts"] or "-"),
+            _human(r["flops_per_token"]),
+        )
+    Console().print(table)
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(int(n))
+
+
+def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    from .checkpoint.loading import load_model, resolve_checkpoint
+    from .data.tokenizer import Tokenizer
+    from .generate import generate_text
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    tok_path = ckpt / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} has no tokenizer.json")
+    model = load_model(ckpt)
+    text = generate_text(model, Tokenizer.load(tok_path), args.prompt, args.max_new_tokens,
+                         args.temperature, args.top_k, args.seed)
+    print(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model (default: `small` on the default corpus)",
+                       epilog="overrides: --section.key=value, e.g. --train.steps=50")
+    p.add_argument("config", nargs="?", help="TOML config file")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the resolved config and the memory estimate")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("info", help="list model presets with parameter and FLOP counts")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="sample text from a trained model")
+    p.add_argument("--checkpoint", required=True, help="run dir or checkpoint dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=120)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        return args.func(args, rest)
+    except (ConfigError, CheckpointError) as e:
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("meshlm: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

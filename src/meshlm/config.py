@@ -1,0 +1,343 @@
+"""Typed run configuration: TOML file + dotted command-line overrides, validated up front.
+
+A config is a set of dataclass sections (``[model]``, ``[data]``, ``[train]``, ``[parallel]``,
+``[precision]``, ``[run]``). Each component receives only its own section. Every value is
+checked against its field's type and range before any worker starts or any file is written;
+a bad value raises :class:`ConfigError` with one line naming the key, the value and what
+would be valid. The resolved config is written as ``config.toml`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .models.config import ModelConfig
+from .models.presets import PRESETS, get_preset
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; its message is one line for the terminal."""
+
+
+@dataclass
+class ModelSection:
+    """``preset`` plus optional overrides of any :class:`ModelConfig` field."""
+
+    preset: str = "small"
+    n_layers: int | None = None
+    dim: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    max_seq_len: int | None = None
+    tie_embeddings: bool | None = None
+    init_std: float | None = None
+    moe_experts: int | None = None
+    moe_topk: int | None = None
+    moe_ffn_hidden: int | None = None
+    moe_shared_experts: int | None = None
+    moe_first_dense: int | None = None
+    moe_aux_loss_coef: float | None = None
+
+
+@dataclass
+class DataSection:
+    path: str = ""  # "" -> the embedded default corpus (this interpreter's standard library)
+    tokenizer: str = ""  # a tokenizer.json; "" -> train a byte-level BPE on the corpus (cached)
+    vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
+    seq_len: int = 256
+    val_fraction: float = 0.05  # share of files held out for validation
+    text_field: str = "text"  # JSONL field holding the text
+    cache_dir: str = ""  # "" -> $XDG_CACHE_HOME/meshlm or ~/.cache/meshlm
+
+
+@dataclass
+class TrainSection:
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step
+    micro_batch: int = 16  # sequences per forward/backward on one data-parallel rank
+    seed: int = 1234
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 50  # 0 disables evaluation
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0 -> only at the end
+    peak_flops: float = 0.0  # per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+
+
+@dataclass
+class PrecisionSection:
+    dtype: str = "fp32"
+
+
+@dataclass
+class RunSection:
+    dir: str = ""  # "" -> runs/<preset>-<timestamp>
+    resume: bool = False  # continue from the latest checkpoint in run.dir
+    sample_tokens: int = 120  # tokens sampled at the end of training (0: none)
+    sample_prompt: str = "def "
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    # -------------------------------------------------------------- derived views
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
+        """The model shape: the preset with every override applied."""
+        base = get_preset(self.model.preset)
+        changes = {
+            f.name: getattr(self.model, f.name)
+            for f in fields(self.model)
+            if f.name != "preset" and getattr(self.model, f.name) is not None
+        }
+        if vocab_size is not None:
+            changes["vocab_size"] = vocab_size
+        try:
+            return base.with_(**changes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.pp * p.dp * p.cp * p.tp
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+
+SECTIONS = {f.name: f for f in fields(Config)}
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+# ------------------------------------------------------------------ parsing values
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as ``int | None``."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    base, optional = _base_type(tp)
+    if value is None and optional:
+        return None
+    if isinstance(value, str) and base is not str:
+        text = value.strip()
+        if optional and text.lower() in ("none", ""):
+            return None
+        if base is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+        try:
+            number = float(text)
+        except ValueError:
+            number = float("nan")
+        if base is float and number == number:
+            return number
+        if base is int and number == number and number.is_integer():
+            return int(number)
+        kind = {int: "an integer", float: "a number"}[base]
+        raise ConfigError(f"{key}={value!r}: expected {kind}")
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected true or false")
+        return value
+    if base is int:
+        if isinstance(value, bool) or not (
+            isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        ):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return int(value)
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if base is str and not isinstance(value, str):
+        raise ConfigError(f"{key}={value!r}: expected a string")
+    return value
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    section_name, _, key = dotted.partition(".")
+    if section_name not in SECTIONS or not key:
+        raise ConfigError(
+            f"unknown config key {dotted!r} (sections: {', '.join(SECTIONS)}; "
+            "keys are written section.key)"
+        )
+    section = getattr(cfg, section_name)
+    by_name = {f.name: f for f in fields(section)}
+    if key not in by_name:
+        raise ConfigError(
+            f"unknown config key {dotted!r} (valid keys in [{section_name}]: "
+            f"{', '.join(by_name)})"
+        )
+    hints = typing.get_type_hints(type(section))
+    setattr(section, key, _convert(dotted, value, hints[key]))
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    check_paths: bool = True,
+) -> Config:
+    """Read a TOML file (optional), apply ``section.key=value`` overrides, validate.
+
+    ``check_paths=False`` skips the existence checks of data files (reading a saved config).
+    """
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for section_name, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"config file {str(p)!r}: top-level key {section_name!r} must be a "
+                    f"[section] (sections: {', '.join(SECTIONS)})"
+                )
+            for key, value in table.items():
+                _set(cfg, f"{section_name}.{key}", value)
+    for item in overrides or []:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        key, _, value = text.partition("=")
+        _set(cfg, key.strip(), value)
+    validate(cfg, check_paths=check_paths)
+    return cfg
+
+
+# ------------------------------------------------------------------ validation
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, check_paths: bool = True) -> None:
+    """Every rule that can be checked without reading data; raises ConfigError."""
+    t, p, d = cfg.train, cfg.parallel, cfg.data
+    _check(cfg.model.preset in PRESETS,
+           f"model.preset={cfg.model.preset!r} is not a preset (valid: {', '.join(PRESETS)})")
+    mc = cfg.model_config()
+    for key in ("steps", "global_batch", "micro_batch"):
+        _check(getattr(t, key) > 0, f"train.{key}={getattr(t, key)} must be positive")
+    for key in ("dp", "tp", "pp", "pp_virtual", "cp", "ep"):
+        _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1")
+    _check(t.global_batch % (t.micro_batch * p.dp) == 0,
+           f"train.global_batch={t.global_batch} is not divisible by train.micro_batch * "
+           f"parallel.dp = {t.micro_batch} * {p.dp} = {t.micro_batch * p.dp}")
+    _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
+           f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
+    _check(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1,
+           f"train.beta1={t.beta1}, train.beta2={t.beta2} must lie in [0, 1)")
+    _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
+    for key in ("eval_every", "eval_batches", "log_every", "checkpoint_every"):
+        _check(getattr(t, key) >= 0, f"train.{key}={getattr(t, key)} must be >= 0")
+    _check(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    _check(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
+    _check(d.seq_len <= mc.max_seq_len,
+           f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mc.max_seq_len}")
+    _check(d.vocab_size >= 260,
+           f"data.vocab_size={d.vocab_size} must be >= 260 (256 bytes + special tokens)")
+    _check(d.vocab_size <= 2**32 - 1, f"data.vocab_size={d.vocab_size} is too large")
+    _check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must lie in (0, 1)")
+    if d.path and check_paths:
+        _check(Path(d.path).expanduser().exists(), f"data.path={d.path!r} does not exist")
+    if d.tokenizer and check_paths:
+        _check(Path(d.tokenizer).expanduser().is_file(),
+               f"data.tokenizer={d.tokenizer!r} is not a file")
+    _check(p.pp_schedule in PP_SCHEDULES,
+           f"parallel.pp_schedule={p.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
+    _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
+    _check(cfg.precision.dtype in DTYPES,
+           f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
+    unsupported = [
+        f"parallel.{k}={getattr(p, k)}" for k in ("dp", "tp", "pp", "cp", "ep")
+        if getattr(p, k) != 1
+    ] + (["parallel.sp=true"] if p.sp else []) + (
+        [f"parallel.zero={p.zero}"] if p.zero else [])
+    _check(not unsupported,
+           f"{', '.join(unsupported)}: this version trains on one process only "
+           "(multi-process parallelism is not available yet)")
+    if cfg.run.resume:
+        _check(bool(cfg.run.dir), "run.resume=true needs run.dir naming the run to continue")
+    if cfg.run.tensorboard:
+        _check(importlib.util.find_spec("tensorboard") is not None,
+               "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
+    _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
+
+
+# ------------------------------------------------------------------ saving
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{s}"'
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (fields left at None are omitted)."""
+    lines: list[str] = []
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        lines.append(f"[{name}]")
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if value is not None:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(to_toml(cfg))

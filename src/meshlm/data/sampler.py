@@ -1,0 +1,121 @@
+"""Which token windows each training step and each data-parallel rank sees.
+
+The batch of global step k is a pure function of (seed, k): ``global_batch`` windows of
+``seq_len + 1`` tokens at offsets drawn from a generator seeded with ``[seed, k]``. So a
+resumed run continues exactly (only the next step number is state), and every parallel
+layout sees the same data: rank r of dp takes the contiguous rows
+``[r * global/dp, (r + 1) * global/dp)`` and splits them into micro-batches in order.
+
+Memory: drawing offsets costs ``global_batch`` integers; only the rows a rank needs are read
+from the (memory-mapped) token array, ``micro * (seq_len + 1)`` tokens per micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ConfigError
+
+
+def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> torch.Tensor:
+    """LongTensor [len(offsets), seq_len + 1]; fancy indexing reads just these tokens."""
+    idx = offsets[:, None] + np.arange(seq_len + 1, dtype=np.int64)
+    return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+
+
+def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if len(tokens) < seq_len + 2:
+        raise ConfigError(
+            f"{what} has {len(tokens)} tokens; data.seq_len={seq_len} needs at least "
+            f"{seq_len + 2} (use more data or a smaller data.seq_len)"
+        )
+
+
+class StepSampler:
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int) -> None:
+        _check_length(tokens, seq_len, "the train split")
+        if seed < 0:  # SeedSequence only takes non-negative entropy
+            raise ConfigError(f"train.seed={seed} must be >= 0")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.next_step = 0  # the step after the last one fetched; what a resumed run starts at
+
+    def offsets(self, step: int) -> np.ndarray:
+        """Start offsets of the global batch of ``step``, uniform in [0, n - seq_len - 1]."""
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, step])))
+        high = len(self.tokens) - self.seq_len - 1
+        return rng.integers(0, high, size=self.global_batch, endpoint=True, dtype=np.int64)
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        """LongTensor [global_batch, seq_len + 1]: the whole batch of ``step``."""
+        self.next_step = step + 1
+        return _windows(self.tokens, self.offsets(step), self.seq_len)
+
+    def rank_micro_batches(
+        self, step: int, dp_rank: int, dp_size: int, micro_batch: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) micro-batches of ``step``, each [micro_batch, seq_len].
+
+        Targets are the inputs shifted left by one token.
+        """
+        per_rank, rest = divmod(self.global_batch, dp_size)
+        if rest or per_rank % micro_batch:
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} is not divisible by "
+                f"train.micro_batch * parallel.dp = {micro_batch} * {dp_size}"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} outside [0, {dp_size})")
+        self.next_step = step + 1
+        mine = self.offsets(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        out = []
+        for start in range(0, per_rank, micro_batch):
+            rows = _windows(self.tokens, mine[start : start + micro_batch], self.seq_len)
+            # contiguous: callers may .view() these, and the copy is only micro*seq_len ints.
+            out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "next_step": self.next_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a run; the data-defining settings must match the checkpoint."""
+        keys = {"seed": "train.seed", "seq_len": "data.seq_len",
+                "global_batch": "train.global_batch"}
+        for key, name in keys.items():
+            if state[key] != getattr(self, key):
+                raise ConfigError(
+                    f"{name}={getattr(self, key)} differs from the checkpoint's "
+                    f"{state[key]}; resuming needs the same value"
+                )
+        self.next_step = int(state["next_step"])
+
+
+def val_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int
+) -> list[torch.Tensor]:
+    """A fixed validation set: evenly spaced windows, LongTensors [batch, seq_len + 1].
+
+    At most as many windows as fit without overlap; fewer batches (or one smaller batch)
+    when the split is small.
+    """
+    _check_length(tokens, seq_len, "the validation split")
+    fit = len(tokens) // (seq_len + 1)
+    n_windows = min(batch_size * n_batches, fit)
+    if n_windows >= batch_size:
+        n_windows -= n_windows % batch_size  # whole batches only
+    if n_windows <= 0:
+        return []
+    offsets = np.linspace(0, len(tokens) - seq_len - 1, n_windows).round().astype(np.int64)
+    rows = _windows(tokens, offsets, seq_len)
+    return list(rows.split(batch_size))

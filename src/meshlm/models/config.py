@@ -1,0 +1,160 @@
+"""Model shape: the one source of parameter and FLOP counts.
+
+The trainer's MFU, the planner's memory and time models and ``meshlm info`` all read these
+numbers, so they agree by construction. Counts are analytic (no weights are allocated), and
+a test checks them against ``sum(p.numel())`` of a model built on the meta device.
+
+FLOP convention (PaLM, Chowdhery et al. 2022, appendix B): per trained token,
+``6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len``, where ``N_matmul`` counts every
+weight that takes part in a matmul for that token (active experts only, the LM head included,
+the embedding lookup excluded) and the second term is the attention score and value matmuls
+(no discount for the causal mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder, dense or Mixture-of-Experts."""
+
+    name: str = "custom"
+    vocab_size: int = 4096
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    ffn_hidden: int = 688
+    head_dim: int = 0  # 0 -> dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # Mixture of Experts (moe_experts == 0 -> dense model)
+    moe_experts: int = 0
+    moe_topk: int = 2
+    moe_ffn_hidden: int = 0  # 0 -> ffn_hidden
+    moe_shared_experts: int = 0  # shared experts, each of width moe_ffn_hidden
+    moe_first_dense: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3: 3)
+    moe_aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    # ----------------------------------------------------------------- validation
+    def problems(self) -> list[str]:
+        """Every inconsistency of the shape, as messages naming the field."""
+        out: list[str] = []
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
+            if getattr(self, f) <= 0:
+                out.append(f"model.{f} must be positive, got {getattr(self, f)}")
+        if out:
+            return out
+        if self.head_dim == 0 and self.dim % self.n_heads:
+            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            out.append(
+                f"model.n_heads={self.n_heads} is not divisible by "
+                f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)"
+            )
+        if self.hd % 2:
+            out.append(f"head dimension {self.hd} must be even for rotary embeddings")
+        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts):
+            out.append(
+                f"model.moe_topk={self.moe_topk} must lie in [1, moe_experts={self.moe_experts}]"
+            )
+        if self.moe_first_dense > self.n_layers:
+            out.append(f"model.moe_first_dense={self.moe_first_dense} exceeds n_layers")
+        return out
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def hd(self) -> int:
+        """Per-head dimension."""
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.moe_first_dense
+
+    @property
+    def n_moe_layers(self) -> int:
+        return max(0, self.n_layers - self.moe_first_dense) if self.is_moe else 0
+
+    def with_(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    # ----------------------------------------------------------------- counts
+    def attention_params(self) -> int:
+        """q, k, v and output projections of one layer (no biases)."""
+        q = self.dim * self.n_heads * self.hd
+        kv = 2 * self.dim * self.n_kv_heads * self.hd
+        o = self.n_heads * self.hd * self.dim
+        return q + kv + o
+
+    def mlp_params(self, hidden: int | None = None) -> int:
+        """One SwiGLU MLP: gate, up and down projections."""
+        return 3 * self.dim * (hidden or self.ffn_hidden)
+
+    def moe_params(self) -> tuple[int, int]:
+        """(total, active-per-token) parameters of one MoE MLP, router included."""
+        router = self.dim * self.moe_experts
+        expert = self.mlp_params(self.expert_hidden)
+        shared = self.moe_shared_experts * expert
+        total = router + self.moe_experts * expert + shared
+        active = router + self.moe_topk * expert + shared
+        return total, active
+
+    def layer_params(self, layer: int, active: bool = False) -> int:
+        norms = 2 * self.dim
+        if self.is_moe_layer(layer):
+            total, act = self.moe_params()
+            mlp = act if active else total
+        else:
+            mlp = self.mlp_params()
+        return self.attention_params() + mlp + norms
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    def head_params(self) -> int:
+        """Output projection (0 extra parameters when tied to the embedding)."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.dim
+
+    def num_params(self, active: bool = False) -> int:
+        """All parameters (``active=True``: only those one token uses)."""
+        layers = sum(self.layer_params(i, active) for i in range(self.n_layers))
+        return self.embedding_params() + self.head_params() + layers + self.dim  # final norm
+
+    def matmul_params(self) -> int:
+        """Active weights taking part in a matmul per token: layers without norms, plus head."""
+        total = 0
+        for i in range(self.n_layers):
+            total += self.layer_params(i, active=True) - 2 * self.dim
+        return total + self.vocab_size * self.dim  # the LM head matmul runs even when tied
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, PaLM convention (see module doc)."""
+        attn = 12 * self.n_layers * self.n_heads * self.hd * seq_len
+        return 6.0 * self.matmul_params() + attn

@@ -1,0 +1,189 @@
+"""Llama-style decoder in plain single-device PyTorch.
+
+Token embedding -> n_layers x [RMSNorm -> grouped-query attention (RoPE, causal SDPA) ->
+residual -> RMSNorm -> SwiGLU MLP (or MoE) -> residual] -> RMSNorm -> LM head.
+
+Parallelism is applied from outside (``meshlm.parallelize``), never written here. The module
+names (``layers.{i}.attention.wq`` ...) are the parameter names of checkpoints; the rotary
+convention is the "rotate half" one of Hugging Face Llama, so HF weights load by renaming only.
+
+Initial weights depend only on (seed, model config): every parameter is drawn from its own
+generator seeded by (seed, parameter name), so any layout can materialise exactly the tensor
+a single-process run would have (DESIGN principle 4).
+
+Memory (fp32, one rank): 4 bytes per parameter; activations per layer roughly
+``b * s * (34 h + 5 a s)`` bytes with eager attention (Korthikanti et al. 2022), less with SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .moe import MoE, SwiGLU
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables of shape (max_seq_len, head_dim) for the rotate-half convention."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    pos = torch.arange(max_seq_len, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq)  # (S, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, hd): pair i with i + hd/2
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, nh, S, hd) by position: x*cos + rotate_half(x)*sin.
+
+    Equivalent to multiplying the complex number x[..., i] + j*x[..., i + hd/2] by
+    exp(j * pos * theta^(-2i/hd)) (Su et al. 2021, eq. 34).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention through ``scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (B, nh, S, hd) queries on (B, nkv, S, hd) keys/values.
+
+        Kept apart so context parallelism can swap in ring attention.
+        """
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts are read from the weights so tensor parallelism can shard them.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v)  # (B, nh, S, hd)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, nh*hd) -> (B, S, h)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: attention and MLP, each with a residual connection."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward: nn.Module = (
+            MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_hidden)
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder. ``model(input_ids)`` -> logits (B, S, vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.hd, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        if s > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        h = self.tok_embeddings(input_ids)  # (B, S, h)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))  # (B, S, V)
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the MoE load-balancing losses of the last forward (0.0 for dense models)."""
+        losses = [m.last_aux_loss for m in self.modules() if isinstance(m, MoE)]
+        losses = [x for x in losses if x is not None]
+        return torch.stack(losses).sum() if losses else 0.0
+
+    def num_params(self) -> int:
+        """Unique parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+# ---------------------------------------------------------------------- initialisation
+def param_seed(seed: int, name: str) -> int:
+    """Generator seed of one parameter: a function of the run seed and its name only."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def init_std(cfg: ModelConfig, name: str) -> float | None:
+    """Standard deviation of a parameter's normal init; None for norm weights (ones).
+
+    Output projections of residual branches (``wo``, ``w2``) are scaled by 1/sqrt(2 L)
+    (GPT-2, Radford et al. 2019, section 2.3) so the residual stream does not grow with depth.
+    """
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("wo.weight", "w2.weight", "w2")):
+        return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return cfg.init_std
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Initialise every parameter from (seed, its name), independent of order or layout."""
+    for name, p in model.named_parameters():
+        std = init_std(model.cfg, name)
+        if std is None:
+            p.fill_(1.0)
+            continue
+        g = torch.Generator().manual_seed(param_seed(seed, name))
+        full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+        p.copy_(full)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:
+    """A model with the seed's initial weights (on the meta device: shapes only, no init)."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        init_weights(model, seed)
+    return model

@@ -1,0 +1,1 @@
+"""Training: trainer loop, optimizer and schedule, precision, metrics and progress."""

@@ -1,0 +1,61 @@
+"""Per-step metrics: ``metrics.jsonl`` in the run directory, optional TensorBoard, memory peak.
+
+One JSON object per line with at least ``step, loss, lr, grad_norm, tokens_per_s, mfu,
+step_time_s, mem_peak_bytes`` and ``val_loss`` on evaluation steps (the DESIGN contract).
+Writes are line-buffered and flushed, so a crash loses at most the current line.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (empty list if it does not exist)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl (and TensorBoard scalars when enabled)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False, keep_until: int | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        if keep_until is not None and self.path.exists():
+            # Resuming: drop records of steps after the checkpoint, they will be redone.
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = self.path.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # tensorboard is an optional dependency
+                raise RuntimeError("run.tensorboard=true needs `pip install tensorboard`") from e
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

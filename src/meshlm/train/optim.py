@@ -1,0 +1,57 @@
+"""AdamW with fp32 master weights and the warmup + cosine learning-rate schedule.
+
+Parameters are kept in fp32 (the master copy); lower-precision compute comes from autocast,
+so the optimizer always steps fp32 tensors. Memory per rank: 4 bytes of weights + 8 bytes of
+Adam moments per parameter (Ψ(4+8) in the ZeRO paper's notation, plus 4Ψ of fp32 gradients).
+Weight decay applies to matrices only (not to norm weights), as in GPT-2/Llama training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..config import TrainSection
+
+
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Two groups: decayed matrices (ndim >= 2) and undecayed vectors (norm weights)."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for _, p in named:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
+    """AdamW over the model's parameters (``foreach`` kernels: one launch per group)."""
+    return torch.optim.AdamW(
+        param_groups(model.named_parameters(), cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=True,
+    )
+
+
+def lr_at(step: int, cfg: TrainSection) -> float:
+    """Learning rate of optimizer step ``step`` (1-based): linear warmup, then cosine to min_lr."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,48 @@
+"""Shared fixtures: a small text corpus (a few stdlib modules) and a shared data cache."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+CORPUS_MODULES = [
+    "textwrap.py", "json/decoder.py", "json/encoder.py", "fnmatch.py", "shlex.py",
+    "string.py", "bisect.py", "heapq.py", "glob.py", "csv.py", "calendar.py", "copy.py",
+    "queue.py", "sched.py", "colorsys.py", "graphlib.py", "keyword.py", "operator.py",
+]
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 250 KB of Python source in a folder, as a user's data.path would be."""
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for rel in CORPUS_MODULES:
+        dst = root / rel.replace("/", "_")
+        shutil.copyfile(stdlib / rel, dst)
+    return root
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture()
+def tiny_args(corpus_dir: Path, cache_dir: Path, tmp_path: Path) -> list[str]:
+    """Overrides for a fast tiny run on the small corpus (a fresh run dir per test)."""
+    return [
+        "--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
+        "--data.vocab_size=512", "--data.seq_len=32", "--train.steps=6",
+        "--train.global_batch=8", "--train.micro_batch=4", "--train.warmup_steps=2",
+        "--train.eval_every=3", "--train.eval_batches=2", "--train.log_every=1",
+        "--run.sample_tokens=0", f"--run.dir={tmp_path / 'run'}", "--train.peak_flops=1e10",
+    ]

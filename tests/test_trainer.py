@@ -1,0 +1,117 @@
+"""Trainer tests: loss falls, accumulation is exact, resume continues the same loss curve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshlm import load_model
+from meshlm.checkpoint.state import find_latest
+from meshlm.config import ConfigError, load_config
+from meshlm.testing import assert_weights_close
+from meshlm.train.metrics import read_metrics
+from meshlm.train.optim import lr_at
+from meshlm.train.trainer import train
+
+CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s",
+                   "mem_peak_bytes"}
+
+
+def _train(args: list[str], *extra: str):
+    return train(load_config(None, args + list(extra)), log=lambda _m: None, progress=False)
+
+
+def test_metrics_contract_and_loss_decreases(tiny_args: list[str]) -> None:
+    result = _train(tiny_args, "--train.steps=20", "--train.eval_every=10", "--train.lr=1e-2")
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for r in records:
+        assert CONTRACT_FIELDS <= set(r), set(r)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] and r["mem_peak_bytes"] > 0
+    assert {r["step"] for r in records if "val_loss" in r} == {1, 10, 20}
+    assert records[-1]["val_loss"] < records[0]["val_loss"] - 0.5
+    assert sum(r["loss"] for r in records[-5:]) < sum(r["loss"] for r in records[:5])
+    # saved alongside: resolved config, tokenizer, environment, final checkpoint
+    for name in ("config.toml", "tokenizer.json", "env.json"):
+        assert (result.run_dir / name).is_file(), name
+    assert find_latest(result.run_dir / "checkpoints").name == "step_0000020"
+    assert json.loads((result.run_dir / "env.json").read_text())["peak_flops"] == 1e10
+
+
+def test_gradient_accumulation_is_exact(tiny_args: list[str], tmp_path: Path) -> None:
+    """micro-batch 8 (no accumulation) vs 4 x 2 vs 2 x 4: the same global-batch mean in fp32."""
+    runs = {}
+    for micro in (8, 4, 2):
+        res = _train(tiny_args, f"--train.micro_batch={micro}", f"--run.dir={tmp_path / str(micro)}")
+        runs[micro] = res
+    for micro in (4, 2):
+        for step, loss in runs[8].losses.items():
+            assert runs[micro].losses[step] == pytest.approx(loss, rel=1e-5)
+    ref = dict(load_model(runs[8].run_dir).named_parameters())
+    for micro in (4, 2):
+        assert_weights_close(dict(load_model(runs[micro].run_dir).named_parameters()), ref)
+
+
+def test_resume_continues_the_same_loss_curve(tiny_args: list[str], tmp_path: Path) -> None:
+    full = _train(tiny_args, "--train.checkpoint_every=3")
+    assert sorted(p.name for p in (full.run_dir / "checkpoints").iterdir()) == [
+        "step_0000003", "step_0000006"]
+    # A run interrupted after step 3: its directory holds only what existed then.
+    cut = tmp_path / "cut"
+    shutil.copytree(full.run_dir, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_0000006")
+    resumed = _train(tiny_args, "--train.checkpoint_every=3", f"--run.dir={cut}",
+                     "--run.resume=true")
+    assert sorted(resumed.losses) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed.losses[step] == pytest.approx(full.losses[step], rel=1e-6)
+    a, b = load_model(full.run_dir), load_model(cut)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    # metrics.jsonl holds each step exactly once
+    assert [r["step"] for r in read_metrics(cut / "metrics.jsonl")] == list(range(1, 7))
+
+
+def test_run_dir_is_never_overwritten(tiny_args: list[str]) -> None:
+    result = _train(tiny_args, "--train.steps=2")
+    before = (result.run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match="already holds files"):
+        _train(tiny_args, "--train.steps=2")
+    assert (result.run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_resume_rejects_a_different_model(tiny_args: list[str]) -> None:
+    _train(tiny_args, "--train.steps=2")
+    with pytest.raises(ConfigError, match=r"\[model\] differs"):
+        _train(tiny_args, "--train.steps=4", "--run.resume=true", "--model.n_layers=3")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_trains(tiny_args: list[str], dtype: str) -> None:
+    result = _train(tiny_args, f"--precision.dtype={dtype}", "--train.steps=8", "--train.lr=1e-2")
+    losses = list(result.losses.values())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    # master weights stay fp32
+    assert all(p.dtype == torch.float32 for p in load_model(result.run_dir).parameters())
+
+
+def test_moe_model_trains(tiny_args: list[str]) -> None:
+    result = _train(tiny_args, "--model.preset=tiny-moe", "--train.steps=8", "--train.lr=1e-2")
+    losses = list(result.losses.values())
+    assert losses[-1] < losses[0]
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    cfg = load_config(None, ["--train.steps=100", "--train.warmup_steps=10", "--train.lr=1.0",
+                             "--train.min_lr=0.1"]).train
+    assert lr_at(1, cfg) == pytest.approx(0.1)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.55)  # halfway through the cosine
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    values = [lr_at(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
