@@ -66,14 +66,14 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
 
     table = Table(title=f"meshlm {__version__} presets (training FLOPs/token at seq {args.seq_len})")
     for col in ("preset", "params", "active", "layers", "dim", "heads/kv", "experts", "FLOPs/token"):
-        table.add_column(col, justify="left" if col == "preset" else "right")
+        table.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             r["preset"], _human(r["params"]), _human(r["active_params"]), str(r["layers"]),
             str(r["dim"]), f"{r['heads']}/{r['kv_heads']}", str(r["experts"] or "-"),
             _human(r["flops_per_token"]),
         )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
     return 0
 
 

@@ -61,19 +61,19 @@ class DataSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 300
+    steps: int = 500
     global_batch: int = 16  # sequences per optimizer step
     micro_batch: int = 16  # sequences per forward/backward on one data-parallel rank
     seed: int = 1234
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    eval_every: int = 50  # 0 disables evaluation
+    eval_every: int = 100  # 0 disables evaluation
     eval_batches: int = 8
     log_every: int = 10
     checkpoint_every: int = 0  # 0 -> only at the end

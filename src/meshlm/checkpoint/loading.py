@@ -42,7 +42,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Transfor
 
 
 def _vocab_size(ckpt: Path) -> int:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
-        return f.get_slice("tok_embeddings.weight").get_shape()[0]
+    path = ckpt / "model.safetensors"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_slice("tok_embeddings.weight").get_shape()[0]
+    except (SafetensorError, OSError, KeyError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
