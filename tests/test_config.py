@@ -91,3 +91,19 @@ def test_every_contract_key_exists() -> None:
     for key in keys:
         section, name = key.split(".")
         assert hasattr(getattr(cfg, section), name), key
+
+
+def test_every_key_is_documented_in_readme() -> None:
+    from dataclasses import fields
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    cfg = Config()
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            assert f"`{section.name}.{f.name}`" in readme, f"{section.name}.{f.name}"
+
+
+@pytest.mark.parametrize("name", ["small.toml", "tiny-moe.toml"])
+def test_examples_are_valid(name: str) -> None:
+    cfg = load_config(Path(__file__).parents[1] / "examples" / name)
+    assert cfg.model_config().num_params() > 0
