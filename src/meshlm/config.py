@@ -91,6 +91,7 @@ class ParallelSection:
     cp: int = 1
     ep: int = 1
     zero: int = 0
+    bucket_mb: float = 25.0  # gradient bucket size of DDP and ZeRO-1/2
 
 
 @dataclass
@@ -300,13 +301,15 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(cfg.precision.dtype in DTYPES,
            f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
     unsupported = [
-        f"parallel.{k}={getattr(p, k)}" for k in ("dp", "tp", "pp", "cp", "ep")
-        if getattr(p, k) != 1
-    ] + (["parallel.sp=true"] if p.sp else []) + (
-        [f"parallel.zero={p.zero}"] if p.zero else [])
+        f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1
+    ] + (["parallel.sp=true"] if p.sp else [])
     _check(not unsupported,
-           f"{', '.join(unsupported)}: this version trains on one process only "
-           "(multi-process parallelism is not available yet)")
+           f"{', '.join(unsupported)}: only data parallelism (parallel.dp, parallel.zero) "
+           "is available in this version")
+    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    _check(not (p.zero and cfg.precision.dtype == "fp16"),
+           f"parallel.zero={p.zero} with precision.dtype=fp16 is not supported "
+           "(the loss scaler would need a sharded inf check); use bf16")
     if cfg.run.resume:
         _check(bool(cfg.run.dir), "run.resume=true needs run.dir naming the run to continue")
     if cfg.run.tensorboard:

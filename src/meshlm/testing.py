@@ -45,3 +45,65 @@ def assert_weights_close(
     worst, name = max_relative_difference(got, ref)
     if worst >= rel:
         raise AssertionError(f"{name}: relative difference {worst:.3e} >= {rel:.0e}")
+
+
+# ---------------------------------------------------------------------- spawned worlds
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_entry(rank: int, world: int, port: int, fn, args, queue) -> None:  # noqa: ANN001
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException:  # report any failure to the parent instead of hanging it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world: int, fn, *args, timeout: float = 600.0) -> list:  # noqa: ANN001
+    """Run ``fn(*args)`` on ``world`` gloo ranks (spawned, one thread each); rank-ordered results.
+
+    ``fn`` must be importable (module level). A failing rank raises here with its traceback.
+    """
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn, args, q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, status, value = q.get(timeout=timeout)
+            except queue_mod.Empty:
+                raise TimeoutError(f"world of {world} timed out after {timeout}s") from None
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

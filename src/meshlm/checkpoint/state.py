@@ -92,20 +92,24 @@ def _is_tied_alias(model: nn.Module, name: str) -> bool:
 
 def save_state(
     directory: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    weights: dict[str, torch.Tensor],
+    optim_state: dict[str, Any],
     trainer_state: dict[str, Any],
     extra_files: dict[str, Path | str],
     scaler_state: dict | None = None,
 ) -> Path:
-    """Write a complete checkpoint atomically to ``directory`` (a ``step_NNNNNNN`` path)."""
+    """Write a complete checkpoint atomically to ``directory`` (a ``step_NNNNNNN`` path).
+
+    ``weights`` are full tensors under the plain model's names (each tied tensor once) and
+    ``optim_state`` is a one-process AdamW state dict: the format is the same for every layout.
+    """
     tmp = directory.with_name(directory.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file(model_state(model), str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scaler": scaler_state or {}},
-               tmp / "optimizer.pt")
+    save_file({k: v.detach().float().contiguous().cpu() for k, v in weights.items()},
+              str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optim_state, "scaler": scaler_state or {}}, tmp / "optimizer.pt")
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
     torch.save(
         {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
@@ -128,20 +132,25 @@ def check_complete(directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
 
 
-def load_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, Any], dict]:
-    """Restore model, optimizer and RNG from ``directory``; returns (trainer state, scaler state)."""
+def load_state(directory: Path) -> dict[str, Any]:
+    """Everything in a checkpoint: ``weights``, ``optimizer``, ``scaler``, ``trainer``, ``rng``."""
     check_complete(directory)
-    load_model_weights(model, directory / "model.safetensors")
+    path = directory / "model.safetensors"
+    try:
+        weights = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
     try:
         opt = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=False)
         rng = torch.load(directory / "rng.pt", map_location="cpu", weights_only=False)
         trainer_state = json.loads((directory / "trainer.json").read_text())
     except Exception as e:  # any corruption of these files is the same user-facing problem
         raise CheckpointError(f"checkpoint {directory} is corrupt: {type(e).__name__}: {e}") from None
-    optimizer.load_state_dict(opt["optimizer"])
+    return {"weights": weights, "optimizer": opt["optimizer"], "scaler": opt.get("scaler", {}),
+            "trainer": trainer_state, "rng": rng}
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
-    return trainer_state, opt.get("scaler", {})

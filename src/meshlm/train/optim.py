@@ -55,3 +55,19 @@ def lr_at(step: int, cfg: TrainSection) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def canonical_params(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
+    """(name, parameter, decayed?) in the order of :func:`build_optimizer`'s state dict.
+
+    This order defines the layout-free optimizer checkpoint: every data-parallel engine
+    converts its (possibly sharded) AdamW state to and from it.
+    """
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append((name, p, p.ndim >= 2))
+    return decay + no_decay

@@ -27,14 +27,25 @@ import torch
 import torch.nn.functional as F
 
 from .. import __version__
-from ..checkpoint.state import CheckpointError, find_latest, load_state, save_state, step_dir
+from ..checkpoint.state import (
+    CheckpointError,
+    find_latest,
+    load_state,
+    restore_rng,
+    save_state,
+    step_dir,
+)
 from ..config import Config, ConfigError, load_config, to_toml
 from ..data import DataBundle, build_data
 from ..data.sampler import StepSampler, val_batches
+from ..distributed.comm import Comm, CommLog
+from ..distributed.mesh import Mesh, ParallelDims
 from ..generate import generate_text
 from ..models.llama import Transformer, build_model
+from ..parallel import parallelize
+from ..parallel.engine import Engine
 from .metrics import MetricsWriter, peak_memory_bytes
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import lr_at
 from .peak import peak_flops
 from .precision import Precision
 from .progress import ProgressLine
@@ -113,20 +124,31 @@ def environment() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- trainer
-class Trainer:
-    """Single-process trainer; parallel layouts plug in through the model and the step."""
+def _quiet(_msg: str) -> None:
+    pass
 
-    def __init__(self, cfg: Config, log: Log = print, progress: bool = True) -> None:
-        self.cfg, self.log, self.show_progress = cfg, log, progress
-        self.run_dir = resolve_run_dir(cfg)
-        if cfg.run.resume:
-            check_resume_compatible(cfg, self.run_dir)
+
+class Trainer:
+    """Runs the steps of one rank; rank 0 also logs, writes metrics and checkpoints."""
+
+    def __init__(self, cfg: Config, log: Log = print, progress: bool = True,
+                 comm_log: CommLog | None = None) -> None:
+        self.cfg = cfg
         self.device = build_device()
-        self.data: DataBundle = build_data(cfg.data, log=log)
+        p = cfg.parallel
+        self.mesh = Mesh(ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep),
+                         self.device.type)
+        self.comm = Comm(self.mesh, comm_log)
+        self.main = self.mesh.is_logging_rank
+        self.log = log if self.main else _quiet
+        self.show_progress = progress and self.main
+        self.run_dir = self.build_run_dir()
+        self.data = self.build_data()
         self.model_cfg = cfg.model_config(vocab_size=self.data.tokenizer.vocab_size)
         self.model: Transformer = build_model(self.model_cfg, cfg.train.seed, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.engine: Engine = parallelize(self.model, self.comm, cfg.parallel, cfg.train)
         self.precision = Precision(cfg.precision.dtype, self.device.type)
+        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.sampler = StepSampler(
             self.data.train_tokens, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed
         )
@@ -141,23 +163,45 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(
             self.device, cfg.precision.dtype, cfg.train.peak_flops
         )
-        self.write_run_files()
+        if self.main:
+            self.write_run_files()
         self.log_startup()
+
+    # ------------------------------------------------------------------ build steps
+    def build_run_dir(self) -> Path:
+        """Rank 0 checks the run dir (never overwritten); the others take its path."""
+        if self.main:
+            run_dir = resolve_run_dir(self.cfg)
+            if self.cfg.run.resume:
+                check_resume_compatible(self.cfg, run_dir)
+            return run_dir
+        return Path(self.cfg.run.dir).expanduser()
+
+    def build_data(self) -> DataBundle:
+        """Rank 0 builds (or finds) the cached data first; the others then read the cache."""
+        if self.main:
+            data = build_data(self.cfg.data, log=self.log)
+        self.comm.barrier()
+        if not self.main:
+            data = build_data(self.cfg.data, log=_quiet)
+        return data
 
     # ------------------------------------------------------------------ run files
     def write_run_files(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         self.data.tokenizer.save(self.run_dir / "tokenizer.json")
-        env = environment() | {"peak_flops": self.peak, "peak_flops_source": self.peak_source}
+        env = environment() | {"peak_flops": self.peak, "peak_flops_source": self.peak_source,
+                               "layout": self.mesh.describe()}
         (self.run_dir / "env.json").write_text(json.dumps(env, indent=1))
 
     def log_startup(self) -> None:
         mc, c = self.model_cfg, self.cfg
         env = environment()
         self.log(f"meshlm {env['meshlm']} (git {env['git_commit']}), torch {env['torch']}, "
-                 f"{self.device.type} x{env['threads']} thread(s)")
-        self.log(f"layout: world 1 (pp=1 dp=1 cp=1 tp=1), precision {c.precision.dtype}")
+                 f"{self.device.type} x{env['threads']} thread(s) per rank")
+        self.log(f"layout: {self.mesh.describe()}, zero {c.parallel.zero}, "
+                 f"engine {type(self.engine).__name__}, precision {c.precision.dtype}")
         self.log(f"model {c.model.preset}: {mc.num_params() / 1e6:.2f} M parameters, "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}")
         self.log(f"batch: {c.train.global_batch} x {c.data.seq_len} tokens/step, "
@@ -167,27 +211,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[float, float]:
-        """Forward + backward over the global batch, clip, AdamW step. Returns (loss, grad norm)."""
+        """Forward + backward over this rank's share of the global batch, reduce, clip, step.
+
+        Returns (global mean loss, global gradient norm).
+        """
         cfg = self.cfg.train
-        micro = self.sampler.rank_micro_batches(step, 0, 1, cfg.micro_batch)
+        micro = self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size, cfg.micro_batch)
         total = torch.zeros((), device=self.device)
-        for inputs, targets in micro:
+        for i, (inputs, targets) in enumerate(micro):
+            self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.precision.autocast():
                 loss = cross_entropy(self.model(inputs), targets)
                 aux = self.model.aux_loss()
             self.precision.scale((loss + aux) / len(micro)).backward()
             total += loss.detach()
-        self.precision.unscale_(self.optimizer)
+        self.engine.finish_grads()
+        self.precision.unscale_(self.engine.optimizer)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        set_lr(self.optimizer, lr_at(step, cfg))
-        self.precision.step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(total) / len(micro), float(grad_norm)
+        grad_norm = self.engine.clip_grad_norm(max_norm)
+        self.engine.step(lr_at(step, cfg), self.precision)
+        self.engine.zero_grad()
+        loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp")[0]
+        return loss_sum / self.dp_size, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches (every rank runs all of them)."""
         self.model.eval()
         losses = []
         for batch in self.val:
@@ -199,21 +249,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        state = {"step": self.step, "sampler": self.sampler.state_dict(),
-                 "tokens_seen": self.step * self.tokens_per_step}
-        return save_state(
-            step_dir(self.run_dir / "checkpoints", self.step), self.model, self.optimizer, state,
-            {"config.toml": to_toml(self.cfg), "tokenizer.json": self.run_dir / "tokenizer.json"},
-            self.precision.state_dict(),
-        )
+        """Gather the layout-free state on every rank; rank 0 writes it."""
+        weights, optim = self.engine.full_state()
+        directory = step_dir(self.run_dir / "checkpoints", self.step)
+        if self.main:
+            state = {"step": self.step, "sampler": self.sampler.state_dict(),
+                     "tokens_seen": self.step * self.tokens_per_step,
+                     "layout": self.mesh.describe()}
+            save_state(directory, weights, optim, state,
+                       {"config.toml": to_toml(self.cfg),
+                        "tokenizer.json": self.run_dir / "tokenizer.json"},
+                       self.precision.state_dict())
+        self.comm.barrier()
+        return directory
 
     def load_checkpoint(self, directory: Path | None) -> None:
         if directory is None:
             raise CheckpointError(f"no checkpoint in {self.run_dir / 'checkpoints'}")
-        state, scaler = load_state(directory, self.model, self.optimizer)
-        self.sampler.load_state_dict(state["sampler"])
-        self.precision.load_state_dict(scaler)
-        self.step = int(state["step"])
+        state = load_state(directory)
+        try:
+            self.engine.load_full_state(state["weights"], state["optimizer"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {directory}: {e}") from None
+        self.sampler.load_state_dict(state["trainer"]["sampler"])
+        self.precision.load_state_dict(state["scaler"])
+        restore_rng(state["rng"])
+        self.step = int(state["trainer"]["step"])
 
     # ------------------------------------------------------------------ loop
     def is_eval_step(self, step: int) -> bool:
@@ -222,29 +283,37 @@ class Trainer:
 
     def record(self, step: int, loss: float, grad_norm: float, dt: float) -> dict[str, Any]:
         tps = self.tokens_per_step / dt
+        mem = self.engine.state_bytes()
         return {
             "step": step, "loss": loss, "lr": lr_at(step, self.cfg.train), "grad_norm": grad_norm,
-            "tokens_per_s": tps, "mfu": tps * self.flops_per_token / self.peak,
+            "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * self.mesh.world_size),
             "step_time_s": dt, "mem_peak_bytes": peak_memory_bytes(self.device),
             "tokens_seen": step * self.tokens_per_step,
+            "params_bytes": mem["params"], "grads_bytes": mem["grads"], "optim_bytes": mem["optim"],
+            "comm_bytes": self.comm.log.bytes_by_op(),
         }
 
     def fit(self) -> TrainResult:
         cfg = self.cfg.train
         result = TrainResult(self.run_dir, final_step=self.step)
-        writer = MetricsWriter(self.run_dir, self.cfg.run.tensorboard, keep_until=self.step)
+        writer = (MetricsWriter(self.run_dir, self.cfg.run.tensorboard, keep_until=self.step)
+                  if self.main else None)
         bar = ProgressLine(cfg.steps, self.step, cfg.log_every, self.show_progress)
         recent: list[float] = []
         try:
             for step in range(self.step + 1, cfg.steps + 1):
+                self.comm.log.reset()
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step(step)
                 dt = time.perf_counter() - t0
                 self.step = step
                 rec = self.record(step, loss, grad_norm, dt)
+                if self.mesh.world_size > 1:
+                    rec["mem_peak_bytes"] = int(self.comm.max_scalar(rec["mem_peak_bytes"]))
                 if self.is_eval_step(step):
                     rec["val_loss"] = result.val_losses[step] = self.evaluate()
-                writer.write(rec)
+                if writer is not None:
+                    writer.write(rec)
                 result.losses[step] = loss
                 recent = (recent + [dt])[-20:]
                 bar.update(rec, eta_s=sum(recent) / len(recent) * (cfg.steps - step))
@@ -252,13 +321,15 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             bar.close()
-            writer.close()
+            if writer is not None:
+                writer.close()
         result.final_step = self.step
         if not (self.run_dir / "checkpoints" / f"step_{self.step:07d}").exists():
             self.save_checkpoint()
         return result
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
+        """Every rank samples (sharded weights are gathered collectively); all agree."""
         return generate_text(self.model, self.data.tokenizer, prompt, max_new_tokens,
                              seed=self.cfg.train.seed)
 
@@ -269,6 +340,7 @@ def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
         torch.set_num_threads(os.cpu_count() or 1)
     trainer = Trainer(cfg, log=log, progress=progress)
     result = trainer.fit()
+    log = trainer.log  # rank 0 only
     if result.val_losses:
         first, last = min(result.val_losses), max(result.val_losses)
         log(f"validation loss: {result.val_losses[first]:.4f} (step {first}) -> "

@@ -1,0 +1,147 @@
+"""Every collective meshlm issues, over a mesh axis, with an optional communication log.
+
+Collectives are c10d's (gloo on CPU, NCCL on GPU); this module adds nothing to the transport.
+It resolves an axis name ("dp", "tp", "pp", "cp", "world") to the mesh's process group,
+short-circuits axes of size 1 (no communication at all), and can record each call as
+``(op, axis, dtype, bytes)`` so tests and the trainer can compare volume with theory.
+
+Byte convention: ``bytes`` is the size of the *full* buffer the collective is about --
+the tensor of an all-reduce, the input of a reduce-scatter, the output of an all-gather --
+the number the ZeRO paper and the Ultra-Scale Playbook use when they count volume
+(the wire traffic per rank of a ring implementation is ``(n-1)/n`` of it, twice for all-reduce).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .mesh import Mesh
+
+# torch 2.13 renamed the tensor collectives; keep working with older releases too.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    axis: str
+    dtype: str
+    bytes: int
+    time: float  # time.perf_counter() when the collective was issued
+    purpose: str = "train"  # "train" (gradients, parameters) or "metrics" (bookkeeping)
+
+
+@dataclass
+class CommLog:
+    """Recorded collectives; ``enabled`` can be switched around the region of interest."""
+
+    enabled: bool = True
+    records: list[CommRecord] = field(default_factory=list)
+
+    def add(self, op: str, axis: str, t: torch.Tensor, purpose: str = "train") -> None:
+        if self.enabled:
+            self.records.append(CommRecord(
+                op, axis, str(t.dtype).removeprefix("torch."), t.numel() * t.element_size(),
+                time.perf_counter(), purpose))
+
+    def bytes_by_op(self, purpose: str = "train") -> dict[str, int]:
+        """Total bytes per ``"op/axis"`` since the last reset."""
+        out: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            if r.purpose == purpose:
+                out[f"{r.op}/{r.axis}"] += r.bytes
+        return dict(out)
+
+    def count(self, op: str, axis: str | None = None, purpose: str = "train") -> int:
+        return sum(1 for r in self.records if r.op == op and r.purpose == purpose
+                   and (axis is None or r.axis == axis))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+
+class _Done:
+    """Handle of a collective that needed no communication (axis of size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+Handle = dist.Work | _Done
+
+
+class Comm:
+    """Collectives of one rank over the axes of its :class:`Mesh`."""
+
+    def __init__(self, mesh: Mesh, log: CommLog | None = None) -> None:
+        self.mesh = mesh
+        self.log = log if log is not None else CommLog(enabled=False)
+
+    def size(self, axis: str) -> int:
+        return self.mesh.size(axis)
+
+    def rank(self, axis: str) -> int:
+        return self.mesh.local_rank(axis)
+
+    def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum",
+                   async_op: bool = False) -> Handle:
+        """In-place reduction of ``t`` over ``axis`` (``op``: sum or max)."""
+        if self.size(axis) == 1:
+            return _Done()
+        self.log.add("all_reduce", axis, t)
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        return dist.all_reduce(t, red, group=self.mesh.group(axis), async_op=async_op) or _Done()
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
+                       async_op: bool = False) -> Handle:
+        """``out`` = this rank's 1/n slice of the sum of ``inp`` over ``axis``."""
+        if self.size(axis) == 1:
+            out.copy_(inp)
+            return _Done()
+        self.log.add("reduce_scatter", axis, inp)
+        return _reduce_scatter(
+            out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
+                   async_op: bool = False) -> Handle:
+        """``out`` = concatenation of every rank's ``inp`` along dim 0, in axis order."""
+        if self.size(axis) == 1:
+            out.copy_(inp)
+            return _Done()
+        self.log.add("all_gather", axis, out)
+        return _all_gather(
+            out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+
+    def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
+        """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""
+        if self.size(axis) == 1:
+            return
+        self.log.add("broadcast", axis, t)
+        group = self.mesh.group(axis)
+        dist.broadcast(t, dist.get_global_rank(group, src), group=group)
+
+    def reduce_scalars(self, values: list[float], axis: str = "world", op: str = "sum") -> list[float]:
+        """Sum or max of Python numbers over ``axis``; logged with purpose "metrics"."""
+        if self.size(axis) == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device())
+        self.log.add("all_reduce", axis, t, purpose="metrics")
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(t, red, group=self.mesh.group(axis))
+        return [float(x) for x in t.tolist()]
+
+    def max_scalar(self, value: float, axis: str = "world") -> float:
+        return self.reduce_scalars([value], axis, "max")[0]
+
+    def barrier(self) -> None:
+        if self.mesh.distributed:
+            dist.barrier()

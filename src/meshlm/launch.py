@@ -1,0 +1,449 @@
+"""Process launching: find the distributed world we are in, or start one on this machine.
+
+meshlm runs the same training function in three situations:
+
+* under ``torchrun`` (or any torch-elastic agent), which sets ``RANK``, ``WORLD_SIZE``, ...;
+* under SLURM with one task per GPU (``srun python -m meshlm.cli train ...``), which sets
+  ``SLURM_PROCID``, ``SLURM_NTASKS``, ... and nothing torch understands;
+* on a laptop or a single-task allocation, where meshlm starts the workers itself with
+  :func:`launch_local`.
+
+:func:`detect_external_world` tells the first two apart from the third. :func:`init_worker`
+turns whichever environment a worker finds into an initialised ``torch.distributed`` process
+group. :func:`launch_local` starts local workers through torch's elastic agent -- the machinery
+behind ``torchrun`` -- so local runs behave like ``torchrun --nproc-per-node=N``: the same
+environment variables, rendezvous and fail-stop behaviour (one failed worker stops the others,
+no restarts). A worker failure comes back as one :class:`WorkerFailure` whose message is a single
+line naming the rank and the root cause; the full report is kept on ``.details``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+T = TypeVar("T")
+
+# Marks a world that a meshlm launcher set up, so detection keeps reporting where it came from
+# after the env vars have been rewritten into torch's names (launch_local workers carry
+# torchrun's variables; SLURM workers get them from export_env).
+_SOURCE_VAR = "MESHLM_WORLD_SOURCE"
+_SOURCES = ("torchrun", "slurm", "local")
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT")
+
+# The elastic agent runs inside this process and logs every rendezvous, worker start and shutdown
+# at INFO/WARNING, plus a full ERROR traceback for each failure, which WorkerFailure already
+# reports. These are the logger name prefixes silenced while launch_local runs.
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher",
+                  "torch.multiprocessing")
+
+# Failures a worker sees when a *peer* died or a collective broke: consequences of another rank's
+# failure rather than root causes. torch raises the Dist* types; gloo reports a dead peer as a
+# plain RuntimeError, recognisable only by its message.
+_SECONDARY_ERRORS = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+_SECONDARY_MARKERS = ("closed by peer", "reset by peer", "remote worker crashing", "Broken pipe")
+
+# A worker failing with a secondary error waits this long before exiting, so that the agent (which
+# polls every _MONITOR_INTERVAL_S and reports the first dead worker it sees) observes the rank
+# that really failed -- e.g. one killed by a signal, which leaves no error file to compare by --
+# before the ranks that only lost their peer. The agent SIGTERMs the waiting worker anyway.
+_SECONDARY_EXIT_DELAY_S = 2.0
+_MONITOR_INTERVAL_S = 0.05
+
+# How long the agent waits for SIGTERMed workers before SIGKILL (torch's default is 30 s).
+_SHUTDOWN_TIMEOUT_S = 10
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this process sits in the distributed world, and who told us."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "local"
+
+
+class WorkerFailure(RuntimeError):
+    """A launch_local worker raised or died; ``str()`` is one line, ``details`` the full report."""
+
+    def __init__(self, message: str, rank: int, details: str = "", log_dir: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.details = details
+        self.log_dir = log_dir
+
+
+# --------------------------------------------------------------------------- world detection
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; another process could take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _expand_range(body: str) -> list[str]:
+    """``"01-03,07"`` -> ``["01", "02", "03", "07"]``, keeping zero padding."""
+    out: list[str] = []
+    for part in body.split(","):
+        lo, sep, hi = part.partition("-")
+        if not sep:
+            out.append(lo)
+            continue
+        width = len(lo)
+        out.extend(f"{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+    return out
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """Split on commas that are not inside brackets: ``"a[1-2],b3"`` -> ``["a[1-2]", "b3"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced brackets in nodelist {nodelist!r}")
+        elif ch == "," and depth == 0:
+            parts.append(nodelist[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"unbalanced brackets in nodelist {nodelist!r}")
+    parts.append(nodelist[start:])
+    return [p for p in parts if p]
+
+
+_BRACKET = re.compile(r"\[([^\[\]]*)\]")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist: ``"node[01-02,07],gpu-b3"`` -> ``node01 node02 node07 gpu-b3``.
+
+    Handles the common forms (ranges, lists, several bracket groups in one name). For anything
+    this parser rejects it asks ``scontrol show hostnames``, when scontrol is installed.
+    """
+    try:
+        hosts: list[str] = []
+        for pattern in _split_top_level(nodelist.strip()):
+            names = [""]
+            pos = 0
+            for m in _BRACKET.finditer(pattern):
+                prefix = pattern[pos:m.start()]
+                names = [n + prefix + v for n in names for v in _expand_range(m.group(1))]
+                pos = m.end()
+            tail = pattern[pos:]
+            if "[" in tail or "]" in tail:
+                raise ValueError(f"cannot parse nodelist {nodelist!r}")
+            hosts.extend(n + tail for n in names)
+        if not hosts:
+            raise ValueError(f"empty nodelist {nodelist!r}")
+        return hosts
+    except ValueError:
+        if shutil.which("scontrol") is None:
+            raise
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=30).stdout
+        return out.split()
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """SLURM's compressed per-node task counts: ``"4(x2),3"`` -> ``[4, 4, 3]``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise ValueError(f"cannot parse SLURM tasks-per-node {spec!r}")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def _slurm_world(env: Mapping[str, str]) -> WorldInfo | None:
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    world_size = int(env["SLURM_NTASKS"])
+    if world_size <= 1:
+        # A single task (e.g. `salloc` then `meshlm train`) is a laptop: meshlm starts local
+        # workers itself instead of forming a world of one.
+        return None
+    rank = int(env["SLURM_PROCID"])
+    local_rank = int(env.get("SLURM_LOCALID", "0"))
+    spec = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if spec:
+        counts = _tasks_per_node(spec)
+        node = int(env.get("SLURM_NODEID", "0"))
+        local_world_size = counts[min(node, len(counts) - 1)]
+    else:
+        local_world_size = max(1, world_size // int(env.get("SLURM_NNODES", "1")))
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    master_addr = env.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else "")
+    if not master_addr:
+        raise ValueError("SLURM world without SLURM_JOB_NODELIST/SLURM_NODELIST or MASTER_ADDR")
+    if env.get("MASTER_PORT"):
+        master_port = int(env["MASTER_PORT"])
+    else:
+        # Every task of the job must agree on the port without talking to each other, so derive
+        # it from the job id; the range stays clear of the ephemeral ports (32768+).
+        master_port = 20000 + int(env.get("SLURM_JOB_ID", "9500")) % 20000
+    return WorldInfo(rank, world_size, local_rank, local_world_size, master_addr, master_port,
+                     "slurm")
+
+
+def detect_external_world(env: Mapping[str, str] = os.environ) -> WorldInfo | None:
+    """The world a launcher already set up for this process, or None when there is none.
+
+    torchrun's variables win over SLURM's (torchrun inside an srun step sets both, and its own
+    are the ones describing this process). SLURM counts only with more than one task.
+    """
+    if all(env.get(k) for k in _TORCHRUN_VARS):
+        source = env.get(_SOURCE_VAR, "torchrun")
+        return WorldInfo(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env["LOCAL_RANK"]), local_world_size=int(env["LOCAL_WORLD_SIZE"]),
+            master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
+            source=source if source in _SOURCES else "torchrun",
+        )
+    return _slurm_world(env)
+
+
+def export_env(info: WorldInfo, env: MutableMapping[str, str] = os.environ) -> None:
+    """Write ``info`` as torch's env vars so ``init_process_group("env://")`` finds the world."""
+    env.update({
+        "RANK": str(info.rank), "WORLD_SIZE": str(info.world_size),
+        "LOCAL_RANK": str(info.local_rank), "LOCAL_WORLD_SIZE": str(info.local_world_size),
+        "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port),
+        _SOURCE_VAR: info.source,
+    })
+
+
+# --------------------------------------------------------------------------- inside a worker
+
+
+def init_worker(timeout_s: float = 300) -> WorldInfo:
+    """Join the process group of the world this worker was started in; returns that world."""
+    info = detect_external_world()
+    if info is None:
+        raise RuntimeError("init_worker() found no distributed environment: start workers "
+                           "with torchrun, srun (more than one task) or meshlm.launch.launch_local")
+    if info.source == "slurm":
+        export_env(info)
+    if torch.cuda.is_available():
+        # GPU-only path, untested on the CPU machines meshlm's tests run on.
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        backend, device_id = "nccl", device
+    else:
+        # Several CPU workers share the cores; one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(1)
+        backend, device_id = "gloo", None
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device_id)
+    return info
+
+
+def shutdown_worker() -> None:
+    """Destroy the default process group if there is one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _is_secondary(message: str) -> bool:
+    """Whether a ``"TypeName: text"`` error message is a consequence of a peer's failure."""
+    type_name = message.split(":", 1)[0].strip()
+    return type_name in _SECONDARY_ERRORS or any(m in message for m in _SECONDARY_MARKERS)
+
+
+# @record writes the exception (type, message, traceback) to the error file the agent assigned
+# this worker; the agent reads it back into ChildFailedError, which is where WorkerFailure gets
+# the root cause from. Module level, because spawn pickles the entry point by qualified name.
+@record
+def _worker_main(fn: Callable[..., T], timeout_s: float, *args: Any) -> T:
+    """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure)."""
+    try:
+        init_worker(timeout_s)
+        return fn(*args)
+    except BaseException as exc:
+        if isinstance(exc, dist.DistError) or _is_secondary(f"{type(exc).__name__}: {exc}"):
+            time.sleep(_SECONDARY_EXIT_DELAY_S)  # see _SECONDARY_EXIT_DELAY_S
+        raise
+    finally:
+        shutdown_worker()
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@contextlib.contextmanager
+def _patched_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Set env vars for the duration (spawned workers inherit them), then restore."""
+    keys = [*values, "TORCHELASTIC_SIGNALS_TO_HANDLE"]  # the agent sets this one and leaves it
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet_agent_logs() -> Iterator[None]:
+    """Raise the agent's loggers to CRITICAL for the duration, then restore their levels."""
+    # Import the rendezvous modules first: their loggers are created on import and must exist
+    # before we adjust levels (each elastic module sets its own level, so the parent's level
+    # alone does not cover them).
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend  # noqa: F401
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
+
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith(_AGENT_LOGGERS)]
+    loggers += [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    saved = [(lg, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in saved:
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _kept_signal_handlers() -> Iterator[None]:
+    """Restore the handlers the agent installs for SIGTERM/SIGINT/SIGHUP/SIGQUIT and never removes.
+
+    Without this, a later SIGTERM or Ctrl-C in the launching process would raise torch's
+    SignalException instead of behaving as before.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the agent only installs handlers from the main thread
+        return
+    sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    saved = {s: signal.getsignal(s) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            if h is not None:
+                signal.signal(s, h)
+
+
+def _error_files(log_dir: str) -> dict[int, tuple[float, dict[str, Any]]]:
+    """Error files written by @record in this launch: local rank -> (mtime, parsed json)."""
+    found: dict[int, tuple[float, dict[str, Any]]] = {}
+    for path in glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "error.json")):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            found[int(os.path.basename(os.path.dirname(path)))] = (os.path.getmtime(path), data)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _error_message(data: Mapping[str, Any]) -> str:
+    msg = data.get("message", "")
+    if isinstance(msg, dict):
+        msg = msg.get("message", "")
+    return str(msg)
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _summarise(err: Any, log_dir: str) -> tuple[int, str]:
+    """(rank, one-line message) of the root cause of a ChildFailedError."""
+    rank, failure = err.get_first_failure()
+    if failure.exitcode < 0:
+        # Died by a signal: nothing ran afterwards to write an error file, so it failed first.
+        return rank, f"worker rank {rank} died (signal {failure.signal_name()})"
+    # No error file (e.g. the worker died while starting up) leaves torch's placeholder data.
+    has_file = os.path.isfile(failure.error_file)
+    reported = _error_message(failure.error_file_data) if has_file else ""
+    if not reported or _is_secondary(reported):
+        # The reported rank may only have lost its peer. Prefer the earliest error file holding
+        # a primary exception (single node: local rank == global rank).
+        primary = [(mtime, r, _error_message(d)) for r, (mtime, d) in _error_files(log_dir).items()
+                   if _error_message(d) and not _is_secondary(_error_message(d))]
+        if primary:
+            _, rank, reported = min(primary)
+    if reported:
+        return rank, f"worker rank {rank} failed: {_first_line(reported)}"
+    return rank, f"worker rank {rank} exited with code {failure.exitcode}"
+
+
+def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | None = None,
+                 quiet_ranks: bool = True, timeout_s: float = 300) -> dict[int, T]:
+    """Run ``fn(*args)`` in ``nprocs`` local workers after :func:`init_worker`; {rank: result}.
+
+    ``fn`` must be a module-level function (workers are spawned and import it by name) and its
+    arguments and return value picklable. With ``quiet_ranks`` only rank 0 writes to the console;
+    the other ranks' stdout/stderr go to per-rank files that are kept when a worker fails
+    (``WorkerFailure.log_dir``). ``timeout_s`` is the collective timeout of the process group.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    log_dir = tempfile.mkdtemp(prefix="meshlm_launch_")
+    if quiet_ranks:
+        # Redirecting ranks 1.. to files keeps their output for post-mortems; the filter alone
+        # would send it to /dev/null. Rank 0 is neither redirected nor filtered: console.
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects={r: Std.ALL for r in range(1, nprocs)},
+                                local_ranks_filter={0})
+    else:
+        logs = DefaultLogsSpecs(log_dir=log_dir)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
+        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}",
+        run_id=run_id or f"meshlm-{uuid.uuid4().hex[:12]}",
+        max_restarts=0,  # fail-stop: a failed worker ends the run, the others are stopped
+        monitor_interval=_MONITOR_INTERVAL_S, start_method="spawn", logs_specs=logs,
+        shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+    )
+    # OMP_NUM_THREADS=1: each worker's OpenMP pool would otherwise claim every core.
+    env = {"OMP_NUM_THREADS": "1", _SOURCE_VAR: "local"}
+    try:
+        with _patched_env(env), _quiet_agent_logs(), _kept_signal_handlers():
+            results = elastic_launch(config, _worker_main)(fn, timeout_s, *args)
+    except ChildFailedError as err:
+        rank, message = _summarise(err, log_dir)
+        details = f"{err}\nper-rank logs: {log_dir}"
+        raise WorkerFailure(message, rank, details=details, log_dir=log_dir) from None
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return dict(sorted(results.items()))

@@ -1,0 +1,126 @@
+"""What the trainer asks of a data-parallel strategy, and the one-process strategy.
+
+An engine owns the gradients' life cycle and the optimizer: it decides when gradients are
+communicated during backward (``set_sync``), completes the reductions (``finish_grads``), clips
+by the global norm, steps AdamW and clears gradients. It also converts its state to and from
+the layout-free checkpoint format -- the plain model's ``state_dict`` names and the AdamW state
+dict of a one-process run -- so a checkpoint written by any layout loads into any other.
+
+:class:`LocalEngine` (one data-parallel rank): no communication; memory 4Ψ weights, 4Ψ
+gradients, 8Ψ Adam moments (fp32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import TrainSection
+from ..train.optim import build_optimizer, canonical_params, set_lr
+from ..train.precision import Precision
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes([v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
+               for s in optimizer.state.values())
+
+
+class Engine:
+    """Interface used by the trainer (see module docstring)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def set_sync(self, sync: bool) -> None:
+        """Whether the coming backward is the last micro-batch of the step."""
+
+    def finish_grads(self) -> None:
+        """Complete every pending gradient reduction; gradients are then the global mean."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        raise NotImplementedError
+
+    def step(self, lr: float, precision: Precision | None = None) -> None:
+        """AdamW step at learning rate ``lr`` (through the fp16 loss scaler when there is one)."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer states."""
+        raise NotImplementedError
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(full weights by name, one-process AdamW state dict) -- on every rank."""
+        raise NotImplementedError
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class LocalEngine(Engine):
+    """Every parameter, gradient and optimizer state held in full, no communication."""
+
+    def __init__(self, model: nn.Module, cfg: TrainSection) -> None:
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg)
+        self.params = [p for _, p, _ in canonical_params(model)]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def step(self, lr: float, precision: Precision | None = None) -> None:
+        set_lr(self.optimizer, lr)
+        if precision is not None:
+            precision.step(self.optimizer)
+        else:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {
+            "params": tensor_bytes(self.params),
+            "grads": tensor_bytes([p.grad for p in self.params if p.grad is not None]),
+            "optim": optimizer_state_bytes(self.optimizer),
+        }
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        weights = {n: p.detach() for n, p, _ in canonical_params(self.model)}
+        return weights, self.optimizer.state_dict()
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
+        load_weights(self.model, weights)
+        self.optimizer.load_state_dict(optim)
+
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a model holding full parameters, checking names and shapes."""
+    params = {n: p for n, p, _ in canonical_params(model)}
+    missing = sorted(set(params) - set(weights))
+    unexpected = sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the model: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            if tuple(p.shape) != tuple(weights[name].shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(weights[name].shape)}, "
+                                 f"model {tuple(p.shape)}")
+            p.copy_(weights[name])
+
+
+def adamw_template(model: nn.Module, cfg: TrainSection, lr: float) -> list[dict[str, Any]]:
+    """param_groups of the one-process AdamW state dict (hyper-parameters + indices)."""
+    groups = build_optimizer(model, cfg).state_dict()["param_groups"]
+    for g in groups:
+        g["lr"] = lr
+    return groups

@@ -1,0 +1,266 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020): optimizer states, then gradients, sharded.
+
+Parameters sit in flat buckets (as in DDP) padded to a multiple of the dp size ``n``; rank r
+owns shard r of every bucket and runs AdamW on that shard only (:class:`ShardedAdamW`). After
+the step, each bucket's parameters are all-gathered from the shards.
+
+- **Stage 1** keeps full gradient buckets; on the last micro-batch each bucket is reduce-scattered
+  as soon as backward finishes it (overlapped, as DDP's all-reduce), into the owner's shard.
+- **Stage 2** keeps only the gradient shard: every micro-batch's bucket is copied into a
+  transient buffer as its gradients arrive and reduce-scattered at once (at most two buckets
+  in flight), and the result is accumulated into the shard.
+
+Communication per optimizer step with ``m`` micro-batches per rank (comm log, fp32, padded
+Ψ): stage 1 -- reduce-scatter 4Ψ + all-gather 4Ψ; stage 2 -- reduce-scatter 4Ψ per micro-batch
+(``m`` x 4Ψ) + all-gather 4Ψ.
+Memory per rank (weights + gradients + Adam moments): stage 1 -- 4Ψ + 4Ψ + 8Ψ/n;
+stage 2 -- 4Ψ + 4Ψ/n + 8Ψ/n (plus two transient buckets during backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import TrainSection
+from ..distributed.comm import Comm, Handle
+from ..train.optim import canonical_params, set_lr
+from ..train.precision import Precision
+from .engine import Engine, adamw_template, load_weights, optimizer_state_bytes
+from .flat import FlatGroup, split_by_size, unique_trainable
+
+
+class ShardedAdamW:
+    """AdamW over this rank's pieces of a list of flat groups (views of shard tensors)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainSection, groups: list[FlatGroup],
+                 shard_params: list[torch.Tensor], shard_grads: list[torch.Tensor],
+                 comm: Comm, axis: str) -> None:
+        self.model, self.cfg, self.groups, self.comm, self.axis = model, cfg, groups, comm, axis
+        self.rank = comm.rank(axis)
+        self.shard_params, self.shard_grads = shard_params, shard_grads
+        decay = {id(p): d for _, p, d in canonical_params(model)}
+        self.pieces: list[tuple[int, int, int, int, nn.Parameter]] = []  # (g, index, lo, hi, t)
+        by_decay: dict[bool, list[nn.Parameter]] = {True: [], False: []}
+        for gi, g in enumerate(groups):
+            s0, _ = g.shard_range(self.rank)
+            for pc in g.pieces(self.rank):
+                t = nn.Parameter(shard_params[gi][pc.lo - s0 : pc.hi - s0])  # shares storage
+                t.grad = shard_grads[gi][pc.lo - s0 : pc.hi - s0]
+                self.pieces.append((gi, pc.index, pc.lo, pc.hi, t))
+                by_decay[decay[id(g.params[pc.index])]].append(t)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": by_decay[True], "weight_decay": cfg.weight_decay},
+             {"params": by_decay[False], "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True,
+        )
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm over every shard of every rank; scale the shards if above max_norm."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.shard_grads[0].device)
+        for g in self.shard_grads:
+            sq += g.double().pow(2).sum()
+        self.comm.all_reduce(sq, self.axis)
+        norm = float(sq.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in self.shard_grads:
+                g.mul_(coef)
+        return norm
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        # re-point piece grads: stage 1 re-attaches bucket views, the shards stay the same
+        for gi, _, lo, hi, t in self.pieces:
+            s0, _ = self.groups[gi].shard_range(self.rank)
+            t.grad = self.shard_grads[gi][lo - s0 : hi - s0]
+        self.optimizer.step()
+
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer)
+
+    # -- layout-free checkpoint format -------------------------------------------------
+    def full_state(self, lr: float) -> dict[str, Any]:
+        """The one-process AdamW state dict, gathered from every rank's shards."""
+        per_name: dict[str, dict[str, torch.Tensor]] = {}
+        step = None
+        for gi, g in enumerate(self.groups):
+            fulls = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                shard = torch.zeros(g.shard_size, dtype=torch.float32,
+                                    device=self.shard_params[gi].device)
+                s0, _ = g.shard_range(self.rank)
+                for pgi, _, lo, hi, t in self.pieces:
+                    st = self.optimizer.state.get(t)
+                    if pgi == gi and st:
+                        shard[lo - s0 : hi - s0] = st[key]
+                        step = st["step"]
+                full = torch.empty(g.padded, dtype=torch.float32, device=shard.device)
+                self.comm.all_gather(full, shard, self.axis)
+                fulls[key] = g.views(full)
+            for i, name in enumerate(g.names):
+                per_name[name] = {k: fulls[k][i].clone() for k in fulls}
+        groups = adamw_template(self.model, self.cfg, lr)
+        order = [n for n, _, _ in canonical_params(self.model)]
+        state = {}
+        if step is not None:
+            step_val = float(self.comm.max_scalar(float(step), self.axis))
+            for idx, name in enumerate(order):
+                state[idx] = {"step": torch.tensor(step_val), **per_name[name]}
+        return {"state": state, "param_groups": groups}
+
+    def load_full_state(self, optim: dict[str, Any]) -> None:
+        order = [n for n, _, _ in canonical_params(self.model)]
+        state = {order[int(i)]: s for i, s in optim["state"].items()}
+        for gi, idx, lo, hi, t in self.pieces:
+            name = self.groups[gi].names[idx]
+            if name not in state:
+                continue
+            a, _ = self.groups[gi].span(idx)
+            s = state[name]
+            self.optimizer.state[t] = {
+                "step": s["step"].clone().float(),
+                "exp_avg": s["exp_avg"].reshape(-1)[lo - a : hi - a].clone(),
+                "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[lo - a : hi - a].clone(),
+            }
+
+
+class ZeroEngine(Engine):
+    """ZeRO stage 1 or 2 over ``axis`` (see module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, stage: int,
+                 axis: str = "dp", bucket_mb: float = 25.0) -> None:
+        assert stage in (1, 2)
+        self.model, self.cfg, self.comm, self.axis, self.stage = model, cfg, comm, axis, stage
+        self.n, self.rank = comm.size(axis), comm.rank(axis)
+        named = unique_trainable(list(model.named_parameters()))[::-1]  # ~ backward order
+        self.groups = [FlatGroup([p for _, p in g], [n for n, _ in g], self.n)
+                       for g in split_by_size(named, int(bucket_mb * 2**20))]
+        self.param_bufs, self.grad_bufs, shard_params, shard_grads = [], [], [], []
+        self._where: dict[int, tuple[int, int]] = {}
+        for gi, g in enumerate(self.groups):
+            buf = g.flatten([p.detach() for p in g.params])
+            for p, v in zip(g.params, g.views(buf), strict=True):
+                p.data = v  # parameters become views of the flat buffer
+            s0, s1 = g.shard_range(self.rank)
+            self.param_bufs.append(buf)
+            shard_params.append(buf[s0:s1])
+            if stage == 1:
+                grad = torch.zeros_like(buf)
+                self.grad_bufs.append(grad)
+                shard_grads.append(grad[s0:s1])
+            else:
+                shard_grads.append(torch.zeros(g.shard_size, dtype=buf.dtype, device=buf.device))
+            for i, p in enumerate(g.params):
+                self._where[id(p)] = (gi, i)
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.shard_grads = shard_grads
+        self.opt = ShardedAdamW(model, cfg, self.groups, shard_params, shard_grads, comm, axis)
+        self.optimizer = self.opt.optimizer
+        self.sync = True
+        self.ready = [0] * len(self.groups)
+        self.transient: list[torch.Tensor | None] = [None] * len(self.groups)
+        self.inflight: list[tuple[int, Handle, torch.Tensor]] = []
+        self.zero_grad()
+
+    def set_sync(self, sync: bool) -> None:
+        self.sync = sync
+
+    # -- backward hooks ---------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        gi, i = self._where[id(p)]
+        g = self.groups[gi]
+        if self.stage == 1:
+            view = g.views(self.grad_bufs[gi])[i]
+            if p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
+            if not self.sync:
+                return
+            source = self.grad_bufs[gi]
+        else:
+            if self.transient[gi] is None:
+                self.transient[gi] = torch.zeros(g.padded, dtype=p.dtype, device=p.device)
+            a, b = g.span(i)
+            self.transient[gi][a:b].copy_(p.grad.reshape(-1))
+            p.grad = None  # the full gradient is not kept (stage 2)
+            source = self.transient[gi]
+        self.ready[gi] += 1
+        if self.ready[gi] == len(g.params):
+            self._launch(gi, source)
+
+    def _launch(self, gi: int, source: torch.Tensor) -> None:
+        self.ready[gi] = 0
+        out = torch.empty(self.groups[gi].shard_size, dtype=source.dtype, device=source.device)
+        self.inflight.append((gi, self.comm.reduce_scatter(out, source, self.axis, async_op=True),
+                              out))
+        self.transient[gi] = None
+        while self.stage == 2 and len(self.inflight) > 2:  # bound transient memory
+            self._complete(self.inflight.pop(0))
+
+    def _complete(self, item: tuple[int, Handle, torch.Tensor]) -> None:
+        gi, handle, out = item
+        handle.wait()
+        if self.stage == 1:
+            self.shard_grads[gi].copy_(out)
+        else:
+            self.shard_grads[gi].add_(out)
+
+    def finish_grads(self) -> None:
+        for gi in range(len(self.groups)):
+            if self.ready[gi] or (self.stage == 1 and not any(x[0] == gi for x in self.inflight)):
+                src = self.grad_bufs[gi] if self.stage == 1 else self.transient[gi]
+                if src is not None:  # parameters without gradient: reduce what there is
+                    self._launch(gi, src)
+        while self.inflight:
+            self._complete(self.inflight.pop(0))
+        if self.n > 1:
+            for g in self.shard_grads:
+                g.div_(self.n)
+
+    # -- step --------------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.opt.clip_grad_norm(max_norm)
+
+    def step(self, lr: float, precision: Precision | None = None) -> None:
+        # fp16 loss scaling is refused with ZeRO at config time: plain AdamW step here
+        self.opt.step(lr)
+        handles = []
+        for gi, g in enumerate(self.groups):
+            s0, s1 = g.shard_range(self.rank)
+            mine = self.param_bufs[gi][s0:s1].clone()  # the input must not alias the output
+            handles.append(self.comm.all_gather(self.param_bufs[gi], mine, self.axis,
+                                                async_op=True))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        for gi, g in enumerate(self.groups):
+            if self.stage == 1:
+                self.grad_bufs[gi].zero_()
+                for p, v in zip(g.params, g.views(self.grad_bufs[gi]), strict=True):
+                    p.grad = v
+            else:
+                self.shard_grads[gi].zero_()
+                for p in g.params:
+                    p.grad = None
+        self.ready = [0] * len(self.groups)
+
+    # -- accounting and checkpoints ----------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        grads = self.grad_bufs if self.stage == 1 else self.shard_grads
+        return {
+            "params": sum(b.numel() * b.element_size() for b in self.param_bufs),
+            "grads": sum(b.numel() * b.element_size() for b in grads),
+            "optim": self.opt.state_bytes(),
+        }
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        weights = {n: p.detach() for n, p, _ in canonical_params(self.model)}
+        return weights, self.opt.full_state(self.optimizer.param_groups[0]["lr"])
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
+        load_weights(self.model, weights)  # parameters are views: the buffers are filled
+        self.opt.load_full_state(optim)

@@ -1,0 +1,219 @@
+"""ZeRO stage 3 (Rajbhandari et al. 2020; PyTorch FSDP, Zhao et al. 2023): parameters sharded too.
+
+The model is cut into *units*: each decoder layer, plus a root unit holding the embedding, the
+final norm and the LM head. Each unit's parameters live as one flat fp32 shard per rank (1/n of
+the padded unit); the full parameters exist only while the unit computes:
+
+- forward: the unit's shard is all-gathered just before its forward (the next unit's gather is
+  started at the same time -- prefetch) and freed right after it;
+- backward: a hook on the unit's output gathers it again before its backward (prefetching the
+  unit that runs next in backward); when the last gradient of the unit is accumulated, the
+  gradients are reduce-scattered into the owner's shard (at most two in flight) and the full
+  parameters and gradients are freed.
+
+The root unit is gathered once per micro-batch and kept until its backward ends (it is used at
+both ends of the forward). Evaluation (no grad) frees every unit after its forward.
+
+Communication per micro-batch (comm log, fp32, padded): all-gather 4(2 Ψ_layers + Ψ_root),
+reduce-scatter 4Ψ, with Ψ = Ψ_layers + Ψ_root; gradient accumulation repeats both per micro-batch.
+Memory per rank: (4 + 4 + 8) Ψ / n bytes, plus the full parameters of at most two layers and
+the root unit while they compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import TrainSection
+from ..distributed.comm import Comm, Handle
+from ..train.optim import canonical_params
+from ..train.precision import Precision
+from .engine import Engine
+from .flat import FlatGroup, unique_trainable
+from .zero import ShardedAdamW
+
+
+def _empty_like(p: torch.Tensor) -> torch.Tensor:
+    """Zero-size stand-in with the same ndim, dtype and device (keeps ndim-based logic working)."""
+    return torch.empty((0,) * p.dim(), dtype=p.dtype, device=p.device)
+
+
+class Unit:
+    """One sharded unit: its flat layout, shard, gradient shard and gather state."""
+
+    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], n: int, rank: int) -> None:
+        self.name = name
+        self.group = FlatGroup([p for _, p in named], [nm for nm, _ in named], n)
+        self.shapes = [p.shape for p in self.group.params]
+        full = self.group.flatten([p.detach() for p in self.group.params])
+        s0, s1 = self.group.shard_range(rank)
+        self.shard = full[s0:s1].clone()
+        self.grad_shard = torch.zeros_like(self.shard)
+        self.full: torch.Tensor | None = None
+        self.handle: Handle | None = None
+        self.ready = 0
+        self.free()
+
+    def free(self) -> None:
+        self.full, self.handle = None, None
+        for p in self.group.params:
+            p.data = _empty_like(p)
+
+    def start_gather(self, comm: Comm, axis: str) -> None:
+        if self.full is not None:
+            return
+        self.full = torch.empty(self.group.padded, dtype=self.shard.dtype, device=self.shard.device)
+        self.handle = comm.all_gather(self.full, self.shard, axis, async_op=True)
+
+    def wait_gathered(self, comm: Comm, axis: str) -> None:
+        self.start_gather(comm, axis)
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            for p, v in zip(self.group.params, self.group.views(self.full), strict=True):
+                p.data = v
+
+
+class Zero3Engine(Engine):
+    """Fully sharded data parallelism over ``axis`` (see module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, axis: str = "dp") -> None:
+        self.model, self.cfg, self.comm, self.axis = model, cfg, comm, axis
+        self.n, self.rank = comm.size(axis), comm.rank(axis)
+        blocks = list(model.layers.items())
+        in_block = {id(p) for _, blk in blocks for p in blk.parameters()}
+        root = [(n, p) for n, p in unique_trainable(list(model.named_parameters()))
+                if id(p) not in in_block]
+        self.root = Unit("root", root, self.n, self.rank)
+        self.units = [
+            Unit(f"layers.{k}", unique_trainable(
+                [(f"layers.{k}.{n}", p) for n, p in blk.named_parameters()]), self.n, self.rank)
+            for k, blk in blocks
+        ]
+        self._unit_of: dict[int, Unit] = {}
+        for u in [self.root, *self.units]:
+            for p in u.group.params:
+                self._unit_of[id(p)] = u
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.inflight: list[tuple[Unit, Handle, torch.Tensor]] = []
+        model.register_forward_pre_hook(self._root_pre_forward)
+        model.register_forward_hook(self._root_post_forward)
+        for k, (_, blk) in enumerate(blocks):
+            blk.register_forward_pre_hook(self._make_pre_forward(k))
+            blk.register_forward_hook(self._make_post_forward(k))
+        groups = [u.group for u in [self.root, *self.units]]
+        self.opt = ShardedAdamW(model, cfg, groups, [u.shard for u in [self.root, *self.units]],
+                                [u.grad_shard for u in [self.root, *self.units]], comm, axis)
+        self.optimizer = self.opt.optimizer
+
+    # -- forward ----------------------------------------------------------------------
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.root.wait_gathered(self.comm, self.axis)
+        if self.units:
+            self.units[0].start_gather(self.comm, self.axis)  # prefetch the first layer
+
+    def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not torch.is_grad_enabled():
+            self.root.free()
+
+    def _make_pre_forward(self, k: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: Any) -> None:
+            self.units[k].wait_gathered(self.comm, self.axis)
+            if k + 1 < len(self.units):
+                self.units[k + 1].start_gather(self.comm, self.axis)
+        return hook
+
+    def _make_post_forward(self, k: int):  # noqa: ANN202
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            self.units[k].free()
+            if torch.is_grad_enabled() and out.requires_grad:
+                out.register_hook(lambda grad: self._pre_backward(k))
+        return hook
+
+    # -- backward ---------------------------------------------------------------------
+    def _pre_backward(self, k: int) -> None:
+        self.units[k].wait_gathered(self.comm, self.axis)
+        if k > 0:
+            self.units[k - 1].start_gather(self.comm, self.axis)  # next in backward order
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        unit = self._unit_of[id(p)]
+        unit.ready += 1
+        if unit.ready < len(unit.group.params):
+            return
+        unit.ready = 0
+        flat = unit.group.flatten([q.grad for q in unit.group.params])
+        for q in unit.group.params:
+            q.grad = None
+        out = torch.empty_like(unit.shard)
+        self.inflight.append((unit, self.comm.reduce_scatter(out, flat, self.axis, async_op=True),
+                              out))
+        unit.free()
+        while len(self.inflight) > 2:
+            self._complete(self.inflight.pop(0))
+
+    def _complete(self, item: tuple[Unit, Handle, torch.Tensor]) -> None:
+        unit, handle, out = item
+        handle.wait()
+        unit.grad_shard.add_(out)
+
+    def finish_grads(self) -> None:
+        while self.inflight:
+            self._complete(self.inflight.pop(0))
+        pending = [u.name for u in [self.root, *self.units] if u.ready]
+        if pending:
+            raise RuntimeError(f"ZeRO-3: units {pending} did not receive all their gradients")
+        if self.n > 1:
+            for u in [self.root, *self.units]:
+                u.grad_shard.div_(self.n)
+
+    # -- step ---------------------------------------------------------------------------
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.opt.clip_grad_norm(max_norm)
+
+    def step(self, lr: float, precision: Precision | None = None) -> None:
+        # fp16 loss scaling is refused with ZeRO at config time: plain AdamW step here
+        self.opt.step(lr)
+
+    def zero_grad(self) -> None:
+        for u in [self.root, *self.units]:
+            u.grad_shard.zero_()
+            for p in u.group.params:
+                p.grad = None
+
+    def state_bytes(self) -> dict[str, int]:
+        units = [self.root, *self.units]
+        return {
+            "params": sum(u.shard.numel() * u.shard.element_size() for u in units),
+            "grads": sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in units),
+            "optim": self.opt.state_bytes(),
+        }
+
+    # -- layout-free checkpoint format ----------------------------------------------------
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        weights: dict[str, torch.Tensor] = {}
+        for u in [self.root, *self.units]:
+            full = torch.empty(u.group.padded, dtype=u.shard.dtype, device=u.shard.device)
+            self.comm.all_gather(full, u.shard, self.axis)
+            for name, v in zip(u.group.names, u.group.views(full), strict=True):
+                weights[name] = v.clone()
+        order = [n for n, _, _ in canonical_params(self.model)]
+        weights = {n: weights[n] for n in order}
+        return weights, self.opt.full_state(self.optimizer.param_groups[0]["lr"])
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
+        for u in [self.root, *self.units]:
+            missing = [n for n in u.group.names if n not in weights]
+            if missing:
+                raise ValueError(f"weights do not match the model: missing {missing[:3]}")
+            for name, shape in zip(u.group.names, u.shapes, strict=True):
+                if tuple(weights[name].shape) != tuple(shape):
+                    raise ValueError(f"{name}: checkpoint shape {tuple(weights[name].shape)}, "
+                                     f"model {tuple(shape)}")
+            full = u.group.flatten([weights[n] for n in u.group.names])
+            s0, s1 = u.group.shard_range(self.rank)
+            u.shard.copy_(full[s0:s1])
+        self.opt.load_full_state(optim)
