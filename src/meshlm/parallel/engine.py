@@ -72,6 +72,11 @@ class LocalEngine(Engine):
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         self.params = [p for _, p, _ in canonical_params(model)]
+        self._grad_bytes = 0
+
+    def finish_grads(self) -> None:
+        # gradients are freed after each step (set_to_none); count them while they exist
+        self._grad_bytes = tensor_bytes([p.grad for p in self.params if p.grad is not None])
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
@@ -89,7 +94,7 @@ class LocalEngine(Engine):
     def state_bytes(self) -> dict[str, int]:
         return {
             "params": tensor_bytes(self.params),
-            "grads": tensor_bytes([p.grad for p in self.params if p.grad is not None]),
+            "grads": self._grad_bytes,
             "optim": optimizer_state_bytes(self.optimizer),
         }
 

@@ -12,7 +12,8 @@ the step, each bucket's parameters are all-gathered from the shards.
 
 Communication per optimizer step with ``m`` micro-batches per rank (comm log, fp32, padded
 Ψ): stage 1 -- reduce-scatter 4Ψ + all-gather 4Ψ; stage 2 -- reduce-scatter 4Ψ per micro-batch
-(``m`` x 4Ψ) + all-gather 4Ψ.
+(``m`` x 4Ψ) + all-gather 4Ψ. Both add one 8-byte all-reduce: the squared gradient norm of
+the shards, for clipping by the global norm.
 Memory per rank (weights + gradients + Adam moments): stage 1 -- 4Ψ + 4Ψ + 8Ψ/n;
 stage 2 -- 4Ψ + 4Ψ/n + 8Ψ/n (plus two transient buckets during backward).
 """

@@ -16,6 +16,7 @@ both ends of the forward). Evaluation (no grad) frees every unit after its forwa
 
 Communication per micro-batch (comm log, fp32, padded): all-gather 4(2 Ψ_layers + Ψ_root),
 reduce-scatter 4Ψ, with Ψ = Ψ_layers + Ψ_root; gradient accumulation repeats both per micro-batch.
+Per step, one 8-byte all-reduce of the squared gradient norm (clipping by the global norm).
 Memory per rank: (4 + 4 + 8) Ψ / n bytes, plus the full parameters of at most two layers and
 the root unit while they compute.
 """

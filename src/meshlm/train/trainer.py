@@ -138,7 +138,7 @@ class Trainer:
         p = cfg.parallel
         self.mesh = Mesh(ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep),
                          self.device.type)
-        self.comm = Comm(self.mesh, comm_log)
+        self.comm = Comm(self.mesh, comm_log if comm_log is not None else CommLog())
         self.main = self.mesh.is_logging_rank
         self.log = log if self.main else _quiet
         self.show_progress = progress and self.main
