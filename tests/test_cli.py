@@ -66,7 +66,7 @@ def test_info_lists_presets() -> None:
         (["train", "--data.path=/nonexistent/corpus"], "data.path='/nonexistent/corpus' does not exist"),
         (["train", "--train.global_batch=12", "--train.micro_batch=5"], "not divisible"),
         (["train", "no_such_config.toml"], "config file 'no_such_config.toml' does not exist"),
-        (["train", "--parallel.tp=2"], "parallel.tp=2: this version trains on one process only"),
+        (["train", "--parallel.tp=2"], "parallel.tp=2: only data parallelism (parallel.dp, parallel.zero) is available"),
         (["train", "stray", "words"], "unexpected argument"),
         (["generate", "--checkpoint", "/nonexistent/ckpt", "--prompt", "x"], "does not exist"),
     ],
@@ -102,3 +102,41 @@ def test_cli_surface_is_frozen() -> None:
     assert {"--checkpoint", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
             "--seed"} <= set(options["generate"])
     assert {"--seq-len", "--json"} <= set(options["info"])
+
+
+def test_train_launches_data_parallel_workers(tiny_args: list[str], tmp_path: Path) -> None:
+    """`meshlm train --parallel.dp=2` outside torchrun starts 2 workers through the agent."""
+    out = run("train", *tiny_args, "--parallel.dp=2", "--parallel.zero=2", "--train.steps=3")
+    assert out.returncode == 0, out.stderr
+    assert "layout: world 2 (pp=1 dp=2 cp=1 tp=1), zero 2" in out.stdout
+    assert out.stdout.count("layout:") == 1  # only rank 0 speaks
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["comm_bytes"]["reduce_scatter/dp"] > 0
+    assert 'dp = 2' in (tmp_path / "run" / "config.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    "world,args,message",
+    [
+        ("4", ["--parallel.dp=3", "--train.global_batch=12", "--train.micro_batch=1"],
+         "parallel.dp=3 does not fit the world: pp * dp * cp * tp = 3, but the world has 4 ranks "
+         "(leave parallel.dp unset to infer it)"),
+        ("4", ["--train.global_batch=6", "--train.micro_batch=1"],
+         "train.global_batch=6 is not divisible by train.micro_batch * parallel.dp = 1 * 4 = 4"),
+    ],
+)
+def test_bad_layout_under_torchrun_fails_before_init(world: str, args: list[str], message: str,
+                                                     tmp_path: Path) -> None:
+    env = dict(os.environ, RANK="0", WORLD_SIZE=world, LOCAL_RANK="0", LOCAL_WORLD_SIZE=world,
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([str(MESHLM), "train", "--model.preset=tiny", *args,
+                          f"--run.dir={tmp_path / 'r'}"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"meshlm: error: {message}"  # one line, before any rendezvous
+    assert not (tmp_path / "r").exists()
+    # the other ranks exit with the same status, silently
+    quiet = subprocess.run([str(MESHLM), "train", "--model.preset=tiny", *args],
+                           capture_output=True, text=True, timeout=120, env=env | {"RANK": "1"})
+    assert quiet.returncode == 2 and quiet.stderr == ""

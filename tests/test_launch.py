@@ -6,7 +6,9 @@ The worker functions live at module level because spawned workers import them by
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import time
 
@@ -14,10 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshlm.launch import WorkerFailure, WorldInfo, detect_external_world, launch_local
+from meshlm.launch import (
+    WorkerFailure,
+    WorldInfo,
+    detect_external_world,
+    export_env,
+    launch_local,
+)
 
 
 def _allreduce_worker() -> tuple[int, int, float, int]:
+    print(f"console line from rank {dist.get_rank()}", flush=True)
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     return dist.get_rank(), dist.get_world_size(), t.item(), torch.get_num_threads()
@@ -39,15 +48,48 @@ def _trivial_worker() -> int:
     return dist.get_rank()
 
 
-def test_allreduce_two_workers() -> None:
+def _torch_log_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Records from torch loggers a user would see. The elastic *event* loggers do not propagate
+    and only have a NullHandler (pytest hooks them anyway), so they are left out."""
+    return [f"{r.name}: {r.getMessage()}" for r in caplog.records
+            if r.name.startswith("torch") and logging.getLogger(r.name).propagate]
+
+
+def test_allreduce_two_workers(capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    # conftest already sets 1; a different value shows the workers' 1 thread is launch_local's doing
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    caplog.set_level(logging.DEBUG)
+
     assert launch_local(2, _allreduce_worker) == {0: (0, 2, 3.0, 1), 1: (1, 2, 3.0, 1)}
 
+    out = capfd.readouterr().out
+    assert "console line from rank 0" in out and "rank 1" not in out  # quiet_ranks
+    assert _torch_log_records(caplog) == []  # the agent's chatter is silenced
+    # the parent is left as it was: the agent's signal handlers and env changes are undone
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
 
-def test_raising_worker_stops_the_others() -> None:
+
+def test_nested_function_rejected() -> None:
+    def local_fn() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module-level"):
+        launch_local(2, local_fn)
+
+
+def test_raising_worker_stops_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
     start = time.monotonic()
     with pytest.raises(WorkerFailure) as info:
         launch_local(3, _rank2_raises_worker)
     elapsed = time.monotonic() - start
+    assert info.value.log_dir is not None
+    shutil.rmtree(info.value.log_dir)
+    assert _torch_log_records(caplog) == []
     msg = str(info.value)
     assert "\n" not in msg
     assert "rank 2" in msg and "ValueError: boom" in msg, msg
@@ -59,6 +101,8 @@ def test_raising_worker_stops_the_others() -> None:
 def test_worker_killed_by_signal() -> None:
     with pytest.raises(WorkerFailure) as info:
         launch_local(2, _rank1_sigkill_worker)
+    assert info.value.log_dir is not None
+    shutil.rmtree(info.value.log_dir)
     msg = str(info.value)
     assert "\n" not in msg
     assert msg == "worker rank 1 died (signal SIGKILL)", msg
@@ -100,6 +144,15 @@ def test_detect_slurm_details() -> None:
     assert (info.master_port, info.local_world_size) == (31000, 2)
     # torchrun's variables describe the process better than the allocation's (torchrun in srun)
     assert detect_external_world({**env, **TORCHRUN_ENV}).source == "torchrun"
+
+
+def test_export_env_round_trip() -> None:
+    info = detect_external_world(_slurm_env("node[01-04]"))
+    assert info is not None
+    env: dict[str, str] = {}
+    export_env(info, env)
+    assert env["RANK"] == "5" and env["MASTER_ADDR"] == "node01"
+    assert detect_external_world(env) == info  # still reported as a SLURM world
 
 
 def test_detect_no_external_world() -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
 from .checkpoint.state import CheckpointError
-from .config import ConfigError, load_config, to_toml
+from .config import ConfigError, load_config, resolve_world, to_toml
 
 
 def _split_overrides(rest: list[str]) -> list[str]:
@@ -32,7 +33,12 @@ def _split_overrides(rest: list[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
+    """Validate everything, then train: in-process, under torchrun/SLURM, or on local workers."""
+    from .launch import detect_external_world
+
     cfg = load_config(args.config, _split_overrides(rest))
+    world = detect_external_world()
+    resolve_world(cfg, world.world_size if world else None)
     if args.dry_run:
         from .train.estimate import memory_estimate
 
@@ -40,9 +46,24 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         for line in memory_estimate(cfg):
             print(line)
         return 0
-    from .train.trainer import train
+    from .train.trainer import prepare_launch, run_worker, train
 
-    train(cfg)
+    if world is not None:  # this process is one rank of a world torchrun/SLURM started
+        from .launch import export_env, init_worker, shutdown_worker
+
+        export_env(world)
+        init_worker()
+        try:
+            train(cfg)
+        finally:
+            shutdown_worker()
+    elif cfg.world_size > 1:  # start the workers here, through torch's elastic agent
+        from .launch import launch_local
+
+        prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
+        launch_local(cfg.world_size, run_worker, cfg)
+    else:
+        train(cfg)
     return 0
 
 
@@ -133,10 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    from .launch import WorkerFailure
+
     try:
         return args.func(args, rest)
-    except (ConfigError, CheckpointError) as e:
-        print(f"meshlm: error: {e}", file=sys.stderr)
+    except (ConfigError, CheckpointError, WorkerFailure) as e:
+        # Under torchrun every rank validates the same config: only rank 0 speaks.
+        if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"meshlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshlm: interrupted", file=sys.stderr)

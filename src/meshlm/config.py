@@ -82,7 +82,7 @@ class TrainSection:
 
 @dataclass
 class ParallelSection:
-    dp: int = 1
+    dp: int = 0  # 0 -> inferred: world / (pp * cp * tp) under torchrun or SLURM, else 1
     tp: int = 1
     sp: bool = False
     pp: int = 1
@@ -141,7 +141,7 @@ class Config:
     @property
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
-        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+        return self.train.global_batch // (self.train.micro_batch * max(1, self.parallel.dp))
 
 
 SECTIONS = {f.name: f for f in fields(Config)}
@@ -269,11 +269,13 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     mc = cfg.model_config()
     for key in ("steps", "global_batch", "micro_batch"):
         _check(getattr(t, key) > 0, f"train.{key}={getattr(t, key)} must be positive")
-    for key in ("dp", "tp", "pp", "pp_virtual", "cp", "ep"):
+    _check(p.dp >= 0, f"parallel.dp={p.dp} must be >= 1 (or 0: inferred from the world size)")
+    for key in ("tp", "pp", "pp_virtual", "cp", "ep"):
         _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1")
-    _check(t.global_batch % (t.micro_batch * p.dp) == 0,
+    dp = max(1, p.dp)
+    _check(t.global_batch % (t.micro_batch * dp) == 0,
            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch * "
-           f"parallel.dp = {t.micro_batch} * {p.dp} = {t.micro_batch * p.dp}")
+           f"parallel.dp = {t.micro_batch} * {dp} = {t.micro_batch * dp}")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
            f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     _check(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps} must be >= 0")
@@ -316,6 +318,30 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
     _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
+
+
+def resolve_world(cfg: Config, world_size: int | None) -> Config:
+    """Fix ``parallel.dp`` for a given world (None: this process launches the workers).
+
+    Under torchrun or SLURM the world is given: dp is inferred as world / (pp * cp * tp) when
+    left at 0, and an explicit dp must fill the world exactly. Validates the result.
+    """
+    p = cfg.parallel
+    inner = p.pp * p.cp * p.tp
+    if world_size is None:
+        p.dp = p.dp or 1
+    else:
+        _check(world_size % inner == 0,
+               f"the world has {world_size} ranks, not divisible by parallel.pp * cp * tp = "
+               f"{p.pp} * {p.cp} * {p.tp} = {inner}")
+        if p.dp == 0:
+            p.dp = world_size // inner
+        _check(p.dp * inner == world_size,
+               f"parallel.dp={p.dp} does not fit the world: pp * dp * cp * tp = "
+               f"{p.dp * inner}, but the world has {world_size} ranks "
+               "(leave parallel.dp unset to infer it)")
+    validate(cfg)
+    return cfg
 
 
 # ------------------------------------------------------------------ saving

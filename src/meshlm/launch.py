@@ -414,12 +414,15 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     the other ranks' stdout/stderr go to per-rank files that are kept when a worker fails
     (``WorkerFailure.log_dir``). ``timeout_s`` is the collective timeout of the process group.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if "<" in getattr(fn, "__qualname__", "<"):
+        # Lambdas and nested functions cannot be pickled by name; fail here, not in the agent.
+        raise TypeError(f"launch_local needs a module-level function, got {fn!r}")
     log_dir = tempfile.mkdtemp(prefix="meshlm_launch_")
     if quiet_ranks:
         # Redirecting ranks 1.. to files keeps their output for post-mortems; the filter alone
@@ -445,5 +448,15 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
         rank, message = _summarise(err, log_dir)
         details = f"{err}\nper-rank logs: {log_dir}"
         raise WorkerFailure(message, rank, details=details, log_dir=log_dir) from None
+    except SignalException as err:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        # The agent turns Ctrl-C into its own exception (after stopping the workers); callers
+        # expect the usual KeyboardInterrupt.
+        if err.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise
+    except BaseException:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        raise
     shutil.rmtree(log_dir, ignore_errors=True)
     return dict(sorted(results.items()))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import __version__
@@ -35,7 +36,7 @@ from ..checkpoint.state import (
     save_state,
     step_dir,
 )
-from ..config import Config, ConfigError, load_config, to_toml
+from ..config import Config, ConfigError, load_config, resolve_world, to_toml
 from ..data import DataBundle, build_data
 from ..data.sampler import StepSampler, val_batches
 from ..distributed.comm import Comm, CommLog
@@ -334,10 +335,25 @@ class Trainer:
                              seed=self.cfg.train.seed)
 
 
+def prepare_launch(cfg: Config, log: Log = print) -> None:
+    """Checks done once in the launching process: run dir (never overwritten) and data."""
+    run_dir = resolve_run_dir(cfg)
+    if cfg.run.resume:
+        check_resume_compatible(cfg, run_dir)
+    build_data(cfg.data, log=log)  # cached now, so workers only read it
+
+
+def run_worker(cfg: Config) -> TrainResult:
+    """Entry point of a locally launched worker (the process group is already initialised)."""
+    return train(cfg)
+
+
 def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
     """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0."""
     if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    resolve_world(cfg, world)
     trainer = Trainer(cfg, log=log, progress=progress)
     result = trainer.fit()
     log = trainer.log  # rank 0 only
