@@ -30,6 +30,8 @@ def base_args(corpus: Path, cache: Path) -> list[str]:
         "--data.vocab_size=512", "--data.seq_len=32", f"--train.steps={STEPS}",
         f"--train.global_batch={GLOBAL_BATCH}", "--train.warmup_steps=2", "--train.eval_every=0",
         "--run.sample_tokens=0", "--train.peak_flops=1e10",
+        # a clip threshold below the gradient norms: clipping by the global norm is exercised
+        "--train.grad_clip=0.5",
         # small buckets: several buckets per model, so overlap and padding are exercised
         "--parallel.bucket_mb=0.05",
     ]
@@ -77,6 +79,11 @@ def check_layout(run_dir: Path, losses: dict[int, float], reference) -> None:  #
         assert abs(losses[step] - loss) / abs(loss) < 1e-5, (run_dir.name, step, losses[step], loss)
     worst, name = max_relative_difference(final_weights(run_dir), ref_weights)
     assert worst < 1e-5, (run_dir.name, name, worst)
+    ref_norms = [r["grad_norm"] for r in read_metrics(run_dir.parent / "reference" / "metrics.jsonl")]
+    norms = [r["grad_norm"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert min(ref_norms) > 0.5  # every step clips
+    for got, ref in zip(norms, ref_norms, strict=True):
+        assert abs(got - ref) / ref < 1e-5, (run_dir.name, got, ref)
 
 
 def check_memory(run_dir: Path, dp: int, zero: int) -> None:

@@ -136,7 +136,7 @@ class Config:
     @property
     def world_size(self) -> int:
         p = self.parallel
-        return p.pp * p.dp * p.cp * p.tp
+        return p.pp * max(1, p.dp) * p.cp * p.tp
 
     @property
     def grad_accum(self) -> int:
