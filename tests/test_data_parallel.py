@@ -186,3 +186,39 @@ def test_ddp_all_reduce_overlaps_backward() -> None:
         # the first ready bucket's all-reduce starts while backward is still running,
         # before the injected delay (which precedes the embedding's backward) is over
         assert res["start"] < first < res["end"] - 0.8 * delay
+
+
+# ---------------------------------------------------------------------- resharding resume
+def train_one(base: list[str], extra: list[str]) -> dict[int, float]:
+    return train(load_config(None, base + extra), log=lambda _m: None, progress=False).losses
+
+
+def test_checkpoints_resume_on_another_layout(reference, tmp_path: Path) -> None:  # noqa: ANN001
+    """A ZeRO-3 dp=2 checkpoint resumes on one process, and a one-process one on ZeRO-1 dp=2."""
+    import shutil
+
+    base, _, _, _ = reference
+    six = ["--train.steps=6", "--train.checkpoint_every=3"]
+    sharded = tmp_path / "zero3"
+    full = run_world(2, train_one, base, six + ["--parallel.dp=2", "--parallel.zero=3",
+                                                "--train.micro_batch=4", f"--run.dir={sharded}"])[0]
+    single = tmp_path / "single"
+    single_losses = train_one(base, six + ["--train.micro_batch=8", f"--run.dir={single}"])
+    for src, layout, losses in (
+        (sharded, ["--train.micro_batch=8"], full),
+        (single, ["--parallel.dp=2", "--parallel.zero=1", "--train.micro_batch=2"],
+         single_losses),
+    ):
+        cut = tmp_path / f"{src.name}-cut"
+        shutil.copytree(src, cut)
+        shutil.rmtree(cut / "checkpoints" / "step_0000006")
+        args = six + layout + [f"--run.dir={cut}", "--run.resume=true"]
+        if "--parallel.dp=2" in layout:
+            resumed = run_world(2, train_one, base, args)[0]
+        else:
+            resumed = train_one(base, args)
+        assert sorted(resumed) == [4, 5, 6]
+        for step in (4, 5, 6):
+            assert abs(resumed[step] - losses[step]) / losses[step] < 1e-5, (src.name, step)
+        worst, name = max_relative_difference(final_weights(cut), final_weights(src))
+        assert worst < 1e-5, (src.name, name, worst)
