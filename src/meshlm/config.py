@@ -302,12 +302,20 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
     _check(cfg.precision.dtype in DTYPES,
            f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
-    unsupported = [
-        f"parallel.{k}={getattr(p, k)}" for k in ("tp", "pp", "cp", "ep") if getattr(p, k) != 1
-    ] + (["parallel.sp=true"] if p.sp else [])
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("pp", "cp", "ep") if getattr(p, k) != 1]
     _check(not unsupported,
-           f"{', '.join(unsupported)}: only data parallelism (parallel.dp, parallel.zero) "
-           "is available in this version")
+           f"{', '.join(unsupported)}: only data and tensor/sequence parallelism "
+           "(parallel.dp, parallel.zero, parallel.tp, parallel.sp) are available in this version")
+    if p.tp > 1:
+        for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
+            _check(getattr(mc, key) % p.tp == 0,
+                   f"parallel.tp={p.tp} does not divide model.{key}={getattr(mc, key)}")
+        _check(not mc.is_moe, f"parallel.tp={p.tp}: tensor parallelism of MoE layers "
+               "(model.moe_experts > 0) is not available yet")
+    _check(not p.sp or p.tp > 1, "parallel.sp=true needs parallel.tp > 1")
+    if p.sp:
+        _check(d.seq_len % p.tp == 0, f"parallel.sp=true: data.seq_len={d.seq_len} is not "
+               f"divisible by parallel.tp={p.tp}")
     _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
     _check(not (p.zero and cfg.precision.dtype == "fp16"),
            f"parallel.zero={p.zero} with precision.dtype=fp16 is not supported "

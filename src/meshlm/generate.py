@@ -6,6 +6,8 @@ token is one forward over the context, fine for the small models meshlm trains o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -19,8 +21,14 @@ def sample_tokens(
     top_k: int = 50,
     seed: int = 0,
     stop_id: int | None = None,
+    forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[int]:
-    """Prompt followed by up to ``max_new_tokens`` sampled ids (stops early at ``stop_id``)."""
+    """Prompt followed by up to ``max_new_tokens`` sampled ids (stops early at ``stop_id``).
+
+    ``forward`` maps (1, S) ids to (1, S, V) logits; default ``model`` itself (a parallel
+    model passes a function that gathers its logit shards).
+    """
+    forward = forward or model
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -29,7 +37,7 @@ def sample_tokens(
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-max_len:]], device=device)
-        logits = model(context)[0, -1].float().cpu()  # (V,)
+        logits = forward(context)[0, -1].float().cpu()  # (V,)
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -46,8 +54,10 @@ def sample_tokens(
 
 
 def generate_text(model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 120,  # noqa: ANN001
-                  temperature: float = 0.8, top_k: int = 50, seed: int = 0) -> str:
+                  temperature: float = 0.8, top_k: int = 50, seed: int = 0,
+                  forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> str:
     """Decode prompt + sampled continuation."""
     ids = tokenizer.encode(prompt)
-    out = sample_tokens(model, ids, max_new_tokens, temperature, top_k, seed, tokenizer.eot_id)
+    out = sample_tokens(model, ids, max_new_tokens, temperature, top_k, seed, tokenizer.eot_id,
+                        forward)
     return tokenizer.decode(out)

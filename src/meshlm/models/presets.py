@@ -11,13 +11,14 @@ from .config import ModelConfig
 _LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, rope_theta=500000.0, max_seq_len=8192)
 
 PRESETS: dict[str, ModelConfig] = {
-    # Test sizes: hidden 64, 2 layers, grouped-query attention (4 query heads share 2 KV heads).
+    # Test sizes: hidden 64, 2 layers, grouped-query attention (8 query heads share 4 KV heads,
+    # so tensor parallelism up to 4 splits both).
     "tiny": ModelConfig(
-        name="tiny", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        name="tiny", vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
         ffn_hidden=176, max_seq_len=512,
     ),
     "tiny-moe": ModelConfig(
-        name="tiny-moe", vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        name="tiny-moe", vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
         ffn_hidden=176, max_seq_len=512, moe_experts=4, moe_topk=2, moe_ffn_hidden=64,
         moe_shared_experts=1,
     ),

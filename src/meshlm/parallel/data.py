@@ -46,8 +46,8 @@ class DDPEngine(LocalEngine):
 
     def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, axis: str = "dp",
                  bucket_mb: float = 25.0) -> None:
-        super().__init__(model, cfg)
-        self.comm, self.axis = comm, axis
+        super().__init__(model, cfg, comm)
+        self.axis = axis
         self.n = comm.size(axis)
         named = unique_trainable(list(model.named_parameters()))[::-1]  # ~ backward order
         self.buckets = [

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import TrainSection
+from ..distributed.comm import Comm
 from ..train.optim import build_optimizer, canonical_params, set_lr
 from ..train.precision import Precision
 
@@ -65,11 +66,40 @@ class Engine:
         raise NotImplementedError
 
 
+def tp_norm_weight(p: torch.Tensor, tp: int) -> float:
+    """Share of a parameter's squared gradient norm this tp rank contributes.
+
+    Tensor-parallel shards are disjoint (each counts fully); replicated parameters (norm
+    weights) hold the same gradient on every tp rank, so each rank counts 1/tp of it.
+    """
+    return 1.0 if getattr(p, "_tp_sharded", False) else 1.0 / tp
+
+
+def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float,
+                        comm: Comm | None, axes: tuple[str, ...]) -> float:
+    """L2 norm of every gradient shard over ``axes`` (each element once); scale if above max.
+
+    ``pairs`` are (parameter, gradient) with the gradient possibly a shard of the parameter's.
+    """
+    tp = comm.size("tp") if comm is not None else 1
+    sq = torch.zeros((), dtype=torch.float64, device=pairs[0][1].device if pairs else None)
+    for p, g in pairs:
+        sq += g.double().pow(2).sum() * tp_norm_weight(p, tp)
+    for axis in axes:
+        if comm is not None:
+            comm.all_reduce(sq, axis)
+    norm = float(sq.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_([g for _, g in pairs], coef)
+    return norm
+
+
 class LocalEngine(Engine):
     """Every parameter, gradient and optimizer state held in full, no communication."""
 
-    def __init__(self, model: nn.Module, cfg: TrainSection) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm | None = None) -> None:
+        self.model, self.comm = model, comm
         self.optimizer = build_optimizer(model, cfg)
         self.params = [p for _, p, _ in canonical_params(model)]
         self._grad_bytes = 0
@@ -79,7 +109,10 @@ class LocalEngine(Engine):
         self._grad_bytes = tensor_bytes([p.grad for p in self.params if p.grad is not None])
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if self.comm is None or self.comm.size("tp") == 1:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        pairs = [(p, p.grad) for p in self.params if p.grad is not None]
+        return clip_by_global_norm(pairs, max_norm, self.comm, ("tp",))
 
     def step(self, lr: float, precision: Precision | None = None) -> None:
         set_lr(self.optimizer, lr)

@@ -29,7 +29,13 @@ from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
 from ..train.optim import canonical_params, set_lr
 from ..train.precision import Precision
-from .engine import Engine, adamw_template, load_weights, optimizer_state_bytes
+from .engine import (
+    Engine,
+    adamw_template,
+    clip_by_global_norm,
+    load_weights,
+    optimizer_state_bytes,
+)
 from .flat import FlatGroup, split_by_size, unique_trainable
 
 
@@ -59,17 +65,9 @@ class ShardedAdamW:
         )
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm over every shard of every rank; scale the shards if above max_norm."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.shard_grads[0].device)
-        for g in self.shard_grads:
-            sq += g.double().pow(2).sum()
-        self.comm.all_reduce(sq, self.axis)
-        norm = float(sq.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in self.shard_grads:
-                g.mul_(coef)
-        return norm
+        """Global L2 norm over every shard of every rank (dp and tp); scale if above max_norm."""
+        pairs = [(self.groups[gi].params[index], t.grad) for gi, index, _, _, t in self.pieces]
+        return clip_by_global_norm(pairs, max_norm, self.comm, (self.axis, "tp"))
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

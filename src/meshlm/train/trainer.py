@@ -45,6 +45,7 @@ from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..parallel import parallelize
 from ..parallel.engine import Engine
+from ..parallel.tensor import TensorParallel
 from .metrics import MetricsWriter, peak_memory_bytes
 from .optim import lr_at
 from .peak import peak_flops
@@ -147,7 +148,10 @@ class Trainer:
         self.data = self.build_data()
         self.model_cfg = cfg.model_config(vocab_size=self.data.tokenizer.vocab_size)
         self.model: Transformer = build_model(self.model_cfg, cfg.train.seed, self.device)
-        self.engine: Engine = parallelize(self.model, self.comm, cfg.parallel, cfg.train)
+        self.engine: Engine
+        self.tp: TensorParallel | None
+        self.engine, self.tp = parallelize(self.model, self.comm, cfg.parallel, cfg.train)
+        self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         self.precision = Precision(cfg.precision.dtype, self.device.type)
         self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.sampler = StepSampler(
@@ -223,7 +227,7 @@ class Trainer:
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.precision.autocast():
-                loss = cross_entropy(self.model(inputs), targets)
+                loss = self.loss_fn(self.model(inputs), targets)
                 aux = self.model.aux_loss()
             self.precision.scale((loss + aux) / len(micro)).backward()
             total += loss.detach()
@@ -244,7 +248,7 @@ class Trainer:
         for batch in self.val:
             batch = batch.to(self.device)
             with self.precision.autocast():
-                losses.append(float(cross_entropy(self.model(batch[:, :-1]), batch[:, 1:])))
+                losses.append(float(self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:])))
         self.model.train()
         return sum(losses) / len(losses)
 
@@ -252,6 +256,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Gather the layout-free state on every rank; rank 0 writes it."""
         weights, optim = self.engine.full_state()
+        if self.tp is not None:
+            weights, optim = self.tp.gather_state(self.model, weights, optim)
         directory = step_dir(self.run_dir / "checkpoints", self.step)
         if self.main:
             state = {"step": self.step, "sampler": self.sampler.state_dict(),
@@ -268,8 +274,11 @@ class Trainer:
         if directory is None:
             raise CheckpointError(f"no checkpoint in {self.run_dir / 'checkpoints'}")
         state = load_state(directory)
+        weights, optim = state["weights"], state["optimizer"]
         try:
-            self.engine.load_full_state(state["weights"], state["optimizer"])
+            if self.tp is not None:
+                weights, optim = self.tp.shard_state(self.model, weights, optim)
+            self.engine.load_full_state(weights, optim)
         except ValueError as e:
             raise CheckpointError(f"checkpoint {directory}: {e}") from None
         self.sampler.load_state_dict(state["trainer"]["sampler"])
@@ -332,7 +341,17 @@ class Trainer:
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Every rank samples (sharded weights are gathered collectively); all agree."""
         return generate_text(self.model, self.data.tokenizer, prompt, max_new_tokens,
-                             seed=self.cfg.train.seed)
+                             seed=self.cfg.train.seed, forward=self.full_logits)
+
+    def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, S, V) logits of the whole vocabulary, whatever the layout."""
+        if self.tp is None:
+            return self.model(ids)
+        s = ids.shape[1]
+        pad = (-s) % self.tp.size if self.tp.sp else 0  # sequence shards need s % tp == 0;
+        if pad:  # right padding leaves the causal logits of the first s positions unchanged
+            ids = torch.cat([ids, ids.new_zeros(ids.shape[0], pad)], dim=1)
+        return self.tp.full_logits(self.model(ids))[:, :s]
 
 
 def prepare_launch(cfg: Config, log: Log = print) -> None:

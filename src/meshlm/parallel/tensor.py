@@ -1,0 +1,241 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism over the mesh's ``tp`` axis.
+
+Applied to a plain model from a declarative plan: in every block, q/k/v and the MLP's gate/up
+projections are column parallel (output features sharded: each rank holds n_heads/t query
+heads, n_kv_heads/t KV heads, ffn/t MLP columns), the attention output and MLP down
+projections are row parallel (input features sharded). The attention and MLP modules are
+TP *regions*: their input passes ``f`` (identity forward, all-reduce backward) and their
+output ``g`` (all-reduce forward), so each block costs 2 all-reduces forward and 2 backward
+of ``b s h`` elements. The embedding is vocab parallel (rows sharded; an all-reduce combines
+the partial lookups) and the LM head is the same shard (tied or not), so the logits stay
+sharded by vocabulary and :func:`vocab_parallel_cross_entropy` never gathers them. A vocabulary
+that t does not divide is padded; padded logits are masked to -inf and never count.
+
+Sequence parallelism (Korthikanti et al. 2022) shards the activations outside the regions
+along the sequence: ``f``/``g`` become all-gather / reduce-scatter along seq (same volume),
+the embedding's all-reduce becomes a reduce-scatter, the head's input is all-gathered, and the
+replicated norm weights get their gradient all-reduced over tp (it is summed over seq shards).
+
+Memory per rank: sharded weights / t + replicated norm weights; activations inside the regions
+/ t, outside them / t with sequence parallelism (b s h of each norm input instead of b s h).
+Per micro-batch, the loss adds 3 all-reduces of ``b s`` fp32 values (max, target logit, sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.comm import Comm
+from ..models.llama import RMSNorm, Transformer
+from ..models.moe import SwiGLU
+from .tensor_comm import AXIS, copy_to_tp, gather_last, gather_seq, reduce_from_tp, scatter_seq
+
+# (module suffix, parameter, sharded dim): the plan for one decoder layer.
+COLUMN, ROW = 0, 1
+LAYER_PLAN: list[tuple[str, int]] = [
+    ("attention.wq.weight", COLUMN), ("attention.wk.weight", COLUMN),
+    ("attention.wv.weight", COLUMN), ("attention.wo.weight", ROW),
+    ("feed_forward.w1.weight", COLUMN), ("feed_forward.w3.weight", COLUMN),
+    ("feed_forward.w2.weight", ROW),
+]
+REGIONS = ("attention", "feed_forward")
+
+
+def _shard(p: nn.Parameter, dim: int, rank: int, size: int, padded: int | None = None) -> None:
+    """Keep this rank's slice of ``p`` along ``dim`` (zero-padded to ``padded`` first)."""
+    full = p.data
+    n = full.shape[dim]
+    if padded is not None and padded > n:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = padded - n
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    p.data = full.chunk(size, dim=dim)[rank].contiguous()
+    p._tp_dim, p._tp_full = dim, n  # shard metadata: how to gather it back
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + V_local) of the (padded) embedding; partial lookups are summed."""
+
+    def __init__(self, weight: nn.Parameter, start: int, valid: int, comm: Comm, sp: bool):
+        super().__init__()
+        self.weight, self.start, self.valid, self.comm, self.sp = weight, start, valid, comm, sp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.valid)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, S, h) partial sum
+        return scatter_seq(out, self.comm) if self.sp else reduce_from_tp(out, self.comm)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm on a sequence shard; the weight's gradient is all-reduced over tp."""
+
+    def __init__(self, norm: RMSNorm, comm: Comm) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight, self.comm = norm.weight, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * copy_to_tp(self.weight, self.comm).float()).type_as(x)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean cross-entropy of vocab-sharded logits (Megatron's ``vocab_parallel_cross_entropy``)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, valid: int,  # noqa: ANN001
+                comm: Comm) -> torch.Tensor:
+        x = logits.float().clone()  # (N, V_local)
+        if valid < x.shape[1]:
+            x[:, valid:] = float("-inf")  # vocabulary padding never counts
+        m = x.max(dim=-1).values
+        comm.all_reduce(m, AXIS, op="max")
+        x -= m.unsqueeze(1)
+        local = targets - start
+        mine = (local >= 0) & (local < valid)
+        idx = local.clamp(0, x.shape[1] - 1).unsqueeze(1)
+        target_logit = x.gather(1, idx).squeeze(1) * mine
+        comm.all_reduce(target_logit, AXIS)
+        x.exp_()
+        sum_exp = x.sum(dim=-1)
+        comm.all_reduce(sum_exp, AXIS)
+        loss = sum_exp.log() - target_logit  # (N,)
+        x /= sum_exp.unsqueeze(1)  # softmax of the local columns
+        ctx.save_for_backward(x, idx, mine)
+        ctx.in_dtype = logits.dtype
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        softmax, idx, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(1, idx, -mine.to(g.dtype).unsqueeze(1))
+        g *= grad / g.shape[0]
+        return g.to(ctx.in_dtype), None, None, None, None
+
+
+@dataclass
+class TensorParallel:
+    """What a tensor-parallel model needs beyond its modules: loss, logits, checkpoints."""
+
+    comm: Comm
+    sp: bool
+    vocab_size: int
+    vocab_start: int
+    vocab_valid: int
+
+    @property
+    def size(self) -> int:
+        return self.comm.size(AXIS)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss over (B, S) of vocab-sharded (B, S, V/t) logits."""
+        return _VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
+                                      self.vocab_valid, self.comm)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_last(logits, self.comm)[..., : self.vocab_size]
+
+    # -- checkpoints: full tensors <-> this rank's shards --------------------------------------
+    def gather_tensor(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        dim = getattr(p, "_tp_dim", None)
+        if dim is None:
+            return t
+        moved = t.movedim(dim, 0).contiguous()
+        out = torch.empty((self.size * moved.shape[0], *moved.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        self.comm.all_gather(out, moved, AXIS)
+        return out.narrow(0, 0, p._tp_full).movedim(0, dim).contiguous()
+
+    def shard_tensor(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        dim = getattr(p, "_tp_dim", None)
+        if dim is None:
+            return t
+        size = self.size
+        padded = -(-t.shape[dim] // size) * size
+        if padded > t.shape[dim]:
+            shape = list(t.shape)
+            shape[dim] = padded - t.shape[dim]
+            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
+        return t.chunk(size, dim=dim)[self.comm.rank(AXIS)].contiguous()
+
+    def _map_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
+                   optim: dict[str, Any], fn) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # noqa: ANN001
+        from ..train.optim import canonical_params
+
+        params = {n: p for n, p, _ in canonical_params(model)}
+        order = list(params)
+        new_w = {n: fn(t, params[n]) for n, t in weights.items()}
+        state = {}
+        for i, s in optim.get("state", {}).items():
+            p = params[order[int(i)]]
+            state[i] = {k: (fn(v, p) if k in ("exp_avg", "exp_avg_sq") else v)
+                        for k, v in s.items()}
+        return new_w, {"state": state, "param_groups": optim["param_groups"]}
+
+    def gather_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
+                     optim: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's shards -> the full tensors of a one-process run."""
+        return self._map_state(model, weights, optim, self.gather_tensor)
+
+    def shard_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
+                    optim: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self._map_state(model, weights, optim, self.shard_tensor)
+
+
+def _region_hooks(module: nn.Module, comm: Comm, sp: bool) -> None:
+    """Input through f (or all-gather along seq), output through g (or reduce-scatter)."""
+
+    def pre(mod: nn.Module, args: tuple) -> tuple:
+        x = gather_seq(args[0], comm) if sp else copy_to_tp(args[0], comm)
+        return (x, *args[1:])
+
+    def post(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return scatter_seq(out, comm) if sp else reduce_from_tp(out, comm)
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
+def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorParallel:
+    """Shard ``model`` in place over tp (see module docstring); returns its loss/state helper."""
+    t, r = comm.size(AXIS), comm.rank(AXIS)
+    cfg = model.cfg
+    if cfg.is_moe:
+        raise ValueError("tensor parallelism of MoE layers is not available yet")
+    for layer in model.layers.values():
+        params = dict(layer.named_parameters())
+        for name, dim in LAYER_PLAN:
+            _shard(params[name], dim, r, t)
+            params[name]._tp_sharded = True
+        assert isinstance(layer.feed_forward, SwiGLU)
+        for region in REGIONS:
+            _region_hooks(getattr(layer, region), comm, sp)
+        if sp:
+            layer.attention_norm = SequenceParallelRMSNorm(layer.attention_norm, comm)
+            layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)
+    if sp:
+        model.norm = SequenceParallelRMSNorm(model.norm, comm)
+    # Vocabulary: pad to a multiple of t, rows [r V_p / t, (r + 1) V_p / t) on rank r.
+    v = cfg.vocab_size
+    padded = -(-v // t) * t
+    per = padded // t
+    start, valid = r * per, max(0, min(per, v - r * per))
+    emb = model.tok_embeddings.weight
+    _shard(emb, 0, r, t, padded)
+    emb._tp_sharded = True
+    model.tok_embeddings = VocabParallelEmbedding(emb, start, valid, comm, sp)
+    if not cfg.tie_embeddings:
+        _shard(model.output.weight, 0, r, t, padded)
+        model.output.weight._tp_sharded = True
+    # The head is column parallel over the vocabulary: its input must be whole on every rank.
+    model.output.register_forward_pre_hook(
+        lambda mod, args: (gather_seq(args[0], comm) if sp else copy_to_tp(args[0], comm),))
+    return TensorParallel(comm, sp, v, start, valid)
