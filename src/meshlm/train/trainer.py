@@ -137,6 +137,8 @@ class Trainer:
                  comm_log: CommLog | None = None) -> None:
         self.cfg = cfg
         self.device = build_device()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        resolve_world(cfg, world)  # infers dp under torchrun/SLURM, re-validates
         p = cfg.parallel
         self.mesh = Mesh(ParallelDims(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep),
                          self.device.type)
@@ -371,8 +373,6 @@ def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
     """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0."""
     if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-    resolve_world(cfg, world)
     trainer = Trainer(cfg, log=log, progress=progress)
     result = trainer.fit()
     log = trainer.log  # rank 0 only
