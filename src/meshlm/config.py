@@ -310,8 +310,9 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
             _check(getattr(mc, key) % p.tp == 0,
                    f"parallel.tp={p.tp} does not divide model.{key}={getattr(mc, key)}")
-        _check(not mc.is_moe, f"parallel.tp={p.tp}: tensor parallelism of MoE layers "
-               "(model.moe_experts > 0) is not available yet")
+        if mc.is_moe:
+            _check(mc.expert_hidden % p.tp == 0, f"parallel.tp={p.tp} does not divide the "
+                   f"expert width model.moe_ffn_hidden={mc.expert_hidden}")
     _check(not p.sp or p.tp > 1, "parallel.sp=true needs parallel.tp > 1")
     if p.sp:
         _check(d.seq_len % p.tp == 0, f"parallel.sp=true: data.seq_len={d.seq_len} is not "

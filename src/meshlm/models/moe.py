@@ -89,13 +89,15 @@ class MoE(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_top_idx: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (T, H)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens (T, H) -> (weights (T, k), expert ids (T, k)); records the aux loss."""
         probs, weights, top_idx = route_topk(self.router(x), self.topk)
         self.last_aux_loss = self.coef * load_balancing_loss(probs, top_idx, self.n_experts)
         self.last_top_idx = top_idx.detach()
+        return weights, top_idx
 
+    def combine(self, x: torch.Tensor, weights: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's k experts of weight * expert(token), plus the shared expert."""
         flat = top_idx.reshape(-1)  # (T*k,) expert of each assignment
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token_of = order // self.topk  # (T*k,) source token of each sorted assignment
@@ -105,4 +107,10 @@ class MoE(nn.Module):
         y = torch.zeros_like(x).index_add_(0, token_of, (out_sorted * gate).to(x.dtype))
         if self.shared is not None:
             y = y + self.shared(x)
-        return y.reshape(shape)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, H)
+        weights, top_idx = self.route(x)
+        return self.combine(x, weights, top_idx).reshape(shape)

@@ -32,8 +32,16 @@ from torch import nn
 
 from ..distributed.comm import Comm
 from ..models.llama import RMSNorm, Transformer
-from ..models.moe import SwiGLU
-from .tensor_comm import AXIS, copy_to_tp, gather_last, gather_seq, reduce_from_tp, scatter_seq
+from ..models.moe import MoE, SwiGLU
+from .tensor_comm import (
+    AXIS,
+    copy_to_tp,
+    gather_last,
+    gather_seq,
+    gather_seq_two_ways,
+    reduce_from_tp,
+    scatter_seq,
+)
 
 # (module suffix, parameter, sharded dim): the plan for one decoder layer.
 COLUMN, ROW = 0, 1
@@ -44,6 +52,13 @@ LAYER_PLAN: list[tuple[str, int]] = [
     ("feed_forward.w2.weight", ROW),
 ]
 REGIONS = ("attention", "feed_forward")
+# MoE layer: stacked experts w1/w3 (E, F, H) sharded on F (dim 1), w2 (E, H, F) on F (dim 2);
+# the shared expert like a dense MLP; the router stays replicated.
+MOE_PLAN: list[tuple[str, int]] = [
+    ("feed_forward.experts.w1", 1), ("feed_forward.experts.w3", 1),
+    ("feed_forward.experts.w2", 2), ("feed_forward.shared.w1.weight", COLUMN),
+    ("feed_forward.shared.w3.weight", COLUMN), ("feed_forward.shared.w2.weight", ROW),
+]
 
 
 def _shard(p: nn.Parameter, dim: int, rank: int, size: int, padded: int | None = None) -> None:
@@ -84,6 +99,32 @@ class SequenceParallelRMSNorm(RMSNorm):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * copy_to_tp(self.weight, self.comm).float()).type_as(x)
+
+
+class TensorParallelMoE(MoE):
+    """MoE with experts sharded over tp: routing replicated, expert outputs partial sums.
+
+    The router runs on whole tokens on every tp rank (same routing, same aux loss as one
+    process) and its input gradient is whole, so it bypasses ``f``; the routing weights pass
+    ``f`` because each rank's expert shard contributes part of their gradient. Communication
+    per layer and micro-batch: without SP, all-reduce of b s h forward and of b s h + T k
+    backward; with SP, one all-gather and one reduce-scatter of b s h each way + T k.
+    """
+
+    comm: Comm
+    sp: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s_in, h = x.shape
+        if self.sp:
+            x_sharded, x_replicated = gather_seq_two_ways(x, self.comm)  # (B, S, h) each
+        else:
+            x_sharded, x_replicated = copy_to_tp(x, self.comm), x
+        weights, top_idx = self.route(x_replicated.reshape(-1, h))
+        weights = copy_to_tp(weights, self.comm)
+        y = self.combine(x_sharded.reshape(-1, h), weights, top_idx)  # partial sums
+        y = y.view(b, -1, h)
+        return scatter_seq(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -208,16 +249,21 @@ def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorPar
     """Shard ``model`` in place over tp (see module docstring); returns its loss/state helper."""
     t, r = comm.size(AXIS), comm.rank(AXIS)
     cfg = model.cfg
-    if cfg.is_moe:
-        raise ValueError("tensor parallelism of MoE layers is not available yet")
     for layer in model.layers.values():
         params = dict(layer.named_parameters())
-        for name, dim in LAYER_PLAN:
-            _shard(params[name], dim, r, t)
-            params[name]._tp_sharded = True
-        assert isinstance(layer.feed_forward, SwiGLU)
-        for region in REGIONS:
-            _region_hooks(getattr(layer, region), comm, sp)
+        moe = isinstance(layer.feed_forward, MoE)
+        plan = LAYER_PLAN[:4] + (MOE_PLAN if moe else LAYER_PLAN[4:])
+        for name, dim in plan:
+            if name in params:  # (a MoE layer without shared expert has no shared.*)
+                _shard(params[name], dim, r, t)
+                params[name]._tp_sharded = True
+        _region_hooks(layer.attention, comm, sp)
+        if moe:
+            layer.feed_forward.__class__ = TensorParallelMoE  # same parameters, TP forward
+            layer.feed_forward.comm, layer.feed_forward.sp = comm, sp
+        else:
+            assert isinstance(layer.feed_forward, SwiGLU)
+            _region_hooks(layer.feed_forward, comm, sp)
         if sp:
             layer.attention_norm = SequenceParallelRMSNorm(layer.attention_norm, comm)
             layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)

@@ -91,6 +91,32 @@ class _ScatterSeq(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.comm), None
 
 
+class _GatherSeqTwoWays(torch.autograd.Function):
+    """One all-gather along seq, two consumers: a tp-sharded one and a replicated one.
+
+    The first output feeds sharded work whose input gradients are partial sums (backward:
+    reduce-scatter); the second feeds work replicated on every tp rank, whose input gradient
+    is already whole and equal everywhere (backward: keep this rank's slice).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm):  # noqa: ANN001, ANN205
+        ctx.comm, ctx.s_local = comm, x.shape[1]
+        full = _all_gather_seq(x, comm)
+        return full, full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, g_sharded: torch.Tensor, g_replicated: torch.Tensor):  # noqa: ANN001, ANN205
+        r = ctx.comm.rank(AXIS)
+        grad = _reduce_scatter_seq(g_sharded.contiguous(), ctx.comm)
+        grad += g_replicated[:, r * ctx.s_local : (r + 1) * ctx.s_local]
+        return grad, None
+
+
+def gather_seq_two_ways(x: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
+    return _GatherSeqTwoWays.apply(x, comm)
+
+
 def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _CopyToTP.apply(x, comm)
 
