@@ -14,31 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, summary
 
 from meshlm.config import load_config
 from meshlm.data import build_data
 from meshlm.data.sampler import StepSampler
 from meshlm.models import build_model
-from meshlm.testing import run_world
-from meshlm.train.trainer import Trainer
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
@@ -93,16 +80,10 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
     base = rss_bytes()
     cfg = config(args, impl, run_dir)
     if impl.startswith("meshlm"):
-        trainer = Trainer(cfg, log=lambda _m: None, progress=False)
-        times = []
-        for step in range(1, args["steps"] + 1):
-            t0 = time.perf_counter()
-            trainer.train_step(step)
-            times.append(time.perf_counter() - t0)
+        times = meshlm_step_times(cfg, args["steps"])
     else:
         times = torch_side(impl, cfg, args["steps"])
-    warm = times[2:]  # the first steps allocate buffers and warm the thread pool
-    return {"step_time_s": statistics.median(warm), "peak_rss_growth": peak_rss_bytes() - base}
+    return summary(times, base)
 
 
 def main() -> None:
@@ -119,37 +100,21 @@ def main() -> None:
     build_data(config(args, "meshlm-ddp", "unused").data)  # cache the data once
     impls = ["meshlm-ddp", "torch-ddp", "meshlm-zero1", "meshlm-zero2", "meshlm-zero3",
              "torch-fsdp2"]
-    best: dict[str, dict] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="meshlm-dp-bench-"))
-    for r in range(a.rounds):
-        for impl in impls:
-            res = run_world(a.world, worker, impl, args, str(tmp / f"{impl}-{r}"))
-            step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
-            mem = max(x["peak_rss_growth"] for x in res)
-            if impl not in best or step < best[impl]["step_time_s"]:
-                best[impl] = {"impl": impl, "step_time_s": step, "peak_rss_growth": mem}
-            else:
-                best[impl]["peak_rss_growth"] = min(best[impl]["peak_rss_growth"], mem)
+    best = best_of(a.world, worker, impls, args, a.rounds)
     tokens = a.batch * a.seq
     pairs = {"meshlm-ddp": "torch-ddp", "meshlm-zero1": "torch-fsdp2",
              "meshlm-zero2": "torch-fsdp2", "meshlm-zero3": "torch-fsdp2"}
     print(f"model {a.preset}, world {a.world} (gloo, 1 thread/rank), global batch {a.batch} x "
           f"{a.seq}, fp32, median of steps 3..{a.steps}, best of {a.rounds} runs")
-    print(f"| {'implementation':<14} | {'step (s)':>8} | {'tokens/s':>8} | {'peak RSS growth':>15} "
-          f"| {'time ratio':>10} | {'memory ratio':>12} |")
-    print(f"|{'-' * 16}|{'-' * 10}|{'-' * 10}|{'-' * 17}|{'-' * 12}|{'-' * 14}|")
     rows = []
     for impl in impls:
         b = best[impl]
         ref = best.get(pairs.get(impl, ""))
-        tr = b["step_time_s"] / ref["step_time_s"] if ref else None
-        mr = b["peak_rss_growth"] / ref["peak_rss_growth"] if ref else None
-        row = dict(b, tokens_per_s=tokens / b["step_time_s"], vs=pairs.get(impl),
-                   time_ratio=tr, memory_ratio=mr)
-        rows.append(row)
-        print(f"| {impl:<14} | {b['step_time_s']:>8.3f} | {row['tokens_per_s']:>8.0f} | "
-              f"{b['peak_rss_growth'] / 2**20:>11.1f} MiB | "
-              f"{(f'{tr:.3f}' if tr else '-'):>10} | {(f'{mr:.3f}' if mr else '-'):>12} |")
+        rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], vs=pairs.get(impl),
+                         time_ratio=b["step_time_s"] / ref["step_time_s"] if ref else None,
+                         memory_ratio=b["peak_rss_growth"] / ref["peak_rss_growth"] if ref
+                         else None))
+    print_rows(rows, 14)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": args, "rows": rows}, indent=1))

@@ -17,28 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, summary
 
 from meshlm.config import load_config
 from meshlm.data import build_data
 from meshlm.data.sampler import StepSampler
 from meshlm.models import build_model
-from meshlm.testing import run_world
-from meshlm.train.trainer import Trainer
-
-try:  # the benchmark's own memory helpers
-    from data_parallel import peak_rss_bytes, rss_bytes
-except ImportError:  # run from another directory
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from data_parallel import peak_rss_bytes, rss_bytes
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
@@ -119,16 +108,10 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
     base = rss_bytes()
     cfg = config(args, impl, run_dir)
     if impl.startswith("meshlm"):
-        trainer = Trainer(cfg, log=lambda _m: None, progress=False)
-        times = []
-        for step in range(1, args["steps"] + 1):
-            t0 = time.perf_counter()
-            trainer.train_step(step)
-            times.append(time.perf_counter() - t0)
+        times = meshlm_step_times(cfg, args["steps"])
     else:
         times = dtensor_side(cfg, args["steps"])
-    return {"step_time_s": statistics.median(times[2:]),
-            "peak_rss_growth": peak_rss_bytes() - base}
+    return summary(times, base)
 
 
 def main() -> None:
@@ -144,33 +127,16 @@ def main() -> None:
     args = vars(a)
     build_data(config(args, "meshlm-tp", "unused").data)
     impls = ["meshlm-tp", "torch-dtensor-tp", "meshlm-tp-sp"]
-    best: dict[str, dict] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="meshlm-tp-bench-"))
-    for r in range(a.rounds):
-        for impl in impls:
-            res = run_world(a.world, worker, impl, args, str(tmp / f"{impl}-{r}"))
-            step = max(x["step_time_s"] for x in res)
-            mem = max(x["peak_rss_growth"] for x in res)
-            if impl not in best or step < best[impl]["step_time_s"]:
-                best[impl] = {"impl": impl, "step_time_s": step, "peak_rss_growth": mem}
-            else:
-                best[impl]["peak_rss_growth"] = min(best[impl]["peak_rss_growth"], mem)
+    best = best_of(a.world, worker, impls, args, a.rounds)
     ref = best["torch-dtensor-tp"]
     tokens = a.batch * a.seq
     print(f"model {a.preset}, tp {a.world} (gloo, 1 thread/rank), batch {a.batch} x {a.seq}, "
           f"fp32, median of steps 3..{a.steps}, best of {a.rounds} runs")
-    print(f"| {'implementation':<16} | {'step (s)':>8} | {'tokens/s':>8} | {'peak RSS growth':>15} "
-          f"| {'time ratio':>10} | {'memory ratio':>12} |")
-    print(f"|{'-' * 18}|{'-' * 10}|{'-' * 10}|{'-' * 17}|{'-' * 12}|{'-' * 14}|")
-    rows = []
-    for impl in impls:
-        b = best[impl]
-        tr = b["step_time_s"] / ref["step_time_s"]
-        mr = b["peak_rss_growth"] / ref["peak_rss_growth"]
-        rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], time_ratio=tr,
-                         memory_ratio=mr))
-        print(f"| {impl:<16} | {b['step_time_s']:>8.3f} | {tokens / b['step_time_s']:>8.0f} | "
-              f"{b['peak_rss_growth'] / 2**20:>11.1f} MiB | {tr:>10.3f} | {mr:>12.3f} |")
+    rows = [dict(best[i], tokens_per_s=tokens / best[i]["step_time_s"],
+                 time_ratio=best[i]["step_time_s"] / ref["step_time_s"],
+                 memory_ratio=best[i]["peak_rss_growth"] / ref["peak_rss_growth"])
+            for i in impls]
+    print_rows(rows)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": args, "rows": rows}, indent=1))

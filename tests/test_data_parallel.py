@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.state import find_latest, load_state
 from meshlm.config import load_config
-from meshlm.testing import max_relative_difference, run_world
+from meshlm.testing import final_weights, max_relative_difference, run_world, train_runs
 from meshlm.train.metrics import read_metrics
 from meshlm.train.trainer import train
 
@@ -48,14 +47,8 @@ def layouts(dp: int, root: Path) -> list[list[str]]:
     return out
 
 
-def train_layouts(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]:
-    """Worker body: train every layout in turn (rank 0's losses are returned)."""
-    return [train(load_config(None, base + r), log=lambda _m: None, progress=False).losses
-            for r in runs]
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_state(find_latest(run_dir / "checkpoints"))["weights"]
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +125,9 @@ def test_layouts_match_single_process(dp: int, reference) -> None:  # noqa: ANN0
     base, root, _, _ = reference
     runs = layouts(dp, root)
     if dp == 1:
-        results = train_layouts(base, runs)
+        results = train_runs(base, runs)
     else:
-        results = run_world(dp, train_layouts, base, runs)[0]
+        results = run_world(dp, train_runs, base, runs)[0]
     for args, losses in zip(runs, results, strict=True):
         run_dir = Path(args[-1].split("=", 1)[1])
         zero = int(args[1].split("=")[1])

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.checkpoint.state import find_latest, load_state
 from meshlm.config import load_config
-from meshlm.testing import max_relative_difference, run_world
+from meshlm.testing import final_weights, max_relative_difference, run_world, train_runs
 from meshlm.train.metrics import read_metrics
 from meshlm.train.trainer import Trainer, train
 
@@ -29,13 +28,8 @@ def base_args(corpus: Path, cache: Path) -> list[str]:
     ]
 
 
-def train_layouts(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]:
-    return [train(load_config(None, base + r), log=lambda _m: None, progress=False).losses
-            for r in runs]
 
 
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_state(find_latest(run_dir / "checkpoints"))["weights"]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +101,7 @@ def test_tensor_parallel_matches_single_process(world: int, reference) -> None: 
                 runs.append(["--parallel.tp=2", "--parallel.dp=2", f"--parallel.zero={zero}",
                              f"--parallel.sp={sp}", "--train.micro_batch=4",
                              f"--run.dir={root / f'dp2-tp2-zero{zero}-sp{sp}'}"])
-    results = run_world(world, train_layouts, base, runs)[0]
+    results = run_world(world, train_runs, base, runs)[0]
     cfg = load_config(None, base + ["--train.micro_batch=8"]).model_config()
     for args, losses in zip(runs, results, strict=True):
         run_dir = Path(args[-1].split("=", 1)[1])
@@ -196,7 +190,7 @@ def test_moe_tensor_parallel_matches_single_process(reference, tmp_path: Path) -
     runs.append(["--parallel.tp=2", "--parallel.dp=2", "--parallel.zero=3", "--parallel.sp=true",
                  "--train.micro_batch=4", "--model.moe_aux_loss_coef=0",
                  f"--run.dir={tmp_path / 'dp2-tp2-zero3'}"])
-    results = run_world(4, train_layouts, base, runs)[0]
+    results = run_world(4, train_runs, base, runs)[0]
     for args, losses in zip(runs, results, strict=True):
         ref_losses, ref_weights = refs[args[-2].split("=")[1]]
         run_dir = Path(args[-1].split("=", 1)[1])

@@ -48,25 +48,24 @@ def assert_weights_close(
 
 
 # ---------------------------------------------------------------------- spawned worlds
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _world_entry(rank: int, world: int, port: int, fn, args, queue) -> None:  # noqa: ANN001
+def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: float) -> None:  # noqa: ANN001
+    import faulthandler
     import os
     import traceback
+    from datetime import timedelta
 
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    # A stuck rank prints every thread's stack before the parent gives up on it.
+    faulthandler.dump_traceback_later(max(10.0, timeout - 20), exit=False)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # a collective that waits longer than this raises instead of hanging
+        limit = timedelta(seconds=max(30.0, timeout - 40))
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
         queue.put((rank, "ok", fn(*args)))
     except BaseException:  # report any failure to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
@@ -75,20 +74,24 @@ def _world_entry(rank: int, world: int, port: int, fn, args, queue) -> None:  # 
             dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args, timeout: float = 600.0) -> list:  # noqa: ANN001
+def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:  # noqa: ANN001
     """Run ``fn(*args)`` on ``world`` gloo ranks (spawned, one thread each); rank-ordered results.
 
     ``fn`` must be importable (module level). A failing rank raises here with its traceback.
     """
     import queue as queue_mod
 
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn, args, q), daemon=True)
-             for r in range(world)]
+    # The parent serves the rendezvous store on a port the OS picks: no race for a free port
+    # with other worlds started at the same time.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
+    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn, args, q, timeout),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -106,4 +109,24 @@ def run_world(world: int, fn, *args, timeout: float = 600.0) -> list:  # noqa: A
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        del store
     return [results[r] for r in range(world)]
+
+
+# ---------------------------------------------------------------------- training runs
+def train_runs(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]:
+    """Train ``base + run`` for each run in turn (works as a spawned-world body); losses."""
+    from .config import load_config
+    from .train.trainer import train
+
+    return [train(load_config(None, base + r), log=lambda _m: None, progress=False).losses
+            for r in runs]
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Full weights of the latest checkpoint of a run directory."""
+    from pathlib import Path
+
+    from .checkpoint.state import find_latest, load_state
+
+    return load_state(find_latest(Path(run_dir) / "checkpoints"))["weights"]

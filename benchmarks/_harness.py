@@ -1,0 +1,74 @@
+"""Shared measurement protocol of the multi-process benchmarks.
+
+Each implementation runs in its own spawned gloo world (so a rank's peak memory is its own),
+``rounds`` times, alternating with the others; the fastest run counts, and a step counts at
+the pace of its slowest rank. Memory is the growth of peak resident memory (max over ranks)
+over the resident memory a rank had before building its model.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from meshlm.testing import run_world
+from meshlm.train.trainer import Trainer
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def meshlm_step_times(cfg, steps: int) -> list[float]:  # noqa: ANN001
+    """Wall time of the trainer's own steps 1..steps."""
+    trainer = Trainer(cfg, log=lambda _m: None, progress=False)
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def summary(times: list[float], base_rss: int) -> dict:
+    # the first two steps allocate buffers and warm the thread pool
+    return {"step_time_s": statistics.median(times[2:]),
+            "peak_rss_growth": peak_rss_bytes() - base_rss}
+
+
+def best_of(world: int, worker: Callable[..., dict], impls: list[str], args: dict,
+            rounds: int) -> dict[str, dict]:
+    """{impl: best run} with ``worker(impl, args, run_dir)`` run on every rank."""
+    best: dict[str, dict] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="meshlm-bench-"))
+    for r in range(rounds):
+        for impl in impls:
+            res = run_world(world, worker, impl, args, str(tmp / f"{impl}-{r}"))
+            step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
+            mem = max(x["peak_rss_growth"] for x in res)
+            if impl not in best or step < best[impl]["step_time_s"]:
+                best[impl] = {"impl": impl, "step_time_s": step, "peak_rss_growth": mem}
+            else:
+                best[impl]["peak_rss_growth"] = min(best[impl]["peak_rss_growth"], mem)
+    return best
+
+
+def print_rows(rows: list[dict], width: int = 16) -> None:
+    """Markdown table of implementation, step time, tokens/s, memory and ratios."""
+    print(f"| {'implementation':<{width}} | {'step (s)':>8} | {'tokens/s':>8} | "
+          f"{'peak RSS growth':>15} | {'time ratio':>10} | {'memory ratio':>12} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 10}|{'-' * 10}|{'-' * 17}|{'-' * 12}|{'-' * 14}|")
+    for r in rows:
+        tr = f"{r['time_ratio']:.3f}" if r.get("time_ratio") else "-"
+        mr = f"{r['memory_ratio']:.3f}" if r.get("memory_ratio") else "-"
+        print(f"| {r['impl']:<{width}} | {r['step_time_s']:>8.3f} | {r['tokens_per_s']:>8.0f} | "
+              f"{r['peak_rss_growth'] / 2**20:>11.1f} MiB | {tr:>10} | {mr:>12} |")

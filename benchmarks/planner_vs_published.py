@@ -1,0 +1,373 @@
+"""The planner against published training runs: predicted vs reported MFU / throughput.
+
+    python benchmarks/planner_vs_published.py ../shared/data/published_runs.csv [--json]
+        [--no-search] [--out benchmarks/results/planner_vs_published.json]
+
+For every CSV row with a model shape, a layout and a reported figure, the planner predicts the
+same quantity in the row's FLOP convention and prints reported, predicted and the relative
+error; rows it cannot predict are listed with the reason. One set of constants serves every
+row (the hardware catalogue and the time model's constants); nothing here is per row.
+
+How a row becomes a question (the same rules for every row, any CSV with these columns):
+
+- model: layers, hidden, heads, vocab and seq_len are required; a blank ffn_hidden is 4 x
+  hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
+  (3 matrices) or GELU (2) nor whether embeddings are tied: the combination whose parameter
+  count is closest to ``params_B`` is taken.
+- hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe, H800,
+  H200, B200, MI300X); a memory size ("96GB") and a per-GPU network rate ("400Gb/s ... per
+  GPU", or "N Gbps" per 8-GPU node) written there replace the entry's. TPUs and V100 are not
+  in the catalogue.
+- layout: blank tp/pp/cp/ep = 1, blank dp = GPUs / (tp pp cp), vpp > 1 = interleaved 1F1B;
+  ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1);
+  "sequence parallel" in the recompute text = sp. A blank global batch with pp = 1 is one
+  micro-batch per replica (torchtitan's convention). A blank micro-batch size or recomputation
+  is the one the planner itself finds fastest among those that fit -- as the source would have
+  tuned it; such rows are marked ``completed``.
+- software era: attention scores are materialised (no FlashAttention, published May 2022) for
+  rows whose source year is 2022 or earlier; states are mixed precision (2 + 2 + 12 bytes).
+- metric: reported MFU if given, else TFLOP/s per GPU, else tokens/s per GPU, else step time.
+  FLOP conventions from the notes: "96Bslh" / "incl. recompute" / "counts recompute" /
+  "HFU-like" rows count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (Narayanan et al. 2021),
+  "72Bslh" rows ``72 B s l h^2 (1 + s/6h + V/12lh)``, others 6N + attention (PaLM); the peak
+  is the hardware's 16-bit one unless the notes say "FP8 peak". ``mfu_error`` is the relative
+  error of the implied MFU (for a step time: reported / predicted - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlm.models.config import ModelConfig
+from meshlm.planner.hardware import CATALOGUE, GIB, Accelerator
+from meshlm.planner.search import Plan, evaluate, search
+from meshlm.planner.workload import Layout, ModelSpec, Workload
+
+ROOT = Path(__file__).resolve().parent
+TOLERANCE = 0.20
+
+
+@dataclass
+class Row:
+    index: int
+    raw: dict[str, str]
+    reason: str = ""  # why it cannot be predicted
+    work: Workload | None = None
+    layout: Layout | None = None
+    hw: Accelerator | None = None
+    free: list[str] = field(default_factory=list)  # knobs the planner completed
+    metric: str = ""
+    reported: float = 0.0
+
+
+def _num(raw: dict[str, str], key: str) -> float | None:
+    text = (raw.get(key) or "").strip()
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def _int(raw: dict[str, str], key: str) -> int | None:
+    v = _num(raw, key)
+    return int(v) if v is not None else None
+
+
+def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
+    dims = {k: _int(raw, k) for k in ("layers", "hidden", "heads", "vocab", "seq_len")}
+    missing = [k for k, v in dims.items() if not v]
+    if missing:
+        return f"model shape not given ({', '.join(missing)} blank)"
+    h = dims["hidden"]
+    ffn = _int(raw, "ffn_hidden") or 4 * h
+    kv = _int(raw, "kv_heads") or dims["heads"]
+    experts, topk = _int(raw, "moe_experts") or 0, _int(raw, "moe_topk") or 2
+    target = (_num(raw, "params_B") or 0) * 1e9
+    best: tuple[float, ModelSpec] | None = None
+    for gated in (True, False):
+        for tied in (True, False):
+            try:
+                cfg = ModelConfig(name=name, vocab_size=dims["vocab"], dim=h,
+                                  n_layers=dims["layers"], n_heads=dims["heads"], n_kv_heads=kv,
+                                  ffn_hidden=ffn, max_seq_len=dims["seq_len"],
+                                  tie_embeddings=tied, moe_experts=experts, moe_topk=topk)
+            except ValueError as e:
+                return f"model shape invalid: {e}"
+            spec = ModelSpec(cfg, gated_mlp=gated)
+            gap = abs(spec.num_params() - target)
+            if best is None or gap < best[0]:
+                best = (gap, spec)
+    assert best is not None
+    return best[1]
+
+
+def build_hardware(text: str) -> Accelerator | str:
+    t = text.upper()
+    if "A100" in t:
+        hw = CATALOGUE["a100-40gb" if "40GB" in t else "a100-80gb"]
+    elif "H100" in t:
+        hw = CATALOGUE["h100-pcie" if "PCIE" in t else "h100-sxm"]
+    else:
+        for key in ("H800", "H200", "B200", "MI300X"):
+            if key in t:
+                hw = CATALOGUE[key.lower()]
+                break
+        else:
+            return f"hardware {text!r} is not in the catalogue"
+    changes: dict[str, Any] = {}
+    mem = re.search(r"(\d+)\s*GB\b", t)
+    if mem:
+        changes["memory"] = float(mem.group(1)) * GIB
+    per_gpu = re.search(r"(\d+)\s*GB/S[^,;)]*PER GPU", t)
+    per_node = re.search(r"(\d+)\s*GBPS", t)
+    if per_gpu:
+        changes["inter_bw"] = float(per_gpu.group(1)) / 8 * 1e9
+    elif per_node:
+        changes["inter_bw"] = float(per_node.group(1)) / 8 * 1e9 / hw.gpus_per_node
+    return hw.with_(**changes) if changes else hw
+
+
+def zero_stage(text: str) -> int:
+    t = text.upper()
+    if any(k in t for k in ("ZERO-3", "FSDP", "FULL_SHARD", "FULLY-SHARDED", "FULLY SHARDED")):
+        return 3
+    if "ZERO-2" in t:
+        return 2
+    if "ZERO-1" in t or "DISTRIBUTED OPTIMIZER" in t:
+        return 1
+    return 0
+
+
+def recompute_mode(text: str) -> str | None:
+    t = text.lower()
+    if not t.strip():
+        return None
+    if t.startswith("full"):
+        return "full"
+    if "selective" in t or "partial" in t:
+        return "selective"
+    return "none"
+
+
+def source_year(source: str) -> int | None:
+    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", source)]
+    return years[0] if years else None
+
+
+def build_row(index: int, raw: dict[str, str]) -> Row:
+    row = Row(index, raw)
+    for key, metric in (("reported_mfu_pct", "mfu"), ("reported_tflops_per_gpu", "tflops"),
+                        ("reported_tokens_per_sec_per_gpu", "tokens_per_s_per_gpu"),
+                        ("reported_step_time_s", "step_time_s")):
+        value = _num(raw, key)
+        if value is not None:
+            row.metric, row.reported = metric, value / (100 if metric == "mfu" else 1)
+            break
+    if not row.metric:
+        row.reason = "no reported throughput, MFU or step time"
+        return row
+    spec = build_model(raw, raw.get("model_name", f"row{index}"))
+    if isinstance(spec, str):
+        row.reason = spec
+        return row
+    hw = build_hardware(raw.get("hardware", ""))
+    if isinstance(hw, str):
+        row.reason = hw
+        return row
+    gpus = _int(raw, "num_gpus")
+    if not gpus:
+        row.reason = "number of GPUs not given"
+        return row
+    tp, pp, cp = (_int(raw, k) or 1 for k in ("tp", "pp", "cp"))
+    if _int(raw, "dp") is None and _int(raw, "tp") is None and _int(raw, "pp") is None:
+        row.reason = "parallel layout not given"
+        return row
+    dp = _int(raw, "dp") or gpus // (tp * pp * cp)
+    if dp * tp * pp * cp != gpus:
+        row.reason = f"layout tp*pp*dp*cp = {tp * pp * dp * cp} != {gpus} GPUs"
+        return row
+    mbs, gb = _int(raw, "micro_batch"), _int(raw, "global_batch_seqs")
+    if gb is None:
+        if mbs is None:
+            row.reason = "neither global batch nor micro-batch given"
+            return row
+        gb = mbs * dp
+    vpp = _int(raw, "vpp") or 1
+    rc = recompute_mode(raw.get("recompute", ""))
+    precision = raw.get("precision", "").lower()
+    dtype = "fp8" if ("fp8" in precision or "float8" in precision) else "bf16"
+    year = source_year(raw.get("source", ""))
+    row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
+                        profile="megatron", flash=not (year is not None and year <= 2022))
+    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1,
+                        sp="sequence parallel" in raw.get("recompute", "").lower(),
+                        zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), mbs=mbs or 1,
+                        recompute=rc or "none",
+                        schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp)
+    row.free = (["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
+    row.hw = hw
+    return row
+
+
+def predict(row: Row) -> Plan:
+    """The row's layout; blank knobs completed with the fastest choice that fits."""
+    assert row.work and row.layout and row.hw
+    base = row.layout
+    options = [base]
+    if row.free:
+        mbs_opts = ([d for d in range(1, 129) if (row.work.global_batch // base.dp) % d == 0]
+                    if "mbs" in row.free else [base.mbs])
+        rc_opts = ["none", "selective", "full"] if "recompute" in row.free else [base.recompute]
+        options = [Layout(**{**base.as_dict(), "mbs": m, "recompute": r})
+                   for m in mbs_opts for r in rc_opts]
+    plans = [evaluate(row.work, lo, row.hw, base.world) for lo in options]
+    valid = [p for p in plans if not p.problems]
+    if not valid:
+        return plans[0]
+    fitting = [p for p in valid if p.fits]
+    return max(fitting or valid, key=lambda p: p.tokens_per_s)
+
+
+def flops_per_token(row: Row, recompute_counted: bool) -> float:
+    """FLOPs per token in the row's convention (see module docstring)."""
+    assert row.work
+    c, s = row.work.model.config, row.work.seq_len
+    notes = row.raw.get("notes", "")
+    lo_notes = notes.lower()
+    l, h, v = c.n_layers, c.dim, c.vocab_size
+    if recompute_counted:
+        return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    if "72bslh" in lo_notes.replace(" ", ""):
+        return 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    return row.work.model.flops_per_token(s)
+
+
+def predicted_metric(row: Row, plan: Plan) -> float:
+    assert plan.time and row.work and row.hw
+    tps_gpu = plan.time.tokens_per_s / plan.layout.world
+    notes = row.raw.get("notes", "").lower().replace(" ", "")
+    hfu = any(k in notes for k in ("96bslh", "incl.recompute", "countsrecompute", "hfu-like",
+                                   "incl.full-recompute"))
+    if row.metric == "tokens_per_s_per_gpu":
+        return tps_gpu
+    if row.metric == "step_time_s":
+        return plan.time.step
+    flops = flops_per_token(row, hfu and row.metric == "tflops") * tps_gpu
+    if row.metric == "tflops":
+        return flops / 1e12
+    peak = row.hw.peak_flops("fp8" if "fp8peak" in notes else "bf16")
+    return flops / peak
+
+
+def run(path: Path, do_search: bool = True) -> dict[str, Any]:
+    with path.open(newline="") as f:
+        raws = list(csv.DictReader(f))
+    results, skipped = [], []
+    search_cache: dict[tuple, Plan | None] = {}
+    for i, raw in enumerate(raws):
+        row = build_row(i, raw)
+        base = {"row": i, "source": raw.get("source", "")[:80], "table_ref": raw.get("table_ref"),
+                "model_name": raw.get("model_name"), "num_gpus": _int(raw, "num_gpus"),
+                "hardware": raw.get("hardware", "")[:40]}
+        if row.reason:
+            skipped.append({**base, "reason": row.reason})
+            continue
+        plan = predict(row)
+        if plan.problems:
+            skipped.append({**base, "reason": "; ".join(plan.problems)})
+            continue
+        pred = predicted_metric(row, plan)
+        err = pred / row.reported - 1
+        mfu_err = (row.reported / pred - 1) if row.metric == "step_time_s" else err
+        entry = {**base, "metric": row.metric, "reported": row.reported, "predicted": pred,
+                 "error": err, "mfu_error": mfu_err, "within": abs(mfu_err) <= TOLERANCE,
+                 "layout": plan.layout.describe(), "completed": row.free,
+                 "fits": plan.fits, "memory_gib": plan.memory.total / GIB,
+                 "predicted_mfu": plan.time.mfu, "step_time_s": plan.time.step}
+        if do_search:
+            assert row.work and row.hw
+            key = (row.work, plan.layout.world, row.hw.name, row.hw.memory, row.hw.inter_bw)
+            if key not in search_cache:
+                top = search(row.work, plan.layout.world, row.hw, top=1)
+                search_cache[key] = top[0] if top else None
+            best = search_cache[key]
+            entry["search_best"] = best.layout.describe() if best else None
+            entry["search_speedup"] = (best.tokens_per_s / plan.tokens_per_s) if best else None
+            entry["search_best_fits"] = bool(best and best.fits)
+        results.append(entry)
+    within = sum(r["within"] for r in results)
+    given = [r for r in results if not r["completed"]]
+    summary = {
+        "csv": str(path), "rows": len(raws), "predicted": len(results), "skipped": len(skipped),
+        "within_20pct": within, "fraction_within_20pct": within / max(1, len(results)),
+        "given_layout_rows": len(given),
+        "given_layout_within_20pct": sum(r["within"] for r in given),
+        "median_abs_mfu_error": _median([abs(r["mfu_error"]) for r in results]),
+    }
+    if do_search:
+        summary["search_at_least_as_fast"] = sum(
+            1 for r in results if r.get("search_speedup") and r["search_speedup"] >= 1 - 1e-9)
+        summary["search_best_always_fits"] = all(r.get("search_best_fits") for r in results)
+    return {"summary": summary, "rows": results, "skipped": skipped}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else math.nan
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"{'#':>3} {'model':<34} {'GPUs':>5} {'metric':<12} {'reported':>10} "
+          f"{'predicted':>10} {'err':>7} {'ok':>3} {'search x':>8}  layout")
+    for r in report["rows"]:
+        mark = "yes" if r["within"] else "NO"
+        fmt = ".3f" if r["metric"] in ("mfu", "step_time_s") else ".1f"
+        speed = f"{r['search_speedup']:.2f}" if r.get("search_speedup") else "-"
+        done = " (completed: " + ",".join(r["completed"]) + ")" if r["completed"] else ""
+        print(f"{r['row']:>3} {r['model_name'][:34]:<34} {r['num_gpus']:>5} {r['metric']:<12} "
+              f"{r['reported']:>10{fmt}} {r['predicted']:>10{fmt}} {r['mfu_error']:>+7.1%} "
+              f"{mark:>3} {speed:>8}  {r['layout']}{done}")
+    print("\nnot predicted:")
+    for r in report["skipped"]:
+        print(f"{r['row']:>3} {str(r['model_name'])[:34]:<34} {r['reason']}")
+    s = report["summary"]
+    print(f"\n{s['within_20pct']}/{s['predicted']} predicted rows within 20 % "
+          f"({s['fraction_within_20pct']:.0%}); rows with the whole layout given: "
+          f"{s['given_layout_within_20pct']}/{s['given_layout_rows']}; median |error| "
+          f"{s['median_abs_mfu_error']:.1%}; {s['skipped']} rows not predicted")
+    if "search_at_least_as_fast" in s:
+        print(f"search's first layout at least as fast as the published one: "
+              f"{s['search_at_least_as_fast']}/{s['predicted']}; always fits: "
+              f"{s['search_best_always_fits']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", type=Path)
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--no-search", action="store_true", help="skip the layout search check")
+    ap.add_argument("--out", type=Path, default=None, help="also write the report here")
+    args = ap.parse_args(argv)
+    report = run(args.csv, do_search=not args.no_search)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    if args.json:
+        json.dump(report["rows"] + [{**r, "predicted": None} for r in report["skipped"]],
+                  sys.stdout, indent=1)
+        print()
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
