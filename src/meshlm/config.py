@@ -88,6 +88,7 @@ class ParallelSection:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
+    pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
     cp: int = 1
     ep: int = 1
     zero: int = 0
@@ -302,10 +303,29 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
     _check(cfg.precision.dtype in DTYPES,
            f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
-    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("pp", "cp", "ep") if getattr(p, k) != 1]
+    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "ep") if getattr(p, k) != 1]
     _check(not unsupported,
-           f"{', '.join(unsupported)}: only data and tensor/sequence parallelism "
-           "(parallel.dp, parallel.zero, parallel.tp, parallel.sp) are available in this version")
+           f"{', '.join(unsupported)}: context and expert parallelism are not available in "
+           "this version (data, tensor/sequence and pipeline parallelism are)")
+    if p.pp > 1 or p.pp_virtual > 1:
+        from .parallel.pipeline import partition_layers
+        from .parallel.schedules import check_args
+
+        stages = p.pp * p.pp_virtual
+        _check(stages <= mc.n_layers or bool(p.pp_layers),
+               f"parallel.pp * pp_virtual = {stages} stages exceed model.n_layers={mc.n_layers}")
+        try:
+            check_args(p.pp_schedule, p.pp, cfg.grad_accum, p.pp_virtual)
+            partition_layers(mc.n_layers, stages, p.pp_layers)
+        except ValueError as e:
+            raise ConfigError(f"{e} (micro-batches per step = train.global_batch / "
+                              "(train.micro_batch * parallel.dp))"
+                              if "micro-batches" in str(e) else str(e)) from None
+        _check(not (p.pp > 1 and mc.tie_embeddings),
+               "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the "
+               "embedding and the head live on different stages); set model.tie_embeddings=false")
+        _check(cfg.precision.dtype != "fp16",
+               "precision.dtype=fp16 with parallel.pp > 1 is not supported; use bf16")
     if p.tp > 1:
         for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
             _check(getattr(mc, key) % p.tp == 0,

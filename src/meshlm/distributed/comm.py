@@ -139,6 +139,16 @@ class Comm:
         dist.all_reduce(t, red, group=self.mesh.group(axis))
         return [float(x) for x in t.tolist()]
 
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str) -> list:
+        """Post ("send" | "recv", tensor, peer index on ``axis``) ops as one batch; their works."""
+        group = self.mesh.group(axis)
+        p2p = []
+        for kind, t, peer in ops:
+            self.log.add(kind, axis, t)
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, t, dist.get_global_rank(group, peer), group=group))
+        return dist.batch_isend_irecv(p2p)
+
     def max_scalar(self, value: float, axis: str = "world") -> float:
         return self.reduce_scalars([value], axis, "max")[0]
 

@@ -41,6 +41,12 @@ class Engine:
     def set_sync(self, sync: bool) -> None:
         """Whether the coming backward is the last micro-batch of the step."""
 
+    def begin_step(self) -> None:
+        """Before the first micro-batch (ZeRO-3 under a pipeline gathers its parameters)."""
+
+    def end_forward_only(self) -> None:
+        """After an evaluation made outside a step (ZeRO-3 under a pipeline frees them)."""
+
     def finish_grads(self) -> None:
         """Complete every pending gradient reduction; gradients are then the global mean."""
 
@@ -82,7 +88,7 @@ def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm
     ``pairs`` are (parameter, gradient) with the gradient possibly a shard of the parameter's.
     """
     tp = comm.size("tp") if comm is not None else 1
-    sq = torch.zeros((), dtype=torch.float64, device=pairs[0][1].device if pairs else None)
+    sq = torch.zeros((), dtype=torch.float64)
     for p, g in pairs:
         sq += g.double().pow(2).sum() * tp_norm_weight(p, tp)
     for axis in axes:
@@ -90,7 +96,7 @@ def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm
             comm.all_reduce(sq, axis)
     norm = float(sq.sqrt())
     coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
+    if coef < 1.0 and pairs:
         torch._foreach_mul_([g for _, g in pairs], coef)
     return norm
 
@@ -109,10 +115,10 @@ class LocalEngine(Engine):
         self._grad_bytes = tensor_bytes([p.grad for p in self.params if p.grad is not None])
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.comm is None or self.comm.size("tp") == 1:
+        if self.comm is None or (self.comm.size("tp") == 1 and self.comm.size("pp") == 1):
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         pairs = [(p, p.grad) for p in self.params if p.grad is not None]
-        return clip_by_global_norm(pairs, max_norm, self.comm, ("tp",))
+        return clip_by_global_norm(pairs, max_norm, self.comm, ("tp", "pp"))
 
     def step(self, lr: float, precision: Precision | None = None) -> None:
         set_lr(self.optimizer, lr)

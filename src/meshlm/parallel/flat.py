@@ -70,6 +70,8 @@ class FlatGroup:
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         """One padded flat buffer holding ``tensors`` (one per parameter) end to end."""
+        if not tensors:
+            return torch.zeros(self.padded, dtype=dtype or torch.float32)
         ref = tensors[0]
         out = torch.zeros(self.padded, dtype=dtype or ref.dtype, device=ref.device)
         for i, t in enumerate(tensors):

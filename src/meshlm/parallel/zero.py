@@ -67,7 +67,7 @@ class ShardedAdamW:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm over every shard of every rank (dp and tp); scale if above max_norm."""
         pairs = [(self.groups[gi].params[index], t.grad) for gi, index, _, _, t in self.pieces]
-        return clip_by_global_norm(pairs, max_norm, self.comm, (self.axis, "tp"))
+        return clip_by_global_norm(pairs, max_norm, self.comm, (self.axis, "tp", "pp"))
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

@@ -81,13 +81,18 @@ class Unit:
 class Zero3Engine(Engine):
     """Fully sharded data parallelism over ``axis`` (see module docstring)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, axis: str = "dp") -> None:
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, axis: str = "dp",
+                 keep_gathered: bool = False) -> None:
+        """``keep_gathered``: pipeline mode -- parameters are gathered once per step
+        (:meth:`gather_all`) and gradients reduce-scattered once, after the last micro-batch."""
         self.model, self.cfg, self.comm, self.axis = model, cfg, comm, axis
+        self.keep = keep_gathered
         self.n, self.rank = comm.size(axis), comm.rank(axis)
         blocks = list(model.layers.items())
         in_block = {id(p) for _, blk in blocks for p in blk.parameters()}
         root = [(n, p) for n, p in unique_trainable(list(model.named_parameters()))
                 if id(p) not in in_block]
+        # (a middle pipeline stage has no root parameters: its root unit is empty)
         self.root = Unit("root", root, self.n, self.rank)
         self.units = [
             Unit(f"layers.{k}", unique_trainable(
@@ -100,14 +105,17 @@ class Zero3Engine(Engine):
                 self._unit_of[id(p)] = u
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.inflight: list[tuple[Unit, Handle, torch.Tensor]] = []
-        model.register_forward_pre_hook(self._root_pre_forward)
-        model.register_forward_hook(self._root_post_forward)
-        for k, (_, blk) in enumerate(blocks):
-            blk.register_forward_pre_hook(self._make_pre_forward(k))
-            blk.register_forward_hook(self._make_post_forward(k))
-        groups = [u.group for u in [self.root, *self.units]]
-        self.opt = ShardedAdamW(model, cfg, groups, [u.shard for u in [self.root, *self.units]],
-                                [u.grad_shard for u in [self.root, *self.units]], comm, axis)
+        if not self.keep:
+            model.register_forward_pre_hook(self._root_pre_forward)
+            model.register_forward_hook(self._root_post_forward)
+            for k, (_, blk) in enumerate(blocks):
+                blk.register_forward_pre_hook(self._make_pre_forward(k))
+                blk.register_forward_hook(self._make_post_forward(k))
+        all_units = [u for u in [self.root, *self.units] if u.group.params]
+        self.all_units = all_units
+        self.opt = ShardedAdamW(model, cfg, [u.group for u in all_units],
+                                [u.shard for u in all_units], [u.grad_shard for u in all_units],
+                                comm, axis)
         self.optimizer = self.opt.optimizer
 
     # -- forward ----------------------------------------------------------------------
@@ -140,7 +148,40 @@ class Zero3Engine(Engine):
         if k > 0:
             self.units[k - 1].start_gather(self.comm, self.axis)  # next in backward order
 
+    # -- pipeline mode: gathered for the whole step --------------------------------------
+    def begin_step(self) -> None:
+        if self.keep:
+            self.gather_all()
+
+    def end_forward_only(self) -> None:
+        if self.keep:
+            self.release_all()
+
+    def gather_all(self) -> None:
+        for u in self.all_units:
+            u.start_gather(self.comm, self.axis)
+        for u in self.all_units:
+            u.wait_gathered(self.comm, self.axis)
+
+    def release_all(self) -> None:
+        for u in self.all_units:
+            u.free()
+
+    def _reduce_all(self) -> None:
+        for u in self.all_units:
+            grads = [q.grad if q.grad is not None else torch.zeros(shape)
+                     for q, shape in zip(u.group.params, u.shapes, strict=True)]
+            flat = u.group.flatten(grads)
+            for q in u.group.params:
+                q.grad = None
+            out = torch.empty_like(u.shard)
+            self.inflight.append((u, self.comm.reduce_scatter(out, flat, self.axis,
+                                                              async_op=True), out))
+        self.release_all()
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self.keep:
+            return  # reduced once in finish_grads
         unit = self._unit_of[id(p)]
         unit.ready += 1
         if unit.ready < len(unit.group.params):
@@ -162,13 +203,15 @@ class Zero3Engine(Engine):
         unit.grad_shard.add_(out)
 
     def finish_grads(self) -> None:
+        if self.keep:
+            self._reduce_all()
         while self.inflight:
             self._complete(self.inflight.pop(0))
-        pending = [u.name for u in [self.root, *self.units] if u.ready]
+        pending = [u.name for u in self.all_units if u.ready]
         if pending:
             raise RuntimeError(f"ZeRO-3: units {pending} did not receive all their gradients")
         if self.n > 1:
-            for u in [self.root, *self.units]:
+            for u in self.all_units:
                 u.grad_shard.div_(self.n)
 
     # -- step ---------------------------------------------------------------------------
@@ -180,13 +223,13 @@ class Zero3Engine(Engine):
         self.opt.step(lr)
 
     def zero_grad(self) -> None:
-        for u in [self.root, *self.units]:
+        for u in self.all_units:
             u.grad_shard.zero_()
             for p in u.group.params:
                 p.grad = None
 
     def state_bytes(self) -> dict[str, int]:
-        units = [self.root, *self.units]
+        units = self.all_units
         return {
             "params": sum(u.shard.numel() * u.shard.element_size() for u in units),
             "grads": sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in units),
@@ -196,7 +239,7 @@ class Zero3Engine(Engine):
     # -- layout-free checkpoint format ----------------------------------------------------
     def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         weights: dict[str, torch.Tensor] = {}
-        for u in [self.root, *self.units]:
+        for u in self.all_units:
             full = torch.empty(u.group.padded, dtype=u.shard.dtype, device=u.shard.device)
             self.comm.all_gather(full, u.shard, self.axis)
             for name, v in zip(u.group.names, u.group.views(full), strict=True):
@@ -206,7 +249,7 @@ class Zero3Engine(Engine):
         return weights, self.opt.full_state(self.optimizer.param_groups[0]["lr"])
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
-        for u in [self.root, *self.units]:
+        for u in self.all_units:
             missing = [n for n in u.group.names if n not in weights]
             if missing:
                 raise ValueError(f"weights do not match the model: missing {missing[:3]}")

@@ -71,3 +71,17 @@ def canonical_params(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
         seen.add(id(p))
         (decay if p.ndim >= 2 else no_decay).append((name, p, p.ndim >= 2))
     return decay + no_decay
+
+
+def optimizer_state_by_name(model: nn.Module, optim: dict) -> dict[str, dict]:
+    """{parameter name: AdamW state} of a state dict in :func:`canonical_params` order."""
+    names = [n for n, _, _ in canonical_params(model)]
+    return {names[int(i)]: s for i, s in optim.get("state", {}).items()}
+
+
+def optimizer_state_from_names(model: nn.Module, by_name: dict[str, dict],
+                               param_groups: list[dict]) -> dict:
+    """The AdamW state dict of ``model`` (canonical order) from per-name states."""
+    names = [n for n, _, _ in canonical_params(model)]
+    state = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
+    return {"state": state, "param_groups": param_groups}

@@ -44,10 +44,16 @@ from ..distributed.mesh import Mesh, ParallelDims
 from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..parallel import parallelize
-from ..parallel.engine import Engine
+from ..parallel.engine import Engine, adamw_template
+from ..parallel.pipeline import PipelineExecutor
 from ..parallel.tensor import TensorParallel
 from .metrics import MetricsWriter, peak_memory_bytes
-from .optim import lr_at
+from .optim import (
+    canonical_params,
+    lr_at,
+    optimizer_state_by_name,
+    optimizer_state_from_names,
+)
 from .peak import peak_flops
 from .precision import Precision
 from .progress import ProgressLine
@@ -152,9 +158,11 @@ class Trainer:
         self.model: Transformer = build_model(self.model_cfg, cfg.train.seed, self.device)
         self.engine: Engine
         self.tp: TensorParallel | None
-        self.engine, self.tp = parallelize(self.model, self.comm, cfg.parallel, cfg.train)
+        par = parallelize(self.model, self.comm, cfg.parallel, cfg.train)
+        self.engine, self.tp, self.pipe = par.engine, par.tp, par.pipe
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         self.precision = Precision(cfg.precision.dtype, self.device.type)
+        self.executor = self.build_pipeline() if self.pipe is not None else None
         self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.sampler = StepSampler(
             self.data.train_tokens, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed
@@ -193,6 +201,18 @@ class Trainer:
             data = build_data(self.cfg.data, log=_quiet)
         return data
 
+    def activation_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
+        """Shape of the activations between pipeline stages (sequence-sharded under SP)."""
+        sp = self.tp is not None and self.tp.sp
+        return (batch, seq_len // self.tp.size if sp else seq_len, self.model_cfg.dim)
+
+    def build_pipeline(self) -> PipelineExecutor:
+        p = self.cfg.parallel
+        return PipelineExecutor(
+            self.pipe, self.comm, p.pp_schedule, self.cfg.grad_accum, p.pp_virtual,
+            self.activation_shape(self.cfg.train.micro_batch, self.cfg.data.seq_len),
+            self.loss_fn, self.precision.autocast, self.device)
+
     # ------------------------------------------------------------------ run files
     def write_run_files(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -224,6 +244,8 @@ class Trainer:
         """
         cfg = self.cfg.train
         micro = self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size, cfg.micro_batch)
+        if self.executor is not None:
+            return self.pipeline_step(step, micro)
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro):
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
@@ -233,13 +255,30 @@ class Trainer:
                 aux = self.model.aux_loss()
             self.precision.scale((loss + aux) / len(micro)).backward()
             total += loss.detach()
+        grad_norm = self.optimizer_update(step)
+        loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp")[0]
+        return loss_sum / self.dp_size, grad_norm
+
+    def optimizer_update(self, step: int) -> float:
+        """Reduce gradients, clip by the global norm, AdamW step, clear; returns the norm."""
+        cfg = self.cfg.train
         self.engine.finish_grads()
         self.precision.unscale_(self.engine.optimizer)
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = self.engine.clip_grad_norm(max_norm)
+        grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.engine.step(lr_at(step, cfg), self.precision)
         self.engine.zero_grad()
-        loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp")[0]
+        return grad_norm
+
+    def pipeline_step(self, step: int, micro: list) -> tuple[float, float]:
+        """One step through the pipeline schedule; gradients reduced after the last micro-batch."""
+        self.engine.set_sync(False)
+        self.engine.begin_step()
+        loss_sum = self.executor.run(micro, self.cfg.data.seq_len)  # last stage only
+        grad_norm = self.optimizer_update(step)
+        loss_sum = self.comm.reduce_scalars([loss_sum / len(micro)], "pp")[0]
+        loss_sum = self.comm.reduce_scalars([loss_sum], "dp")[0]
+        self.pp_bubble = self.comm.reduce_scalars([self.executor.bubble()], "pp")[0] / (
+            self.mesh.size("pp"))
         return loss_sum / self.dp_size, grad_norm
 
     @torch.no_grad()
@@ -249,10 +288,26 @@ class Trainer:
         losses = []
         for batch in self.val:
             batch = batch.to(self.device)
+            if self.executor is not None:
+                losses.append(self.pipeline_eval_loss(batch))
+                continue
             with self.precision.autocast():
                 losses.append(float(self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:])))
         self.model.train()
         return sum(losses) / len(losses)
+
+    def pipeline_forward(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Last-stage output of a forward-only pass through the pipeline (None elsewhere)."""
+        self.engine.begin_step()
+        shape = self.activation_shape(ids.shape[0], ids.shape[1])
+        out = self.executor.forward_only(ids, shape)
+        self.engine.end_forward_only()
+        return out
+
+    def pipeline_eval_loss(self, batch: torch.Tensor) -> float:
+        out = self.pipeline_forward(batch[:, :-1])
+        loss = float(self.loss_fn(out, batch[:, 1:])) if out is not None else 0.0
+        return self.comm.reduce_scalars([loss], "pp")[0]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -260,6 +315,8 @@ class Trainer:
         weights, optim = self.engine.full_state()
         if self.tp is not None:
             weights, optim = self.tp.gather_state(self.model, weights, optim)
+        if self.pipe is not None:
+            weights, optim = self.gather_pipeline_state(weights, optim)
         directory = step_dir(self.run_dir / "checkpoints", self.step)
         if self.main:
             state = {"step": self.step, "sampler": self.sampler.state_dict(),
@@ -272,12 +329,43 @@ class Trainer:
         self.comm.barrier()
         return directory
 
+    def full_model_names(self) -> Transformer:
+        """The whole model on the meta device: names and optimizer order of a one-process run."""
+        return build_model(self.model_cfg, device="meta")
+
+    def gather_pipeline_state(self, weights: dict, optim: dict) -> tuple[dict, dict]:
+        """Every stage's tensors and AdamW states -> the one-process state (on every rank)."""
+        import torch.distributed as tdist
+
+        mine = (weights, optimizer_state_by_name(self.model, optim))
+        parts: list = [None] * self.mesh.size("pp")
+        tdist.all_gather_object(parts, mine, group=self.mesh.group("pp"))
+        full = self.full_model_names()
+        all_w, all_s = {}, {}
+        for w, st in parts:
+            all_w.update(w)
+            all_s.update(st)
+        names = [n for n, _, _ in canonical_params(full)]
+        groups = adamw_template(full, self.cfg.train, optim["param_groups"][0]["lr"])
+        return ({n: all_w[n] for n in names},
+                optimizer_state_from_names(full, all_s, groups))
+
+    def select_pipeline_state(self, weights: dict, optim: dict) -> tuple[dict, dict]:
+        """This rank's stages' part of a one-process state."""
+        local = {n for n, _, _ in canonical_params(self.model)}
+        by_name = optimizer_state_by_name(self.full_model_names(), optim)
+        groups = adamw_template(self.model, self.cfg.train, self.cfg.train.lr)
+        return ({n: t for n, t in weights.items() if n in local},
+                optimizer_state_from_names(self.model, by_name, groups))
+
     def load_checkpoint(self, directory: Path | None) -> None:
         if directory is None:
             raise CheckpointError(f"no checkpoint in {self.run_dir / 'checkpoints'}")
         state = load_state(directory)
         weights, optim = state["weights"], state["optimizer"]
         try:
+            if self.pipe is not None:
+                weights, optim = self.select_pipeline_state(weights, optim)
             if self.tp is not None:
                 weights, optim = self.tp.shard_state(self.model, weights, optim)
             self.engine.load_full_state(weights, optim)
@@ -303,6 +391,8 @@ class Trainer:
             "tokens_seen": step * self.tokens_per_step,
             "params_bytes": mem["params"], "grads_bytes": mem["grads"], "optim_bytes": mem["optim"],
             "comm_bytes": self.comm.log.bytes_by_op(),
+            **({"pp_bubble": self.pp_bubble, "pp_peak_live": self.executor.peak_live}
+               if self.executor is not None else {}),
         }
 
     def fit(self) -> TrainResult:
@@ -336,9 +426,20 @@ class Trainer:
             if writer is not None:
                 writer.close()
         result.final_step = self.step
+        if self.executor is not None:
+            self.write_timeline()
         if not (self.run_dir / "checkpoints" / f"step_{self.step:07d}").exists():
             self.save_checkpoint()
         return result
+
+    def write_timeline(self) -> None:
+        """The last step's measured actions of this rank: ``timeline/rank_NNNN.json``."""
+        out = self.run_dir / "timeline"
+        out.mkdir(parents=True, exist_ok=True)
+        rec = {"rank": self.mesh.rank, "pp_rank": self.mesh.local_rank("pp"),
+               "pp": self.mesh.size("pp"), "schedule": self.cfg.parallel.pp_schedule,
+               "step_time": self.executor.step_time, "actions": self.executor.timeline}
+        (out / f"rank_{self.mesh.rank:04d}.json").write_text(json.dumps(rec))
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Every rank samples (sharded weights are gathered collectively); all agree."""
@@ -347,13 +448,24 @@ class Trainer:
 
     def full_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, S, V) logits of the whole vocabulary, whatever the layout."""
-        if self.tp is None:
+        if self.tp is None and self.pipe is None:
             return self.model(ids)
         s = ids.shape[1]
-        pad = (-s) % self.tp.size if self.tp.sp else 0  # sequence shards need s % tp == 0;
-        if pad:  # right padding leaves the causal logits of the first s positions unchanged
+        pad = (-s) % self.tp.size if self.tp is not None and self.tp.sp else 0
+        if pad:  # sequence shards need s % tp == 0; right padding keeps the causal logits
             ids = torch.cat([ids, ids.new_zeros(ids.shape[0], pad)], dim=1)
-        return self.tp.full_logits(self.model(ids))[:, :s]
+        if self.pipe is None:
+            logits = self.model(ids)
+        else:  # the last stage has the logits: broadcast them over the pipeline
+            out = self.pipeline_forward(ids)
+            v_local = self.model_cfg.vocab_size if self.tp is None else -(
+                -self.model_cfg.vocab_size // self.tp.size)
+            logits = out.float() if out is not None else torch.empty(
+                ids.shape[0], ids.shape[1], v_local, device=self.device)
+            self.comm.broadcast(logits, "pp", src=self.mesh.size("pp") - 1)
+        if self.tp is not None:
+            logits = self.tp.full_logits(logits)
+        return logits[:, :s]
 
 
 def prepare_launch(cfg: Config, log: Log = print) -> None:

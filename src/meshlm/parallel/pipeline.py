@@ -1,0 +1,290 @@
+"""Pipeline parallelism: stage partition and one executor for every schedule's action table.
+
+The decoder's layers are cut into ``S = pp * v`` contiguous stages (balanced by count, or an
+explicit ``parallel.pp_layers`` split); stage 0 also holds the embedding, stage S - 1 the final
+norm, the head and the loss. Rank r keeps stages r, r + pp, ... and deletes every other module
+of the plain model, so parameter names stay those of the one-process model.
+
+:class:`PipelineExecutor` runs a rank's list of actions (see ``schedules.py``) for ``m``
+micro-batches. Activations and their gradients move with ``batch_isend_irecv`` over the pp
+axis, each run of consecutive send/recv actions as one batch; shapes are known ahead
+(micro-batch x sequence [/ tp with SP] x hidden, fp32), so there is no shape handshake. Sends
+are waited at the end of the step, receives at once. Zero-bubble ``I``/``W`` passes: ``I``
+runs autograd for the stage input and the non-matmul weights only while hooks capture each
+linear layer's input and output gradient; ``W`` then forms the linear weight gradients
+``dy^T x`` directly.
+
+Communication per micro-batch and stage boundary: one activation forward and one gradient
+backward of ``b s h`` fp32 values (``b s h / tp`` with sequence parallelism).
+Memory: a rank holds the activations of its in-flight micro-batches -- m on the first stage for
+AFAB, at most p for 1F1B and ZB-H1 (p + more for interleaved) -- which the executor measures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..distributed.comm import Comm
+from ..models.llama import Transformer
+from ..models.moe import MoE
+from .schedules import Action, build_schedule
+
+AXIS = "pp"
+
+
+def partition_layers(n_layers: int, n_stages: int, explicit: str = "") -> list[list[int]]:
+    """Layer ids of each stage: an explicit comma list of counts, or balanced by count.
+
+    With a remainder, the extra layers go to the middle stages first, because the first and
+    last stages also hold the embedding and the head.
+    """
+    if explicit:
+        counts = [int(c) for c in explicit.split(",")]
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
+            raise ValueError(f"parallel.pp_layers={explicit!r} must list {n_stages} counts "
+                             f"summing to model.n_layers={n_layers}")
+    else:
+        counts = [n_layers // n_stages] * n_stages
+        order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
+        for s in order[: n_layers % n_stages]:
+            counts[s] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+class PipelineModel:
+    """This rank's stages of a plain model (the other modules are deleted)."""
+
+    def __init__(self, model: Transformer, pp_rank: int, pp: int, v: int, explicit: str = ""):
+        self.model, self.n_stages = model, pp * v
+        self.layers = partition_layers(model.cfg.n_layers, self.n_stages, explicit)
+        self.stages = [k * pp + pp_rank for k in range(v)]
+        keep = {i for s in self.stages for i in self.layers[s]}
+        for name in [n for n in model.layers if int(n) not in keep]:
+            del model.layers[name]
+        if 0 not in self.stages:
+            model.tok_embeddings = None
+        if self.n_stages - 1 not in self.stages:
+            model.norm, model.output = None, None
+
+    def forward(self, s: int, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage ``s`` on ids (first stage) or activations; returns (output, MoE aux loss)."""
+        m = self.model
+        cos, sin = m.rope_cos[:seq_len], m.rope_sin[:seq_len]
+        h = m.tok_embeddings(x) if s == 0 else x
+        aux = []
+        for i in self.layers[s]:
+            layer = m.layers[str(i)]
+            h = layer(h, cos, sin)
+            if isinstance(layer.feed_forward, MoE) and layer.feed_forward.last_aux_loss is not None:
+                aux.append(layer.feed_forward.last_aux_loss)
+        if s == self.n_stages - 1:
+            h = m.output(m.norm(h))
+        return h, (torch.stack(aux).sum() if aux else None)
+
+    def stage_modules(self, s: int) -> list[nn.Module]:
+        m = self.model
+        mods: list[nn.Module] = [m.layers[str(i)] for i in self.layers[s]]
+        if s == 0:
+            mods.insert(0, m.tok_embeddings)
+        if s == self.n_stages - 1:
+            mods += [m.norm, m.output]
+        return mods
+
+
+@dataclass
+class _Slot:
+    """What one (micro-batch, stage) keeps between its forward and backward."""
+
+    inp: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+    linears: list = field(default_factory=list)  # ZB: [module, input, output grad]
+
+
+class PipelineExecutor:
+    """Runs one rank's action table (see module docstring)."""
+
+    def __init__(self, pipe: PipelineModel, comm: Comm, schedule: str, m: int, v: int,
+                 act_shape: tuple[int, ...], loss_fn: Callable, autocast: Callable,
+                 device: torch.device) -> None:
+        self.pipe, self.comm, self.m = pipe, comm, m
+        self.pp, self.rank = comm.size(AXIS), comm.rank(AXIS)
+        self.actions = build_schedule(schedule, self.pp, m, v)[self.rank]
+        self.act_shape, self.loss_fn, self.autocast, self.device = (
+            act_shape, loss_fn, autocast, device)
+        self.split = schedule == "zb"
+        self._capture: list | None = None
+        if self.split:
+            for s in pipe.stages:
+                for mod in pipe.stage_modules(s):
+                    for lin in mod.modules():
+                        if isinstance(lin, nn.Linear):
+                            lin.register_forward_hook(self._capture_linear)
+        self.timeline: list[dict] = []
+        self.peak_live = 0
+
+    # -- zero-bubble capture of linear layers ----------------------------------------------
+    def _capture_linear(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if self._capture is None or not torch.is_grad_enabled():
+            return
+        rec = [mod, args[0].detach(), None]
+        self._capture.append(rec)
+        out.register_hook(lambda g: rec.__setitem__(2, g))
+
+    # -- the step -----------------------------------------------------------------------------
+    def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> float:
+        """Forward + backward of every micro-batch; returns the sum of the last stage's losses."""
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        self.recvd: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.sends: list = []
+        self.micro, self.seq_len, self.loss_sum = micro, seq_len, 0.0
+        self.timeline, self.peak_live, live = [], 0, 0
+        t_start = time.perf_counter()
+        i = 0
+        while i < len(self.actions):
+            j = i
+            while j < len(self.actions) and self.actions[j].op[:4] in ("SEND", "RECV"):
+                j += 1
+            if j > i:  # a run of point-to-point actions: one batch
+                self._p2p(self.actions[i:j])
+                i = j
+                continue
+            a = self.actions[i]
+            t0 = time.perf_counter()
+            getattr(self, f"_do_{a.op}")(a)
+            live += {"F": 1, "B": -1, "W": -1}.get(a.op, 0)
+            self.peak_live = max(self.peak_live, live)
+            self.timeline.append({"op": a.op, "mb": a.mb, "stage": a.stage,
+                                  "start": t0 - t_start, "end": time.perf_counter() - t_start})
+            i += 1
+        for w in self.sends:
+            w.wait()
+        self.step_time = time.perf_counter() - t_start
+        return self.loss_sum
+
+    def bubble(self) -> float:
+        """Measured idle fraction of this rank in the last step."""
+        busy = sum(e["end"] - e["start"] for e in self.timeline)
+        return 1.0 - busy / self.step_time if self.step_time > 0 else 0.0
+
+    def _p2p(self, acts: list[Action]) -> None:
+        ops = []
+        for a in acts:
+            kind = a.op[-1]  # F: activation, B: gradient
+            if a.op.startswith("SEND"):
+                ops.append(("send", self.to_send.pop((kind, a.mb, a.stage)), a.peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                self.recvd[(kind, a.mb, a.stage)] = buf
+                ops.append(("recv", buf, a.peer))
+        works = self.comm.batch_p2p(ops, AXIS)
+        for (kind, _, _), w in zip(ops, works, strict=True):
+            if kind == "recv":
+                w.wait()
+            else:
+                self.sends.append(w)
+
+    # -- compute actions ----------------------------------------------------------------------
+    def _do_F(self, a: Action) -> None:
+        inputs, targets = self.micro[a.mb]
+        slot = _Slot()
+        if a.stage == 0:
+            x = inputs.to(self.device)
+        else:
+            x = self.recvd.pop(("F", a.mb, a.stage)).requires_grad_(True)
+            slot.inp = x
+        if self.split:
+            self._capture = slot.linears
+        with self.autocast():
+            out, aux = self.pipe.forward(a.stage, x, self.seq_len)
+            if a.stage == self.pipe.n_stages - 1:
+                loss = self.loss_fn(out, targets.to(self.device))
+                self.loss_sum += float(loss.detach())
+                out = loss / self.m
+        self._capture = None
+        slot.out, slot.aux = out, (aux / self.m if aux is not None else None)
+        self.slots[(a.mb, a.stage)] = slot
+        if a.stage < self.pipe.n_stages - 1:
+            self.to_send[("F", a.mb, a.stage)] = out.detach()
+
+    def _roots(self, a: Action, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        roots, grads = [slot.out], [None if a.stage == self.pipe.n_stages - 1
+                                    else self.recvd.pop(("B", a.mb, a.stage))]
+        if slot.aux is not None:
+            roots.append(slot.aux)
+            grads.append(torch.ones_like(slot.aux))
+        if grads[0] is None:
+            grads[0] = torch.ones_like(slot.out)
+        return roots, grads
+
+    def _do_B(self, a: Action) -> None:
+        slot = self.slots.pop((a.mb, a.stage))
+        roots, grads = self._roots(a, slot)
+        torch.autograd.backward(roots, grads)
+        if a.stage > 0:
+            self.to_send[("B", a.mb, a.stage)] = slot.inp.grad
+
+    def _do_I(self, a: Action) -> None:
+        """Gradient of the stage input and of every non-matmul weight; linears deferred to W."""
+        slot = self.slots[(a.mb, a.stage)]
+        roots, grads = self._roots(a, slot)
+        linear_weights = {id(rec[0].weight) for rec in slot.linears}
+        others = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
+                  if p.requires_grad and id(p) not in linear_weights]
+        wrt = ([slot.inp] if slot.inp is not None else []) + others
+        got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        if slot.inp is not None:
+            self.to_send[("B", a.mb, a.stage)] = got[0]
+            got = got[1:]
+        for p, g in zip(others, got, strict=True):
+            _accumulate(p, g)
+        slot.out = slot.aux = slot.inp = None  # the graph is released; W needs only linears
+
+    def _do_W(self, a: Action) -> None:
+        slot = self.slots.pop((a.mb, a.stage))
+        for mod, x, dy in slot.linears:
+            if dy is None:  # the output did not reach the loss (unused branch)
+                continue
+            dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()
+            _accumulate(mod.weight, dw.to(mod.weight.dtype))
+
+    # -- forward only (evaluation, sampling) -------------------------------------------------------
+    @torch.no_grad()
+    def forward_only(self, ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Output of the last stage (on its rank; None elsewhere), stage after stage."""
+        x: torch.Tensor = ids.to(self.device)
+        out = None
+        for s in range(self.pipe.n_stages):
+            owner = s % self.pp
+            if owner != self.rank:
+                continue
+            if s > 0:
+                x = torch.empty(shape, dtype=torch.float32, device=self.device)
+                self.comm.batch_p2p([("recv", x, (s - 1) % self.pp)], AXIS)[0].wait()
+            with self.autocast():
+                out, _ = self.pipe.forward(s, x, ids.shape[1])
+            if s < self.pipe.n_stages - 1:
+                w = self.comm.batch_p2p([("send", out.float().contiguous(), (s + 1) % self.pp)],
+                                        AXIS)[0]
+                w.wait()
+        return out if self.pipe.n_stages - 1 in self.pipe.stages else None
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    """``p.grad += g`` in place (the data-parallel engines keep views into their buckets)."""
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g.detach().clone()
+    else:
+        p.grad.add_(g)
