@@ -75,6 +75,7 @@ class TrainSection:
     grad_clip: float = 1.0  # 0 disables clipping
     eval_every: int = 100  # 0 disables evaluation
     eval_batches: int = 8
+    eval_batch_size: int = 8  # sequences per evaluation batch (independent of the layout)
     log_every: int = 10
     checkpoint_every: int = 0  # 0 -> only at the end
     peak_flops: float = 0.0  # per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)
@@ -283,6 +284,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1,
            f"train.beta1={t.beta1}, train.beta2={t.beta2} must lie in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
+    _check(t.eval_batch_size >= 1, f"train.eval_batch_size={t.eval_batch_size} must be >= 1")
     for key in ("eval_every", "eval_batches", "log_every", "checkpoint_every"):
         _check(getattr(t, key) >= 0, f"train.{key}={getattr(t, key)} must be >= 0")
     _check(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")

@@ -161,6 +161,8 @@ def simulate(tables: list[list[Action]], v: int = 1) -> dict:
     clock = [0.0] * pp
     sent: dict[tuple[str, int, int], float] = {}  # (kind, mb, from_stage) -> time available
     done: dict[tuple[str, int, int], float] = {}
+    received: set[tuple[str, int, int]] = set()  # (kind, mb, stage) received by stage's rank
+    n_stages = max((a.stage for acts in tables for a in acts), default=0) + 1
     intervals: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     live, peak_live = [0] * pp, [0] * pp
     while any(pos[r] < len(tables[r]) for r in range(pp)):
@@ -179,6 +181,7 @@ def simulate(tables: list[list[Action]], v: int = 1) -> dict:
                     if key not in sent:
                         break  # blocked on a receive
                     clock[r] = max(clock[r], sent[key])
+                    received.add((a.op[-1], a.mb, a.stage))
                     pos[r] += 1
                     progressed = True
                     continue
@@ -191,6 +194,11 @@ def simulate(tables: list[list[Action]], v: int = 1) -> dict:
                         raise RuntimeError(f"rank {r}: {a} before its I pass")
                     if a.op in ("B", "I") and ("F", a.mb, a.stage) not in done:
                         raise RuntimeError(f"rank {r}: {a} before its forward")
+                    if a.op == "F" and a.stage > 0 and ("F", a.mb, a.stage) not in received:
+                        raise RuntimeError(f"rank {r}: {a} before its input arrived")
+                    if (a.op in ("B", "I") and a.stage < n_stages - 1
+                            and ("B", a.mb, a.stage) not in received):
+                        raise RuntimeError(f"rank {r}: {a} before its output gradient arrived")
                     end = start + COST[a.op] / v
                     intervals[r].append((a, start, end))
                     clock[r] = end

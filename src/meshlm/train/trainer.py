@@ -168,7 +168,8 @@ class Trainer:
             self.data.train_tokens, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed
         )
         self.val = val_batches(
-            self.data.val_tokens, cfg.data.seq_len, cfg.train.micro_batch, cfg.train.eval_batches
+            self.data.val_tokens, cfg.data.seq_len, cfg.train.eval_batch_size,
+            cfg.train.eval_batches
         )
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
@@ -283,18 +284,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (every rank runs all of them)."""
+        """Token-weighted mean loss over the fixed validation batches (every rank runs all)."""
         self.model.eval()
-        losses = []
+        total, count = 0.0, 0
         for batch in self.val:
             batch = batch.to(self.device)
             if self.executor is not None:
-                losses.append(self.pipeline_eval_loss(batch))
-                continue
-            with self.precision.autocast():
-                losses.append(float(self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:])))
+                loss = self.pipeline_eval_loss(batch)
+            else:
+                with self.precision.autocast():
+                    loss = float(self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:]))
+            total += loss * batch.shape[0]
+            count += batch.shape[0]
         self.model.train()
-        return sum(losses) / len(losses)
+        return total / count
 
     def pipeline_forward(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Last-stage output of a forward-only pass through the pipeline (None elsewhere)."""

@@ -1,0 +1,96 @@
+"""Pipeline schedule tables, checked without running a model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from meshlm.parallel.pipeline import partition_layers
+from meshlm.parallel.schedules import SCHEDULES, build_schedule, simulate
+
+CASES = [(s, pp, m, 2 if s == "interleaved" else 1)
+         for s, pp, m in itertools.product(SCHEDULES, (2, 3, 4, 8), (1, 2, 4, 8, 12, 16))
+         if not (s == "interleaved" and m % pp)]
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", CASES)
+def test_tables_are_complete_ordered_and_matched(schedule: str, pp: int, m: int, v: int) -> None:
+    tables = build_schedule(schedule, pp, m, v)
+    n_stages = pp * v
+    computes: dict[str, set] = {op: set() for op in "FBIW"}
+    sends, recvs = set(), set()
+    for r, acts in enumerate(tables):
+        seen: set = set()
+        for a in acts:
+            if a.op in "FBIW":
+                assert a.stage % pp == r  # stage s lives on rank s % pp
+                computes[a.op].add((a.mb, a.stage))
+                if a.op in ("B", "I"):
+                    assert ("F", a.mb, a.stage) in seen, f"rank {r}: {a} before its forward"
+                if a.op == "W":
+                    assert ("I", a.mb, a.stage) in seen, f"rank {r}: {a} before its I"
+                seen.add((a.op, a.mb, a.stage))
+            elif a.op.startswith("SEND"):
+                sends.add((a.op[-1], a.mb, a.stage, r, a.peer))
+            else:
+                recvs.add((a.op[-1], a.mb, a.stage, r, a.peer))
+    every = {(mb, s) for mb in range(m) for s in range(n_stages)}
+    assert computes["F"] == every
+    if schedule == "zb":
+        assert computes["I"] == every and computes["W"] == every and not computes["B"]
+    else:
+        assert computes["B"] == every and not computes["I"] and not computes["W"]
+    # every send has exactly one matching receive on the peer, for the neighbouring stage
+    matched = {("F", mb, s + 1, peer, r) for (_, mb, s, r, peer) in sends if _ == "F"} | {
+        ("B", mb, s - 1, peer, r) for (_, mb, s, r, peer) in sends if _ == "B"}
+    assert matched == recvs
+    assert len(sends) == len(recvs) == 2 * m * (n_stages - 1)
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", CASES)
+def test_no_deadlock_and_ideal_bubble(schedule: str, pp: int, m: int, v: int) -> None:
+    result = simulate(build_schedule(schedule, pp, m, v), v)  # raises on a deadlock
+    bubble = result["bubble"]
+    if schedule in ("afab", "1f1b"):
+        assert bubble == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    elif schedule == "interleaved":
+        assert bubble == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+    else:
+        one_f_one_b = simulate(build_schedule("1f1b", pp, m, 1))["bubble"]
+        assert bubble < one_f_one_b  # zero bubble fills the cool-down with W passes
+    peak = result["peak_live"]
+    if schedule == "afab":
+        assert peak[0] == m
+    if schedule in ("1f1b", "zb"):
+        assert max(peak) <= pp and peak[0] == min(pp, m)
+
+
+def test_broken_tables_are_detected() -> None:
+    r0, r1 = build_schedule("1f1b", 2, 1)  # r0: F SEND_F RECV_B B; r1: RECV_F F B SEND_B
+    assert [a.op for a in r0] == ["F", "SEND_F", "RECV_B", "B"]
+    # rank 0 waits for a gradient before sending the activation that produces it
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate([[r0[2], r0[0], r0[1], r0[3]], r1])
+    # rank 1 computes a forward without receiving its input
+    with pytest.raises(RuntimeError, match="before its input arrived"):
+        simulate([r0, r1[1:]])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="pp_virtual"):
+        build_schedule("1f1b", 2, 4, 2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        build_schedule("gpipe", 2, 4)
+
+
+def test_partition() -> None:
+    assert partition_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # 5 layers over 4 stages: the extra layer goes to a middle stage (the ends hold the
+    # embedding and the head)
+    assert [len(s) for s in partition_layers(5, 4)] == [1, 2, 1, 1]
+    assert partition_layers(5, 2, "2,3") == [[0, 1], [2, 3, 4]]
+    with pytest.raises(ValueError, match="summing to model.n_layers=5"):
+        partition_layers(5, 2, "2,2")
