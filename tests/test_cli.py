@@ -96,13 +96,15 @@ def test_cli_surface_is_frozen() -> None:
     """Scripts depend on these names; change them on purpose, with this test."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["generate", "info", "train"]
+    assert sorted(sub.choices) == ["generate", "info", "schedule", "train"]
     options = {name: sorted(o for a in p._actions for o in a.option_strings)
                for name, p in sub.choices.items()}
     assert options["train"] == sorted(["--dry-run", "-h", "--help"])
     assert {"--checkpoint", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
             "--seed"} <= set(options["generate"])
     assert {"--seq-len", "--json"} <= set(options["info"])
+    assert {"--pp", "--microbatches", "--schedule", "--virtual", "--plot", "--timeline"} <= set(
+        options["schedule"])
 
 
 def test_train_launches_data_parallel_workers(tiny_args: list[str], tmp_path: Path) -> None:
@@ -153,3 +155,26 @@ def test_train_tensor_parallel_with_sample(tiny_args: list[str], tmp_path: Path)
     gen = run("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x",
               "--max-new-tokens", "3")
     assert gen.returncode == 0, gen.stderr  # the layout-free checkpoint loads in one process
+
+
+def test_schedule_command(tmp_path: Path) -> None:
+    png = tmp_path / "s.png"
+    out = run("schedule", "--pp", "4", "--microbatches", "8", "--schedule", "interleaved",
+              "--virtual", "2", "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert "ideal bubble (F=1, B=2, I=W=1 per stage): 0.1579" in out.stdout  # 3 / (2*8 + 3)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    bad = run("schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved",
+              "--virtual", "2")
+    assert bad.returncode == 2 and "divisible" in bad.stderr
+
+
+def test_pipeline_run_records_and_draws_its_timeline(tiny_args: list[str], tmp_path: Path) -> None:
+    out = run("train", *tiny_args, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
+              "--train.steps=2", "--run.sample_tokens=5")
+    assert out.returncode == 0, out.stderr
+    assert "sample:" in out.stdout
+    png = tmp_path / "t.png"
+    drawn = run("schedule", "--timeline", str(tmp_path / "run"), "--plot", str(png))
+    assert drawn.returncode == 0, drawn.stderr
+    assert "measured 1f1b step over 2 stages: bubble" in drawn.stdout and png.exists()

@@ -1,4 +1,4 @@
-"""Command line: ``meshlm train | info | generate``.
+"""Command line: ``meshlm train | info | generate | schedule``.
 
 User mistakes (config, data path, checkpoint) end with one ``meshlm: error: ...`` line and
 exit status 2, before any worker starts or any file is written; no traceback.
@@ -123,6 +123,43 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
+    """Print (and draw) a pipeline schedule, or draw a run's measured timeline."""
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    from .viz import draw, schedule_rows, timeline_rows
+
+    if args.timeline:
+        try:
+            rows, head = timeline_rows(args.timeline)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+        busy = [sum(a["end"] - a["start"] for a in row) for row in rows]
+        total = max(a["end"] for row in rows for a in row)
+        print(f"measured {head['schedule']} step over {len(rows)} stages: "
+              f"bubble {1 - sum(busy) / (len(rows) * total):.3f}")
+        if args.plot:
+            draw(rows, f"measured {head['schedule']} (pp={len(rows)})", args.plot, "seconds")
+            print(f"wrote {args.plot}")
+        return 0
+    from .parallel.schedules import build_schedule, format_table, simulate
+
+    try:
+        tables = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    sim = simulate(tables, args.virtual)
+    print(format_table(tables))
+    print(f"ideal bubble (F=1, B=2, I=W=1 per stage): {sim['bubble']:.4f}; peak live "
+          f"micro-batches per rank: {sim['peak_live']}")
+    if args.plot:
+        v = f", v={args.virtual}" if args.virtual > 1 else ""
+        draw(schedule_rows(sim), f"{args.schedule} (pp={args.pp}, m={args.microbatches}{v}): "
+             f"bubble {sim['bubble']:.3f}", args.plot, "time (forward of one stage = 1)")
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
@@ -139,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("schedule", help="print and draw a pipeline schedule or a measured step")
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--schedule", default="1f1b", help="afab | 1f1b | interleaved | zb")
+    p.add_argument("--virtual", type=int, default=1, help="virtual stages per rank (interleaved)")
+    p.add_argument("--timeline", help="a run dir: draw its measured last step instead")
+    p.add_argument("--plot", help="PNG file to write")
+    p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("generate", help="sample text from a trained model")
     p.add_argument("--checkpoint", required=True, help="run dir or checkpoint dir")
