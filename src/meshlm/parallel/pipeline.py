@@ -144,7 +144,9 @@ class PipelineExecutor:
     def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> float:
         """Forward + backward of every micro-batch; returns the sum of the last stage's losses."""
         self.slots: dict[tuple[int, int], _Slot] = {}
-        self.recvd: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.recvd: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}
+        self.recv_queue = [a for a in self.actions if a.op.startswith("RECV")]
+        self.next_recv = 0
         self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sends: list = []
         self.micro, self.seq_len, self.loss_sum = micro, seq_len, 0.0
@@ -160,6 +162,7 @@ class PipelineExecutor:
                 i = j
                 continue
             a = self.actions[i]
+            self._wait_input(a)  # (waiting is bubble, not compute: outside the timed interval)
             t0 = time.perf_counter()
             getattr(self, f"_do_{a.op}")(a)
             live += {"F": 1, "B": -1, "W": -1}.get(a.op, 0)
@@ -177,22 +180,49 @@ class PipelineExecutor:
         busy = sum(e["end"] - e["start"] for e in self.timeline)
         return 1.0 - busy / self.step_time if self.step_time > 0 else 0.0
 
+    RECV_AHEAD = 2  # receives posted before they are needed, so data lands during compute
+
     def _p2p(self, acts: list[Action]) -> None:
-        ops = []
-        for a in acts:
-            kind = a.op[-1]  # F: activation, B: gradient
-            if a.op.startswith("SEND"):
-                ops.append(("send", self.to_send.pop((kind, a.mb, a.stage)), a.peer))
-            else:
-                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
-                self.recvd[(kind, a.mb, a.stage)] = buf
-                ops.append(("recv", buf, a.peer))
-        works = self.comm.batch_p2p(ops, AXIS)
-        for (kind, _, _), w in zip(ops, works, strict=True):
-            if kind == "recv":
-                w.wait()
-            else:
-                self.sends.append(w)
+        """Post a run of sends (one batch) and the receives up to RECV_AHEAD beyond it.
+
+        Receives are posted in table order, so each peer's messages still match in order;
+        a receive is waited only when its compute action needs the data.
+        """
+        sends = [("send", self.to_send.pop((a.op[-1], a.mb, a.stage)), a.peer)
+                 for a in acts if a.op.startswith("SEND")]
+        last_recv = max((self.recv_queue.index(a) for a in acts if a.op.startswith("RECV")),
+                        default=self.next_recv - 1)
+        ops, keys = list(sends), []
+        while self.next_recv < len(self.recv_queue) and (
+                self.next_recv <= last_recv + self.RECV_AHEAD):
+            a = self.recv_queue[self.next_recv]
+            buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+            keys.append(((a.op[-1], a.mb, a.stage), buf))
+            ops.append(("recv", buf, a.peer))
+            self.next_recv += 1
+        works = self.comm.batch_p2p(ops, AXIS) if ops else []
+        self.sends += works[: len(sends)]
+        for (key, buf), w in zip(keys, works[len(sends):], strict=True):
+            self.recvd[key] = (buf, w)
+
+    def _wait_input(self, a: Action) -> None:
+        last = self.pipe.n_stages - 1
+        if a.op == "F" and a.stage > 0:
+            key = ("F", a.mb, a.stage)
+        elif a.op in ("B", "I") and a.stage < last:
+            key = ("B", a.mb, a.stage)
+        else:
+            return
+        buf, work = self.recvd[key]
+        if work is not None:
+            work.wait()
+            self.recvd[key] = (buf, None)
+
+    def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        buf, work = self.recvd.pop(key)
+        if work is not None:
+            work.wait()
+        return buf
 
     # -- compute actions ----------------------------------------------------------------------
     def _do_F(self, a: Action) -> None:
@@ -201,7 +231,7 @@ class PipelineExecutor:
         if a.stage == 0:
             x = inputs.to(self.device)
         else:
-            x = self.recvd.pop(("F", a.mb, a.stage)).requires_grad_(True)
+            x = self._received(("F", a.mb, a.stage)).requires_grad_(True)
             slot.inp = x
         if self.split:
             self._capture = slot.linears
@@ -219,7 +249,7 @@ class PipelineExecutor:
 
     def _roots(self, a: Action, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         roots, grads = [slot.out], [None if a.stage == self.pipe.n_stages - 1
-                                    else self.recvd.pop(("B", a.mb, a.stage))]
+                                    else self._received(("B", a.mb, a.stage))]
         if slot.aux is not None:
             roots.append(slot.aux)
             grads.append(torch.ones_like(slot.aux))

@@ -1,0 +1,170 @@
+"""meshlm's pipeline schedules vs torch.distributed.pipelining, same model, stages and batch.
+
+Pairs: AFAB vs ``ScheduleGPipe``, 1F1B vs ``Schedule1F1B``, interleaved 1F1B (2 virtual
+stages per rank) vs ``ScheduleInterleaved1F1B``; meshlm's ZB-H1 is reported alongside (torch's
+zero-bubble schedules are the V-shaped ZBV / interleaved ZB1P variants, not ZB-H1). Both sides
+split the same layers into the same stages (``partition_layers``), train the same weights on
+the same micro-batches with AdamW + clipping, and read the loss back every step. Protocol of
+``_harness.py``: own world per implementation, best of ``rounds`` runs, slowest rank, peak RSS
+growth over the rank's resident memory before building its model.
+
+    python benchmarks/pipeline.py [--world 2] [--layers 4] [--microbatches 8] [--steps 8]
+        [--json benchmarks/results/pipeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, summary
+from torch import nn
+
+from meshlm.config import load_config
+from meshlm.data import build_data
+from meshlm.data.sampler import StepSampler
+from meshlm.models import build_model
+from meshlm.parallel.pipeline import partition_layers
+
+TORCH = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
+         "torch-interleaved": "ScheduleInterleaved1F1B"}
+MESHLM = {"meshlm-afab": "afab", "meshlm-1f1b": "1f1b", "meshlm-interleaved": "interleaved",
+          "meshlm-zb": "zb"}
+PAIRS = {"meshlm-afab": "torch-gpipe", "meshlm-1f1b": "torch-1f1b",
+         "meshlm-interleaved": "torch-interleaved"}
+
+
+def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
+    schedule = MESHLM.get(impl, "interleaved" if "interleaved" in impl else "1f1b")
+    v = 2 if schedule == "interleaved" else 1
+    return load_config(None, [
+        f"--model.preset={args['preset']}", f"--model.n_layers={args['layers']}",
+        "--model.tie_embeddings=false", f"--data.seq_len={args['seq']}",
+        f"--train.global_batch={args['batch']}",
+        f"--train.micro_batch={args['batch'] // args['microbatches']}",
+        "--train.steps=1000000", "--train.eval_every=0", f"--parallel.pp={args['world']}",
+        f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual={v}",
+        f"--run.dir={run_dir}", "--run.sample_tokens=0", "--train.peak_flops=1e12",
+    ])
+
+
+class TorchStage(nn.Module):
+    """One pipeline stage of the plain model for torch.distributed.pipelining."""
+
+    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.emb = model.tok_embeddings if first else None
+        self.layers = nn.ModuleList(model.layers[str(i)] for i in layers)
+        self.norm, self.head = (model.norm, model.output) if last else (None, None)
+        self.register_buffer("cos", model.rope_cos, persistent=False)
+        self.register_buffer("sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) if self.emb is not None else x
+        s = h.shape[1]
+        for layer in self.layers:
+            h = layer(h, self.cos[:s], self.sin[:s])
+        return self.head(self.norm(h)) if self.head is not None else h
+
+
+def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    v = cfg.parallel.pp_virtual
+    data = build_data(cfg.data, log=lambda _m: None)
+    model = build_model(cfg.model_config(vocab_size=data.tokenizer.vocab_size), cfg.train.seed)
+    n_stages = world * v
+    parts = partition_layers(cfg.model_config().n_layers, n_stages)
+    stage_ids = [k * world + rank for k in range(v)]
+    stages = [pipelining.PipelineStage(
+        TorchStage(model, parts[s], s == 0, s == n_stages - 1), s, n_stages,
+        torch.device("cpu")) for s in stage_ids]
+    params = [p for st in stages for p in st.submod.parameters()]
+    t = cfg.train
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2],
+                              "weight_decay": t.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, foreach=True)
+    m = cfg.grad_accum
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    cls = getattr(pipelining, TORCH[impl])
+    schedule = cls(stages if v > 1 else stages[0], m, loss_fn=loss_fn)
+    sampler = StepSampler(data.train_tokens, cfg.data.seq_len, t.global_batch, t.seed)
+    times = []
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        batch = sampler.global_batch_at(step)
+        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        losses: list = []
+        has_first, has_last = 0 in stage_ids, n_stages - 1 in stage_ids
+        if has_first and has_last:
+            schedule.step(x, target=y, losses=losses)
+        elif has_first:
+            schedule.step(x)
+        elif has_last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        total = torch.tensor([float(sum(float(v) for v in losses))])
+        dist.all_reduce(total)  # every rank learns the loss, as meshlm reports it
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # (stage-local norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(impl: str, args: dict, run_dir: str) -> dict:
+    base = rss_bytes()
+    cfg = config(args, impl, run_dir)
+    times = (meshlm_step_times(cfg, args["steps"]) if impl.startswith("meshlm")
+             else torch_side(impl, cfg, args["steps"]))
+    return summary(times, base)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default="benchmarks/results/pipeline.json")
+    a = ap.parse_args()
+    args = vars(a)
+    build_data(config(args, "meshlm-1f1b", "unused").data)
+    impls = ["meshlm-afab", "torch-gpipe", "meshlm-1f1b", "torch-1f1b", "meshlm-interleaved",
+             "torch-interleaved", "meshlm-zb"]
+    best = best_of(a.world, worker, impls, args, a.rounds)
+    tokens = a.batch * a.seq
+    rows = []
+    for impl in impls:
+        b, ref = best[impl], best.get(PAIRS.get(impl, ""))
+        rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], vs=PAIRS.get(impl),
+                         time_ratio=b["step_time_s"] / ref["step_time_s"] if ref else None,
+                         memory_ratio=b["peak_rss_growth"] / ref["peak_rss_growth"] if ref
+                         else None))
+    print(f"model {a.preset} ({a.layers} layers, untied), pp {a.world} (gloo, 1 thread/rank), "
+          f"batch {a.batch} x {a.seq} in {a.microbatches} micro-batches, fp32, median of steps "
+          f"3..{a.steps}, best of {a.rounds} runs")
+    print_rows(rows, 18)
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": args, "rows": rows}, indent=1))
+    print(f"ratios: meshlm / torch.distributed.pipelining counterpart; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
