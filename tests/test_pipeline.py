@@ -100,3 +100,29 @@ def test_pipeline_with_dp_and_tp(references) -> None:  # noqa: ANN001
     runs = (layouts(4, root, ["--parallel.dp=2", "--parallel.zero=1"], ["1f1b"])[:1]
             + layouts(4, root, ["--parallel.tp=2", "--parallel.sp=true"], ["zb"])[:1])
     check(runs, run_world(8, train_runs, base, runs)[0], refs)
+
+
+def test_tied_embeddings_across_stages(references, tmp_path: Path) -> None:  # noqa: ANN001
+    """The first and last stage hold copies of a tied embedding; their gradients are summed."""
+    base, _, _ = references
+    tied = base + ["--model.n_layers=5", "--model.tie_embeddings=true"]
+    ref_dir = tmp_path / "reference"
+    ref = train(load_config(None, tied + ["--train.micro_batch=8", f"--run.dir={ref_dir}"]),
+                log=lambda _m: None, progress=False)
+    ref_norms = [r["grad_norm"] for r in read_metrics(ref_dir / "metrics.jsonl")]
+    runs = [["--parallel.pp=4", "--parallel.pp_schedule=zb", "--train.micro_batch=2",
+             f"--run.dir={tmp_path / 'pp4-zb'}"],
+            ["--parallel.pp=2", "--parallel.dp=2", "--parallel.zero=3", "--train.micro_batch=2",
+             f"--run.dir={tmp_path / 'pp2-dp2-zero3'}"]]
+    results = run_world(4, train_runs, tied, runs)[0]
+    for args, losses in zip(runs, results, strict=True):
+        run_dir = Path(args[-1].split("=", 1)[1])
+        for step, loss in ref.losses.items():
+            assert abs(losses[step] - loss) / loss < 1e-5, (run_dir.name, step)
+        weights = final_weights(run_dir)
+        assert "output.weight" not in weights  # saved once, as in a one-process run
+        worst, name = max_relative_difference(weights, final_weights(ref_dir))
+        assert worst < 1e-5, (run_dir.name, name, worst)
+        norms = [r["grad_norm"] for r in read_metrics(run_dir / "metrics.jsonl")]
+        for got, want in zip(norms, ref_norms, strict=True):
+            assert abs(got - want) / want < 1e-5  # the tied gradient counts once

@@ -323,9 +323,6 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
             raise ConfigError(f"{e} (micro-batches per step = train.global_batch / "
                               "(train.micro_batch * parallel.dp))"
                               if "micro-batches" in str(e) else str(e)) from None
-        _check(not (p.pp > 1 and mc.tie_embeddings),
-               "model.tie_embeddings=true with parallel.pp > 1 is not supported yet (the "
-               "embedding and the head live on different stages); set model.tie_embeddings=false")
         _check(cfg.precision.dtype != "fp16",
                "precision.dtype=fp16 with parallel.pp > 1 is not supported; use bf16")
     if p.tp > 1:

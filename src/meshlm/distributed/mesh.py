@@ -83,13 +83,33 @@ class Mesh:
             for axis in AXES:
                 self._groups[axis] = self.device_mesh.get_group(axis)
             self._groups["world"] = dist.group.WORLD
+            self._groups["embed"] = self._embedding_group() if dims.pp > 1 else None
         self.coords = dims.coords(self.rank)
 
+    def _embedding_group(self) -> dist.ProcessGroup | None:
+        """First and last pipeline stage of this rank's (dp, cp, tp) coordinate.
+
+        They hold the two copies of tied input/output embeddings (Megatron's embedding group).
+        Every rank creates every group, in the same order, as ``new_group`` requires.
+        """
+        mine = None
+        pp_groups = self.device_mesh.mesh.reshape(self.dims.pp, -1)  # (pp, dp*cp*tp) ranks
+        for column in range(pp_groups.shape[1]):
+            ranks = [int(pp_groups[0, column]), int(pp_groups[-1, column])]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def size(self, axis: str) -> int:
+        if axis == "embed":
+            return 2 if self._groups.get("embed") is not None else 1
         return self.world_size if axis == "world" else getattr(self.dims, axis)
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along ``axis``."""
+        if axis == "embed":
+            return 0 if self.coords["pp"] == 0 else 1
         return self.rank if axis == "world" else self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:

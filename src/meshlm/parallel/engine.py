@@ -78,7 +78,9 @@ def tp_norm_weight(p: torch.Tensor, tp: int) -> float:
     Tensor-parallel shards are disjoint (each counts fully); replicated parameters (norm
     weights) hold the same gradient on every tp rank, so each rank counts 1/tp of it.
     """
-    return 1.0 if getattr(p, "_tp_sharded", False) else 1.0 / tp
+    share = 1.0 if getattr(p, "_tp_sharded", False) else 1.0 / tp
+    # tied embeddings under a pipeline: the same gradient sits on the first and last stage
+    return share * (0.5 if getattr(p, "_pp_tied", False) else 1.0)
 
 
 def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float,

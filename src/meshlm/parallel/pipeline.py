@@ -74,6 +74,19 @@ class PipelineModel:
             model.tok_embeddings = None
         if self.n_stages - 1 not in self.stages:
             model.norm, model.output = None, None
+        # Tied embeddings on different ranks: each end keeps its copy (same initial values);
+        # their gradients are summed over the embedding group before the optimizer step.
+        self.tied: nn.Parameter | None = None
+        if model.cfg.tie_embeddings and pp > 1:
+            first, last = 0 in self.stages, self.n_stages - 1 in self.stages
+            if first or last:
+                self.tied = (model.tok_embeddings if first else model.output).weight
+                self.tied._pp_tied = True  # counted half on each end in the gradient norm
+
+    def sync_tied_grads(self, comm: Comm) -> None:
+        """All-reduce the tied embedding's gradient between the first and the last stage."""
+        if self.tied is not None and self.tied.grad is not None:
+            comm.all_reduce(self.tied.grad, "embed")
 
     def forward(self, s: int, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage ``s`` on ids (first stage) or activations; returns (output, MoE aux loss)."""

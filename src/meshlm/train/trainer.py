@@ -275,6 +275,7 @@ class Trainer:
         self.engine.set_sync(False)
         self.engine.begin_step()
         loss_sum = self.executor.run(micro, self.cfg.data.seq_len)  # last stage only
+        self.pipe.sync_tied_grads(self.comm)
         grad_norm = self.optimizer_update(step)
         loss_sum = self.comm.reduce_scalars([loss_sum / len(micro)], "pp")[0]
         loss_sum = self.comm.reduce_scalars([loss_sum], "dp")[0]
@@ -357,6 +358,10 @@ class Trainer:
         """This rank's stages' part of a one-process state."""
         local = {n for n, _, _ in canonical_params(self.model)}
         by_name = optimizer_state_by_name(self.full_model_names(), optim)
+        if "output.weight" in local and "output.weight" not in weights:  # tied: last stage's copy
+            weights = dict(weights, **{"output.weight": weights["tok_embeddings.weight"]})
+            if "tok_embeddings.weight" in by_name:
+                by_name["output.weight"] = by_name["tok_embeddings.weight"]
         groups = adamw_template(self.model, self.cfg.train, self.cfg.train.lr)
         return ({n: t for n, t in weights.items() if n in local},
                 optimizer_state_from_names(self.model, by_name, groups))
