@@ -49,9 +49,13 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     from .train.trainer import prepare_launch, run_worker, train
 
     if world is not None:  # this process is one rank of a world torchrun/SLURM started
+        from .data import build_data
         from .launch import export_env, init_worker, shutdown_worker
 
         export_env(world)
+        # Before the process group exists, so a first, slow tokenization cannot time out the
+        # others' collectives; concurrent builds of one cache are safe (atomic renames).
+        build_data(cfg.data, log=print if world.rank == 0 else (lambda _m: None))
         init_worker()
         try:
             train(cfg)

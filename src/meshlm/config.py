@@ -318,6 +318,10 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
                f"parallel.pp * pp_virtual = {stages} stages exceed model.n_layers={mc.n_layers}")
         try:
             check_args(p.pp_schedule, p.pp, cfg.grad_accum, p.pp_virtual)
+            if p.pp_layers and not all(c.strip().isdigit() and int(c) >= 1
+                                       for c in p.pp_layers.split(",")):
+                raise ValueError(f"parallel.pp_layers={p.pp_layers!r} must be a comma list of "
+                                 "layer counts >= 1, e.g. \"3,3,2\"")
             partition_layers(mc.n_layers, stages, p.pp_layers)
         except ValueError as e:
             raise ConfigError(f"{e} (micro-batches per step = train.global_batch / "
@@ -333,6 +337,13 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
             _check(mc.expert_hidden % p.tp == 0, f"parallel.tp={p.tp} does not divide the "
                    f"expert width model.moe_ffn_hidden={mc.expert_hidden}")
     _check(not p.sp or p.tp > 1, "parallel.sp=true needs parallel.tp > 1")
+    _check(not (p.tp > 1 and cfg.precision.dtype == "fp16"),
+           "precision.dtype=fp16 with parallel.tp > 1 is not supported (each shard's overflow "
+           "check would skip steps on some ranks only); use bf16")
+    _check(t.eval_every == 0 or t.eval_batches >= 1,
+           f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0")
+    _check(cfg.run.sample_tokens == 0 or bool(cfg.run.sample_prompt),
+           "run.sample_prompt must not be empty when run.sample_tokens > 0")
     if p.sp:
         _check(d.seq_len % p.tp == 0, f"parallel.sp=true: data.seq_len={d.seq_len} is not "
                f"divisible by parallel.tp={p.tp}")

@@ -222,6 +222,12 @@ def detect_external_world(env: Mapping[str, str] = os.environ) -> WorldInfo | No
     torchrun's variables win over SLURM's (torchrun inside an srun step sets both, and its own
     are the ones describing this process). SLURM counts only with more than one task.
     """
+    if env.get("RANK") and env.get("WORLD_SIZE") and not all(env.get(k) for k in _TORCHRUN_VARS):
+        missing = [k for k in _TORCHRUN_VARS if not env.get(k)]
+        from .config import ConfigError
+
+        raise ConfigError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} are not: "
+                          "launch with torchrun (or set them all) rather than guess the world")
     if all(env.get(k) for k in _TORCHRUN_VARS):
         source = env.get(_SOURCE_VAR, "torchrun")
         return WorldInfo(

@@ -90,7 +90,8 @@ def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm
     ``pairs`` are (parameter, gradient) with the gradient possibly a shard of the parameter's.
     """
     tp = comm.size("tp") if comm is not None else 1
-    sq = torch.zeros((), dtype=torch.float64)
+    device = pairs[0][1].device if pairs else (comm.mesh.device() if comm is not None else None)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for p, g in pairs:
         sq += g.double().pow(2).sum() * tp_norm_weight(p, tp)
     for axis in axes:
@@ -107,7 +108,7 @@ class LocalEngine(Engine):
     """Every parameter, gradient and optimizer state held in full, no communication."""
 
     def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm | None = None) -> None:
-        self.model, self.comm = model, comm
+        self.model, self.comm, self.cfg = model, comm, cfg
         self.optimizer = build_optimizer(model, cfg)
         self.params = [p for _, p, _ in canonical_params(model)]
         self._grad_bytes = 0
@@ -146,6 +147,13 @@ class LocalEngine(Engine):
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
         load_weights(self.model, weights)
         self.optimizer.load_state_dict(optim)
+        apply_hyperparameters(self.optimizer, self.cfg)
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainSection) -> None:
+    """The config's AdamW settings win over a checkpoint's (groups: decayed, not decayed)."""
+    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=False):
+        group.update(weight_decay=decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:

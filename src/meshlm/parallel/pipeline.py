@@ -135,6 +135,8 @@ class PipelineExecutor:
         self.act_shape, self.loss_fn, self.autocast, self.device = (
             act_shape, loss_fn, autocast, device)
         self.split = schedule == "zb"
+        if device.type == "cuda":
+            self.RECV_AHEAD = 0
         self._capture: list | None = None
         if self.split:
             for s in pipe.stages:
@@ -185,6 +187,7 @@ class PipelineExecutor:
             i += 1
         for w in self.sends:
             w.wait()
+        self.sends.clear()  # (releases the last sent activations and gradients)
         self.step_time = time.perf_counter() - t_start
         return self.loss_sum
 
@@ -193,7 +196,10 @@ class PipelineExecutor:
         busy = sum(e["end"] - e["start"] for e in self.timeline)
         return 1.0 - busy / self.step_time if self.step_time > 0 else 0.0
 
-    RECV_AHEAD = 2  # receives posted before they are needed, so data lands during compute
+    # Receives posted before they are needed, so data lands during compute. gloo matches each
+    # peer's messages in order whatever the grouping; NCCL runs a pair's groups one after
+    # another, so there (GPU-only path, untested here) receives stay in their table batch.
+    RECV_AHEAD = 2
 
     def _p2p(self, acts: list[Action]) -> None:
         """Post a run of sends (one batch) and the receives up to RECV_AHEAD beyond it.

@@ -18,7 +18,8 @@ Communication per micro-batch (comm log, fp32, padded): all-gather 4(2 Ψ_layers
 reduce-scatter 4Ψ, with Ψ = Ψ_layers + Ψ_root; gradient accumulation repeats both per micro-batch.
 Per step, one 8-byte all-reduce of the squared gradient norm (clipping by the global norm).
 Memory per rank: (4 + 4 + 8) Ψ / n bytes, plus the full parameters of at most two layers and
-the root unit while they compute.
+the root unit while they compute. Under bf16 autocast, each layer's bf16 weight copies are kept
+for its backward until that backward runs (about 2 Ψ_layers bytes more at the peak).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class Zero3Engine(Engine):
 
     def _reduce_all(self) -> None:
         for u in self.all_units:
-            grads = [q.grad if q.grad is not None else torch.zeros(shape)
+            grads = [q.grad if q.grad is not None else torch.zeros(
+                shape, dtype=u.shard.dtype, device=u.shard.device)
                      for q, shape in zip(u.group.params, u.shapes, strict=True)]
             flat = u.group.flatten(grads)
             for q in u.group.params:

@@ -185,12 +185,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ build steps
     def build_run_dir(self) -> Path:
-        """Rank 0 checks the run dir (never overwritten); the others take its path."""
+        """Rank 0 checks the run dir (never overwritten) and tells the others its path.
+
+        (Under torchrun each rank parsed the config itself: a default, time-stamped run.dir
+        could differ between ranks, so rank 0's choice is broadcast.)
+        """
+        error = ""
         if self.main:
-            run_dir = resolve_run_dir(self.cfg)
-            if self.cfg.run.resume:
-                check_resume_compatible(self.cfg, run_dir)
-            return run_dir
+            try:
+                run_dir = resolve_run_dir(self.cfg)
+                if self.cfg.run.resume:
+                    check_resume_compatible(self.cfg, run_dir)
+            except ConfigError as e:
+                error = str(e)
+        if self.mesh.distributed:
+            box = [self.cfg.run.dir, error]
+            dist.broadcast_object_list(box, src=0)
+            self.cfg.run.dir, error = box
+        if error:
+            raise ConfigError(error)
         return Path(self.cfg.run.dir).expanduser()
 
     def build_data(self) -> DataBundle:
@@ -406,6 +419,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg = self.cfg.train
         result = TrainResult(self.run_dir, final_step=self.step)
+        start = self.step
         writer = (MetricsWriter(self.run_dir, self.cfg.run.tensorboard, keep_until=self.step)
                   if self.main else None)
         bar = ProgressLine(cfg.steps, self.step, cfg.log_every, self.show_progress)
@@ -436,8 +450,9 @@ class Trainer:
         result.final_step = self.step
         if self.executor is not None:
             self.write_timeline()
-        if not (self.run_dir / "checkpoints" / f"step_{self.step:07d}").exists():
-            self.save_checkpoint()
+        every = cfg.checkpoint_every
+        if not (every and self.step % every == 0 and self.step > start):  # (decided alike
+            self.save_checkpoint()  # on every rank: no file-system test)
         return result
 
     def write_timeline(self) -> None:
@@ -458,8 +473,12 @@ class Trainer:
         """(B, S, V) logits of the whole vocabulary, whatever the layout."""
         if self.tp is None and self.pipe is None:
             return self.model(ids)
+        sp = self.tp is not None and self.tp.sp
+        if sp:  # sequence shards need s % tp == 0 within the rotary table
+            limit = self.model_cfg.max_seq_len - self.model_cfg.max_seq_len % self.tp.size
+            ids = ids[:, -limit:]
         s = ids.shape[1]
-        pad = (-s) % self.tp.size if self.tp is not None and self.tp.sp else 0
+        pad = (-s) % self.tp.size if sp else 0
         if pad:  # sequence shards need s % tp == 0; right padding keeps the causal logits
             ids = torch.cat([ids, ids.new_zeros(ids.shape[0], pad)], dim=1)
         if self.pipe is None:
