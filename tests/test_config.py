@@ -54,11 +54,17 @@ def test_toml_file_and_round_trip(tmp_path: Path) -> None:
         ("--model.n_heads=3", "not divisible by model.n_heads=3"),
         ("--data.seq_len=4096", "data.seq_len=4096 exceeds model.max_seq_len"),
         ("--train.steps=0", "train.steps=0 must be positive"),
+        ("--train.eval_batches=0", "train.eval_batches=0 must be >= 1 when train.eval_every > 0"),
+        ("--run.sample_prompt=", "run.sample_prompt must not be empty"),
+        ("--parallel.tp=2 --precision.dtype=fp16", "fp16 with parallel.tp > 1 is not supported"),
+        ("--parallel.pp=2 --parallel.pp_layers=3,,1", "parallel.pp_layers='3,,1' must be a comma"),
+        ("--parallel.pp=2 --parallel.pp_layers=4,0", "must be a comma list of layer counts >= 1"),
+        ("--parallel.pp=2 --parallel.pp_layers=1,2", "must list 2 counts summing to model.n_layers=4"),
     ],
 )
 def test_bad_values_name_the_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        load_config(None, override.split())
     text = str(err.value)
     assert message in text
     assert "\n" not in text  # one line
