@@ -20,12 +20,17 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   in the catalogue.
 - layout: blank tp/pp/cp/ep = 1, blank dp = GPUs / (tp pp cp), vpp > 1 = interleaved 1F1B;
   ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1);
-  "sequence parallel" in the recompute text = sp. A blank global batch with pp = 1 is one
+  "sequence parallel" in the text = sp; "tp-comm-overlap" / "AsyncTP" = tensor-parallel
+  communication overlapped with its GEMMs. A blank global batch with pp = 1 is one
   micro-batch per replica (torchtitan's convention). A blank micro-batch size or recomputation
   is the one the planner itself finds fastest among those that fit -- as the source would have
-  tuned it; such rows are marked ``completed``.
-- software era: attention scores are materialised (no FlashAttention, published May 2022) for
-  rows whose source year is 2022 or earlier; states are mixed precision (2 + 2 + 12 bytes).
+  tuned it -- and so is sequence parallelism when tp > 1 and the row does not mention it;
+  such rows are marked ``completed``.
+- software era: techniques are not assumed before they existed. Rows whose source year is 2022
+  or earlier materialise attention scores (FlashAttention appeared in May 2022) and use sequence
+  parallelism only where they say so (it was introduced in 2022); later rows get flash
+  attention, and sequence parallelism is completed like the other blank knobs. States are
+  mixed precision (2 + 2 + 12 bytes) for every row.
 - metric: reported MFU if given, else TFLOP/s per GPU, else tokens/s per GPU, else step time.
   FLOP conventions from the notes: "96Bslh" / "incl. recompute" / "counts recompute" /
   "HFU-like" rows count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (Narayanan et al. 2021),
@@ -164,9 +169,10 @@ def source_year(source: str) -> int | None:
 
 def build_row(index: int, raw: dict[str, str]) -> Row:
     row = Row(index, raw)
-    for key, metric in (("reported_mfu_pct", "mfu"), ("reported_tflops_per_gpu", "tflops"),
-                        ("reported_tokens_per_sec_per_gpu", "tokens_per_s_per_gpu"),
-                        ("reported_step_time_s", "step_time_s")):
+    # Measured quantities first: they carry no FLOP convention that could be misread.
+    for key, metric in (("reported_tokens_per_sec_per_gpu", "tokens_per_s_per_gpu"),
+                        ("reported_step_time_s", "step_time_s"),
+                        ("reported_tflops_per_gpu", "tflops"), ("reported_mfu_pct", "mfu")):
         value = _num(raw, key)
         if value is not None:
             row.metric, row.reported = metric, value / (100 if metric == "mfu" else 1)
@@ -201,18 +207,23 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
             return row
         gb = mbs * dp
     vpp = _int(raw, "vpp") or 1
+    year = source_year(raw.get("source", ""))
     rc = recompute_mode(raw.get("recompute", ""))
     precision = raw.get("precision", "").lower()
     dtype = "fp8" if ("fp8" in precision or "float8" in precision) else "bf16"
-    year = source_year(raw.get("source", ""))
+    text = " ".join(raw.get(k, "") for k in ("model_name", "notes", "recompute")).lower()
+    sp_given = "sequence parallel" in text
+    modern = year is None or year > 2022  # FlashAttention and sequence parallelism: 2022
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
-                        profile="megatron", flash=not (year is not None and year <= 2022))
-    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1,
-                        sp="sequence parallel" in raw.get("recompute", "").lower(),
+                        profile="megatron", flash=modern)
+    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
+                        tp_overlap=any(k in text.replace(" ", "")
+                                       for k in ("tp-comm-overlap", "asynctp")),
                         zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), mbs=mbs or 1,
                         recompute=rc or "none",
                         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp)
-    row.free = (["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
+    row.free = ((["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
+                + (["sp"] if tp > 1 and not sp_given and modern else []))
     row.hw = hw
     return row
 
@@ -226,8 +237,9 @@ def predict(row: Row) -> Plan:
         mbs_opts = ([d for d in range(1, 129) if (row.work.global_batch // base.dp) % d == 0]
                     if "mbs" in row.free else [base.mbs])
         rc_opts = ["none", "selective", "full"] if "recompute" in row.free else [base.recompute]
-        options = [Layout(**{**base.as_dict(), "mbs": m, "recompute": r})
-                   for m in mbs_opts for r in rc_opts]
+        sp_opts = [False, True] if "sp" in row.free else [base.sp]
+        options = [Layout(**{**base.as_dict(), "mbs": m, "recompute": r, "sp": sp})
+                   for m in mbs_opts for r in rc_opts for sp in sp_opts]
     plans = [evaluate(row.work, lo, row.hw, base.world) for lo in options]
     valid = [p for p in plans if not p.problems]
     if not valid:
@@ -242,11 +254,11 @@ def flops_per_token(row: Row, recompute_counted: bool) -> float:
     c, s = row.work.model.config, row.work.seq_len
     notes = row.raw.get("notes", "")
     lo_notes = notes.lower()
-    l, h, v = c.n_layers, c.dim, c.vocab_size
+    n, h, v = c.n_layers, c.dim, c.vocab_size
     if recompute_counted:
-        return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+        return 96 * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
     if "72bslh" in lo_notes.replace(" ", ""):
-        return 72 * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        return 72 * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
     return row.work.model.flops_per_token(s)
 
 
@@ -294,9 +306,12 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
                  "predicted_mfu": plan.time.mfu, "step_time_s": plan.time.step}
         if do_search:
             assert row.work and row.hw
-            key = (row.work, plan.layout.world, row.hw.name, row.hw.memory, row.hw.inter_bw)
+            key = (row.work, plan.layout.world, row.hw.name, row.hw.memory, row.hw.inter_bw,
+                   plan.layout.tp_overlap)
             if key not in search_cache:
-                top = search(row.work, plan.layout.world, row.hw, top=1)
+                # The search may use the techniques the published run used (async TP).
+                top = search(row.work, plan.layout.world, row.hw, top=1,
+                             tp_overlap=plan.layout.tp_overlap)
                 search_cache[key] = top[0] if top else None
             best = search_cache[key]
             entry["search_best"] = best.layout.describe() if best else None

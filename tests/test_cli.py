@@ -100,7 +100,7 @@ def test_cli_surface_is_frozen() -> None:
     """Scripts depend on these names; change them on purpose, with this test."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["generate", "info", "schedule", "train"]
+    assert sorted(sub.choices) == ["generate", "info", "plan", "schedule", "train"]
     options = {name: sorted(o for a in p._actions for o in a.option_strings)
                for name, p in sub.choices.items()}
     assert options["train"] == sorted(["--dry-run", "-h", "--help"])
@@ -182,3 +182,11 @@ def test_pipeline_run_records_and_draws_its_timeline(tiny_args: list[str], tmp_p
     drawn = run("schedule", "--timeline", str(tmp_path / "run"), "--plot", str(png))
     assert drawn.returncode == 0, drawn.stderr
     assert "measured 1f1b step over 2 stages: bubble" in drawn.stdout and png.exists()
+
+
+def test_train_with_auto_layout(tiny_args: list[str], tmp_path: Path) -> None:
+    """parallel.auto asks the planner for the layout of the ranks given (here 2)."""
+    out = run("train", *tiny_args, "--parallel.dp=2", "--parallel.auto=true", "--train.steps=2")
+    assert out.returncode == 0, out.stderr
+    assert "parallel.auto: 2 ranks ->" in out.stdout
+    assert "layout: world 2" in out.stdout

@@ -1,4 +1,4 @@
-"""Command line: ``meshlm train | info | generate | schedule``.
+"""Command line: ``meshlm train | info | generate | schedule | plan``.
 
 User mistakes (config, data path, checkpoint) end with one ``meshlm: error: ...`` line and
 exit status 2, before any worker starts or any file is written; no traceback.
@@ -38,6 +38,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     cfg = load_config(args.config, _split_overrides(rest))
     world = detect_external_world()
+    if cfg.parallel.auto:
+        apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
     resolve_world(cfg, world.world_size if world else None)
     if args.dry_run:
         from .train.estimate import memory_estimate
@@ -69,6 +71,24 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     else:
         train(cfg)
     return 0
+
+
+def apply_auto_layout(cfg, world_size: int) -> None:  # noqa: ANN001
+    """``parallel.auto=true``: the planner's best layout of ``world_size`` ranks.
+
+    Under torchrun/SLURM the world is given; otherwise its size is pp * dp * cp * tp of the
+    config (e.g. ``--parallel.dp=4`` means "4 local ranks, planner's choice of layout").
+    """
+    from .config import validate
+    from .planner.cli import auto_layout
+
+    chosen = auto_layout(cfg, world_size)
+    cfg.train.micro_batch = chosen.pop("micro_batch")
+    for key, value in chosen.items():
+        setattr(cfg.parallel, key, value)
+    validate(cfg)
+    print(f"parallel.auto: {world_size} ranks -> " + ", ".join(
+        f"{k}={v}" for k, v in chosen.items()) + f", micro_batch={cfg.train.micro_batch}")
 
 
 def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
@@ -180,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
+
+    from .planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
 
     p = sub.add_parser("schedule", help="print and draw a pipeline schedule or a measured step")
     p.add_argument("--pp", type=int, default=4)

@@ -94,6 +94,7 @@ class ParallelSection:
     ep: int = 1
     zero: int = 0
     bucket_mb: float = 25.0  # gradient bucket size of DDP and ZeRO-1/2
+    auto: bool = False  # let the planner pick the layout of the world (see meshlm plan)
 
 
 @dataclass

@@ -1,0 +1,228 @@
+"""``meshlm plan`` and ``parallel.auto``: the planner from the command line and the trainer.
+
+``meshlm plan --model PRESET|FILE --gpus N --gpu KIND [--seq-len L] [--global-batch-tokens T]
+[--layout "tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2"]
+[--json]`` prints the fastest layouts that fit (a table), or with ``--layout`` the breakdown
+of that one layout. ``meshlm plan --calibrate`` measures this machine and stores the ``cpu``
+entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from typing import Any
+
+from ..config import Config, ConfigError, validate
+from .hardware import GIB, Accelerator, get_accelerator
+from .search import Plan, evaluate, search
+from .workload import Layout, ModelSpec, Workload, layout_problems, load_model_spec, parse_layout
+
+DEFAULT_BATCH_TOKENS = 2**20  # the Ultra-Scale Playbook's benchmark batch: 1M tokens
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``meshlm plan`` (with ``set_defaults(func=cmd_plan)``)."""
+    p = subparsers.add_parser(
+        "plan", help="predict memory, step time and MFU of layouts; find the best one",
+        description="Rank parallel layouts of a model on a cluster by predicted tokens/s "
+                    "(only those that fit in memory), or break one layout down.")
+    p.add_argument("--model", help="preset name or TOML file with the model's dims")
+    p.add_argument("--gpus", type=int, help="number of GPUs (or CPU ranks)")
+    p.add_argument("--gpu", help="accelerator: a catalogue name (a100-80gb, h100-sxm, ..., cpu) "
+                                 "or a TOML file describing one")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: 2048, or 256 on cpu, capped at the "
+                        "model's max_seq_len)")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="tokens per optimizer step (default: 1M on GPUs, 16 sequences on cpu)")
+    p.add_argument("--layout", help='one layout to break down, e.g. "tp=8,pp=4,dp=16,zero=1,'
+                                    'mbs=1,recompute=selective,schedule=interleaved,vpp=2"')
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+                   help="matmul precision (default: bf16 on GPUs, fp32 on cpu)")
+    p.add_argument("--states", choices=("fp32", "mixed"), default="fp32",
+                   help="fp32: meshlm's fp32 weights/grads + Adam (16 B/param); mixed: "
+                        "16-bit weights/grads + fp32 master and Adam (ZeRO paper)")
+    p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul, memory, gloo collectives) and store "
+                        "the cpu entry")
+    p.add_argument("--calibration", default=None,
+                   help="calibration file to write (--calibrate) or read (--gpu cpu); default "
+                        "~/.cache/meshlm/cpu_calibration.json")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    if args.calibrate:
+        from .calibrate import calibrate, save
+
+        print("calibrating the cpu entry (about a minute; waits for an idle machine) ...")
+        path = save(calibrate(), args.calibration)
+        print(f"stored {path}")
+        return 0
+    for name in ("model", "gpus", "gpu"):
+        if getattr(args, name) is None:
+            raise ConfigError(f"meshlm plan needs --{name} (or --calibrate)")
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus={args.gpus} must be >= 1")
+    spec = load_model_spec(args.model)
+    hw = get_accelerator(args.gpu, args.calibration)
+    work = build_workload(spec, hw, args.seq_len, args.global_batch_tokens, args.precision,
+                          args.states)
+    if args.layout:
+        layout = parse_layout(args.layout, args.gpus)
+        problems = layout_problems(layout, work, args.gpus,
+                                   None if hw.is_cpu else hw.gpus_per_node)
+        if problems:
+            raise ConfigError(f"--layout {args.layout!r}: " + "; ".join(problems))
+        plan = evaluate(work, layout, hw, args.gpus)
+        if args.json:
+            print(json.dumps({**context(work, hw, args.gpus), **plan.to_dict()}, indent=1))
+        else:
+            print_breakdown(work, hw, plan)
+        return 0
+    plans = search(work, args.gpus, hw, top=args.top)
+    if args.json:
+        print(json.dumps({**context(work, hw, args.gpus),
+                          "plans": [p.to_dict() for p in plans]}, indent=1))
+    else:
+        print_ranking(work, hw, args.gpus, plans)
+    return 0 if plans else 1
+
+
+def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
+                   batch_tokens: int | None, precision: str | None, states: str) -> Workload:
+    c = spec.config
+    seq = seq_len or min(c.max_seq_len, 256 if hw.is_cpu else 2048)
+    if seq < 1 or seq > c.max_seq_len:
+        raise ConfigError(f"--seq-len={seq} must lie in [1, max_seq_len={c.max_seq_len}] of "
+                          f"model {c.name}")
+    tokens = batch_tokens or (16 * seq if hw.is_cpu else DEFAULT_BATCH_TOKENS)
+    if tokens < seq:
+        raise ConfigError(f"--global-batch-tokens={tokens} is less than one sequence of "
+                          f"{seq} tokens")
+    dtype = precision or ("fp32" if hw.is_cpu else "bf16")
+    return Workload(spec, seq, tokens // seq, dtype=dtype, states=states)
+
+
+def context(work: Workload, hw: Accelerator, gpus: int) -> dict[str, Any]:
+    c = work.model.config
+    return {"model": c.name, "params": work.model.num_params(), "gpus": gpus,
+            "hardware": hw.name, "hardware_sources": hw.sources, "seq_len": work.seq_len,
+            "global_batch_seqs": work.global_batch, "precision": work.dtype,
+            "states": work.states}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def print_ranking(work: Workload, hw: Accelerator, gpus: int, plans: list[Plan]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = work.model.config
+    n = work.model.num_params()
+    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+    title = (f"{c.name} ({size} params) on {gpus} x {hw.name}, "
+             f"seq {work.seq_len}, batch {work.global_batch} seqs, {work.dtype}")
+    if not plans:
+        print(f"{title}: no layout fits in {_gib(hw.memory)} GiB per device")
+        return
+    table = Table(title=title)
+    for col in ("#", "layout", "tokens/s", "MFU", "step s", "bubble", "exposed comm",
+                "mem GiB"):
+        table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
+    for i, p in enumerate(plans, 1):
+        t = p.time
+        assert t is not None
+        comm = sum(v for k, v in t.items.items() if k.startswith("comm:"))
+        table.add_row(str(i), p.layout.describe(), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}",
+                      f"{t.step:.3g}", f"{t.items['pipeline bubble'] / t.step:.1%}",
+                      f"{comm / t.step:.1%}", f"{_gib(p.memory.total)}/{_gib(hw.memory)}")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
+def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
+    c, t, m = work.model.config, plan.time, plan.memory
+    assert t is not None
+    print(f"{c.name} on {plan.layout.world} x {hw.name}: {plan.layout.describe()}")
+    print(f"  seq {work.seq_len}, global batch {work.global_batch} seqs "
+          f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}")
+    verdict = "fits" if m.fits else "does NOT fit"
+    print(f"memory per device (stage {m.stage}): {_gib(m.total)} GiB of {_gib(m.capacity)} "
+          f"-- {verdict}")
+    for k, v in m.items.items():
+        print(f"  {k:<24} {_gib(v):>10} GiB")
+    print(f"time per step: {t.step:.4g} s")
+    for k, v in t.items.items():
+        if v > 0:
+            print(f"  {k:<24} {v:>10.4g} s  {v / t.step:6.1%}")
+    if t.comm:
+        before = ", ".join(f"{k} {v:.3g} s" for k, v in t.comm.items())
+        print(f"communication before overlap: {before}")
+    print(f"tokens/s {t.tokens_per_s:,.0f} ({t.tokens_per_s / plan.layout.world:,.0f} per "
+          f"device), MFU {t.mfu:.1%}, HFU {t.hfu:.1%}")
+
+
+# ---------------------------------------------------------------------- parallel.auto
+def _hardware_here() -> Accelerator:
+    import torch
+
+    if not torch.cuda.is_available():
+        return get_accelerator("cpu")
+    name = torch.cuda.get_device_name().upper()
+    mem = torch.cuda.get_device_properties(0).total_memory
+    for key, entry in (("H800", "h800"), ("H200", "h200"), ("B200", "b200"), ("MI300X", "mi300x")):
+        if key in name:
+            return get_accelerator(entry)
+    if "H100" in name:
+        return get_accelerator("h100-pcie" if "PCIE" in name else "h100-sxm")
+    if "A100" in name:
+        return get_accelerator("a100-40gb" if mem < 60 * GIB else "a100-80gb")
+    raise ConfigError(f"parallel.auto: GPU {name!r} is not in the planner's catalogue; set the "
+                      "layout by hand")
+
+
+def auto_layout(cfg: Config, world_size: int) -> dict[str, Any]:
+    """Best layout of ``world_size`` ranks for ``cfg`` among those meshlm's config accepts.
+
+    Returns parallel-section values plus ``micro_batch`` (for ``train.micro_batch``):
+    ``{"dp", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp", "ep", "zero",
+    "micro_batch"}``. Every candidate goes through :func:`meshlm.config.validate`, so only
+    what training supports is proposed. Raises ConfigError when nothing fits.
+    """
+    spec = ModelSpec(cfg.model_config())
+    hw = _hardware_here()
+    work = Workload(spec, cfg.data.seq_len, cfg.train.global_batch, dtype=cfg.precision.dtype,
+                    states="fp32")
+
+    def allowed(lo: Layout) -> bool:
+        trial = copy.deepcopy(cfg)
+        for key, value in _as_config(lo).items():
+            section = trial.train if key == "micro_batch" else trial.parallel
+            setattr(section, key, value)
+        try:
+            validate(trial, check_paths=False)
+        except ConfigError:
+            return False
+        return True
+
+    plans = search(work, world_size, hw, top=1, allowed=allowed, recompute=("none",))
+    if not plans:
+        raise ConfigError(f"parallel.auto: no layout of {world_size} ranks fits model "
+                          f"{spec.name} (seq {work.seq_len}, global batch {work.global_batch}) "
+                          f"in {_gib(hw.memory)} GiB per device on {hw.name}")
+    return _as_config(plans[0].layout)
+
+
+def _as_config(lo: Layout) -> dict[str, Any]:
+    return {"dp": lo.dp, "tp": lo.tp, "sp": lo.sp, "pp": lo.pp, "pp_schedule": lo.schedule,
+            "pp_virtual": lo.vpp, "cp": lo.cp, "ep": lo.ep, "zero": lo.zero,
+            "micro_batch": lo.mbs}

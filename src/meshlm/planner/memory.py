@@ -1,0 +1,289 @@
+"""Per-GPU memory of a layout: model states, activations, communication buffers.
+
+**States** (Rajbhandari et al. 2020, "ZeRO", sec. 3 and fig. 1). With Ψ parameters on a rank
+and N = dp x cp data-parallel ranks sharing them, bytes per parameter of weights / gradients /
+optimizer states are ``(w, g, o)``: ``(2, 2, 12)`` for the paper's mixed precision (K = 12:
+fp32 master weights, momentum, variance) or ``(4, 4, 8)`` for meshlm's fp32 weights and
+gradients with AdamW moments (``parallel/data.py``: 16Ψ). Stage 0 holds ``(w + g + o) Ψ``;
+stage 1 ``(w + g) Ψ + o Ψ / N``; stage 2 ``w Ψ + (g + o) Ψ / N``; stage 3 ``(w + g + o) Ψ / N``.
+Ψ on a rank is the layers of its pipeline stage, with attention and MLP weights split over tp
+(norms replicated), the vocabulary padded to a multiple of tp, routed experts split over ep
+and sharded over dp x cp / ep (Megatron-Core's expert data parallelism).
+
+**Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", sec. 4). Profile ``megatron`` is the paper's GPT
+block at 16-bit (eq. 1 and table 2): ``s b h (34 + 5 a s / h)`` bytes without parallelism;
+with tensor parallelism ``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence parallelism
+``s b h (34 + 5 a s / h) / t``; selective recomputation drops the ``5 a s / h`` attention-score
+term; full recomputation keeps ``2 s b h`` (``/ t`` with sp) per layer. The same items are
+written for grouped-query attention (K, V of ``kv`` features), a SwiGLU MLP (4 tensors of
+width f instead of GELU's 2) and flash attention (no scores; output plus an fp32 log-sum-exp
+per head). Profile ``meshlm`` counts what meshlm's block saves (measured with
+``saved_tensors_hooks``): per token ``6h`` fp32 values in the two RMSNorms (input, normalised
+input, output), ``q, k, v``, the attention output and the log-sum-exp, and ``4f`` in SwiGLU;
+under bf16 autocast each linear saves its own bf16 copy of its input and the bf16 weight
+copies live until backward. meshlm's sequence parallelism keeps the all-gathered input of
+each region (it does not gather again in backward).
+
+**Pipeline**: the first stage holds the activations of ``min(p, m)`` micro-batches under 1F1B
+(Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``min(p, m) (1 + (p - 1) / (p v))`` under
+interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the same as
+1F1B under ZB-H1 (Qi et al. 2023). **Buffers**: ZeRO-2's two transient gradient buckets,
+ZeRO-3's gathered parameters and gradients of two layers plus the root unit
+(``parallel/zero3.py``; with the ``megatron`` profile DeepSpeed's live-parameter cap), and
+the accelerator's reserved runtime memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .hardware import Accelerator
+from .workload import Layout, Workload
+
+STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 recipes keep 16-bit activations
+BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
+MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
+
+
+@dataclass
+class StageParams:
+    """Parameters one rank of a pipeline stage holds (after tp/ep splitting)."""
+
+    layers: int
+    dense: float  # sharded by ZeRO over dp x cp
+    expert: float  # sharded by ZeRO over dp x cp / ep
+    matmul: float  # weights that take part in matmuls (bf16 autocast copies)
+    layer_unit: float  # one layer's parameters (ZeRO-3 gathers)
+    root_unit: float  # embedding + final norm + head on this stage
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per rank on the most loaded pipeline stage."""
+
+    items: dict[str, float] = field(default_factory=dict)
+    stage: int = 0
+    capacity: float = 0.0
+
+    @property
+    def states(self) -> float:
+        return self.items["params"] + self.items["grads"] + self.items["optim"]
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+# ---------------------------------------------------------------------- parameters
+def partition(n_layers: int, n_stages: int) -> list[int]:
+    """Layers per pipeline stage, balanced by count with the remainder going to the middle
+    stages first (the first and last also hold embedding and head) -- the rule of
+    ``parallel/pipeline.partition_layers``."""
+    counts = [n_layers // n_stages] * n_stages
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
+    for s in order[: n_layers % n_stages]:
+        counts[s] += 1
+    return counts
+
+
+def stage_layers(n_layers: int, lo: Layout, rank: int) -> list[int]:
+    """Layer ids held by pipeline rank ``rank``: its stages ``rank, rank + pp, ...`` of
+    ``pp x vpp`` (Megatron's interleaving; ``vpp = 1`` is one stage per rank)."""
+    counts = partition(n_layers, lo.pp * lo.vpp)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [i for k in range(lo.vpp) for s in [k * lo.pp + rank]
+            for i in range(starts[s], starts[s] + counts[s])]
+
+
+def layer_kinds(work: Workload, lo: Layout, stage: int) -> dict[bool, int]:
+    """How many dense (False) and MoE (True) layers pipeline rank ``stage`` holds."""
+    c = work.model.config
+    layers = stage_layers(c.n_layers, lo, stage)
+    moe = sum(1 for i in layers if c.is_moe_layer(i))
+    return {k: n for k, n in ((False, len(layers) - moe), (True, moe)) if n}
+
+
+def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
+    """Per-rank parameter counts of one pipeline stage (see module docstring)."""
+    spec, c = work.model, work.model.config
+    t, h = lo.tp, c.dim
+    dense = expert = matmul = layer_unit = 0.0
+    kinds = layer_kinds(work, lo, stage)
+    for is_moe, count in kinds.items():
+        attn = c.attention_params() / t
+        norms = 2 * h
+        if is_moe:
+            router = h * c.moe_experts
+            per_expert = 3 * h * c.expert_hidden
+            shared = c.moe_shared_experts * per_expert / t
+            routed = c.moe_experts / lo.ep * per_expert
+            dense += count * (attn + norms + router + shared)
+            expert += count * routed
+            matmul += count * (attn + router + shared + routed)
+            layer_unit = max(layer_unit, attn + norms + router + shared + routed)
+        else:
+            mlp = spec.mlp_matrices * h * c.ffn_hidden / t
+            dense += count * (attn + norms + mlp)
+            matmul += count * (attn + mlp)
+            layer_unit = max(layer_unit, attn + norms + mlp)
+    vocab = math.ceil(c.vocab_size / t) * h
+    root = 0.0
+    if stage == 0:
+        root += vocab
+    if stage == lo.pp - 1:
+        # An untied head is its own matrix; a tied one is a second copy on the last stage
+        # when the embedding lives on another stage (Megatron keeps both in sync).
+        root += h + (vocab if not c.tie_embeddings or lo.pp > 1 else 0)
+        matmul += vocab
+    dense += root
+    return StageParams(sum(kinds.values()), dense, expert, matmul, layer_unit, root)
+
+
+def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
+    """Weights, gradients and optimizer states of one rank (ZeRO paper, fig. 1)."""
+    w, g, o = STATE_BYTES[work.states]
+    n_dense = lo.dp * lo.cp
+    n_expert = max(1, n_dense // lo.ep)
+
+    def sharded(count: float, n: int, bytes_per: int, stage_min: int) -> float:
+        return count * bytes_per / (n if lo.zero >= stage_min else 1)
+
+    out = {}
+    for name, per, stage_min in (("params", w, 3), ("grads", g, 2), ("optim", o, 1)):
+        out[name] = (sharded(p.dense, n_dense, per, stage_min)
+                     + sharded(p.expert, n_expert, per, stage_min))
+    return out
+
+
+# ---------------------------------------------------------------------- activations
+def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str, float]:
+    """Bytes saved for backward by one layer for one micro-batch, without recomputation.
+
+    Items are named after the tensors; ``scores`` is what selective recomputation of the
+    attention core drops: the score matrix (softmax, dropout) or, with flash attention, the
+    log-sum-exp. The core's output stays (it is the output projection's input).
+    """
+    c = work.model.config
+    t = lo.tp
+    tokens = lo.mbs * work.seq_len / lo.cp  # tokens of one micro-batch on this rank
+    h, hq, kv, heads = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd, c.n_heads
+    f = c.expert_hidden * c.moe_topk + c.moe_shared_experts * c.expert_hidden if moe else (
+        c.ffn_hidden)
+    gated = work.model.gated_mlp or moe
+    a = ACT_BYTES[work.dtype]
+    out_t = t if lo.sp else 1  # tensors outside the tp regions are split only with sp
+    items: dict[str, float] = {}
+    if work.profile == "megatron":
+        items["norm inputs"] = 2 * h * 2 / out_t
+        items["dropout masks"] = 2 * h * 1 / out_t
+        items["region inputs"] = 2 * h * 2 / out_t  # Megatron gathers again in backward
+        items["q k v"] = (hq + 2 * kv) * 2 / t
+        items["attention out"] = hq * 2 / t
+        items["mlp"] = (4 if gated else 2) * f * 2 / t
+        # softmax output 2as + dropout mask as + dropout output 2as (sec. 4.1); flash attention
+        # keeps an fp32 log-sum-exp per head instead
+        items["scores"] = (heads * 4 if work.flash else 5 * heads * work.seq_len / lo.cp) / t
+    else:
+        r = 4  # meshlm's RMSNorm and residual stream are fp32 (autocast leaves them)
+        items["norm inputs"] = 2 * h * r / out_t
+        items["norm normalised"] = 2 * (h + 1) * r / out_t
+        # fp32: one tensor per region, shared by its linears; autocast: each linear's own copy
+        items["region inputs"] = 2 * h * 4 if a == 4 else (3 + (2 if gated else 1)) * h * a
+        items["q k v"] = (hq + 2 * kv) * a / t
+        items["attention out"] = hq * a / t
+        items["mlp"] = (4 if gated else 2) * f * a / t
+        # SDPA's log-sum-exp per head (fp32); eager attention keeps the softmax output
+        items["scores"] = (heads * 4 if work.flash else 2 * heads * work.seq_len / lo.cp * a) / t
+    return {k: v * tokens for k, v in items.items()}
+
+
+def recomputed(items: dict[str, float], work: Workload, lo: Layout) -> float:
+    """Bytes one layer keeps for one micro-batch under ``lo.recompute``."""
+    if lo.recompute == "none":
+        return sum(items.values())
+    if lo.recompute == "selective":
+        return sum(v for k, v in items.items() if k != "scores")
+    tokens = lo.mbs * work.seq_len / lo.cp
+    r = 2 if work.profile == "megatron" else 4
+    return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input
+
+
+def in_flight(lo: Layout, m: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak."""
+    if lo.pp == 1:
+        return 1.0
+    if lo.schedule == "afab":
+        return float(m)
+    held = float(min(lo.pp, m))
+    if lo.schedule == "interleaved":
+        return held * (1 + (lo.pp - 1) / (lo.pp * lo.vpp))
+    return held  # 1f1b, zb (ZB-H1 keeps 1F1B's peak)
+
+
+def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> float:
+    """Embedding (first stage) and final norm, head input and logits (last stage)."""
+    c = work.model.config
+    tokens = lo.mbs * work.seq_len / lo.cp
+    out_t = lo.tp if lo.sp else 1
+    a = ACT_BYTES[work.dtype]
+    total = 8.0 * tokens if first else 0.0  # token ids (int64)
+    if work.profile == "megatron" and first:
+        total += c.dim * tokens / out_t  # embedding dropout mask
+    if last:
+        norm = (2 * c.dim if work.profile == "megatron" else 2 * (c.dim + 1) * 4) / out_t
+        head_in = c.dim * (4 if a == 4 and work.profile == "meshlm" else 2)
+        logits = 4 * math.ceil(c.vocab_size / lo.tp)  # fp32 softmax for the loss
+        total += (norm + head_in + logits + 8) * tokens
+    return total
+
+
+# ---------------------------------------------------------------------- the breakdown
+def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> MemoryBreakdown:
+    p = stage_params(work, lo, stage)
+    items = state_bytes(work, lo, p)
+    m = lo.micro_batches(work.global_batch)
+    per_layer = 0.0
+    working = 0.0  # one layer's full activations, rebuilt during its backward
+    for is_moe, count in layer_kinds(work, lo, stage).items():
+        full = layer_activations(work, lo, moe=is_moe)
+        per_layer += count * recomputed(full, work, lo)
+        working = max(working, sum(full.values()))
+    # Later stages hold fewer micro-batches under 1F1B: stage k holds min(p - k, m).
+    flight = in_flight(lo, m) * (1 - stage / lo.pp if lo.pp > 1 and lo.schedule != "afab"
+                                 else 1)
+    acts = per_layer * max(1.0, flight)
+    if lo.recompute == "full":
+        acts += working
+    acts += head_activations(work, lo, stage == 0, stage == lo.pp - 1)
+    items["activations"] = acts
+    buffers = 0.0
+    w, g, _ = STATE_BYTES[work.states]
+    if lo.zero == 2:
+        buffers += 2 * min(BUCKET_BYTES, p.total * g)
+    if lo.zero == 3 and work.profile == "meshlm":
+        buffers += (2 * p.layer_unit + p.root_unit) * w + 2 * p.layer_unit * g
+    elif lo.zero == 3:  # DeepSpeed keeps at most 1e9 gathered parameters live (its default
+        live = min(p.layer_unit, MAX_LIVE_PARAMS)  # stage3_max_live_parameters); one prefetched
+        buffers += 2 * live * w + live * g
+    if work.profile == "meshlm" and work.dtype != "fp32":
+        buffers += ACT_BYTES[work.dtype] * p.matmul  # autocast weight copies kept for backward
+    items["buffers"] = buffers
+    items["reserved"] = hw.reserved
+    return MemoryBreakdown(items, stage, hw.memory)
+
+
+def memory(work: Workload, lo: Layout, hw: Accelerator) -> MemoryBreakdown:
+    """Memory of the most loaded pipeline stage (the first or the last)."""
+    stages = {0, lo.pp - 1}
+    return max((stage_memory(work, lo, hw, s) for s in stages), key=lambda b: b.total)

@@ -1,0 +1,434 @@
+"""Step time of a layout: compute + exposed communication + pipeline bubble + optimizer.
+
+**Compute** of one micro-batch on one pipeline stage, forward + backward (+ recomputation),
+summed over its operations (a roofline per operation, Williams et al. 2009):
+
+- each linear layer: forward ``2 M K N`` FLOPs, backward twice that (input and weight
+  gradients), at the accelerator's achievable GEMM rate (``max`` with its operand bytes over
+  memory bandwidth, which binds only for thin matrices);
+- attention scores and values: ``4 s_q s h_q`` FLOPs forward, 3x for forward + backward, half
+  of them done under the causal mask, at the fused-attention rate (materialised scores, before
+  FlashAttention: all of them at the GEMM rate, plus the softmax traffic of the scores);
+- memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds and their
+  gradients): ``C_TRAFFIC`` x the bytes the layer saves for backward (memory.py) over memory
+  bandwidth. 7.4 is counted, not fitted: the bytes every non-matmul aten op of meshlm's block
+  reads and writes, forward + backward (TorchDispatchMode), per byte the block saves -- 7.4 for
+  ``small``, 7.0 for ``tiny`` (a test recounts it). Fused kernels (Megatron, torch.compile)
+  move less; the planner does not credit them;
+- the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient); on CPU
+  the measured per-element cost of cross-entropy forward + backward (it includes the page
+  faults of freshly allocated 64 MiB buffers, which dominate there);
+- per-operation overhead: ``OPS_PER_LAYER`` eager ops per layer (counted with
+  TorchDispatchMode on meshlm's block) x the dispatch cost; serial on CPU, hidden behind
+  running kernels on a GPU (a layer then takes at least its kernels' launch time).
+
+Full recomputation adds one forward of every layer, selective recomputation (Korthikanti et
+al. 2022) one forward of attention only.
+
+**Communication** per step (volumes are the comm log's bytes, the formulas of
+``parallel/data.py``, ``zero.py``, ``zero3.py``, ``tensor.py``; Ultra-Scale Playbook for the
+rest), each timed over the link its axis crosses: the mesh orders axes pp, dp, cp, tp from
+outer to inner, so an axis whose ranks span at most one node (stride x size <= GPUs per node)
+uses NVLink, otherwise the network. Ring collectives over n ranks move ``(n-1)/n`` of the
+buffer per rank (twice for all-reduce) plus a latency per ring step; all-reduce across nodes
+may use NCCL's tree (``2 log2 n`` steps). Overlap, as meshlm's engines do it:
+
+- DDP / ZeRO-1 gradient reduction runs beside the last micro-batch's backward (bucketed;
+  Li et al. 2020) -- exposed: what exceeds that backward; ZeRO-2 does it every micro-batch;
+- ZeRO-1/2 parameter all-gather after the optimizer step: exposed;
+- ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight beside compute:
+  exposed what exceeds the micro-batch's compute, plus the first gather;
+- tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed;
+- ring attention (cp) passes K/V beside the attention of the previous block: exposed what
+  exceeds the attention compute; expert all-to-alls: exposed;
+- on CPU (gloo) nothing overlaps: the transport uses the same cores.
+
+**Bubble**: ``(p - 1) / v`` micro-batch times for AFAB, 1F1B and interleaved 1F1B with v
+virtual stages (Narayanan et al. 2021), ``(p - 1) / 3`` for ZB-H1 with equal forward, input-
+and weight-gradient times (Qi et al. 2023); with unequal stages (embedding, head and loss
+on the ends) the slowest stage sets the pace and the bubble is the other stages' times. **Optimizer**: AdamW reads and writes
+``OPTIM_BYTES`` per parameter it owns.
+
+MFU = model FLOPs (6N + attention, PaLM convention, ``ModelConfig.flops_per_token``) per
+second / (ranks x peak); HFU also counts recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .hardware import Accelerator, Rates, _nearest
+from .memory import (
+    ACT_BYTES,
+    STATE_BYTES,
+    layer_activations,
+    layer_kinds,
+    stage_layers,
+    stage_params,
+)
+from .workload import Layout, Workload
+
+C_TRAFFIC = 7.4  # bytes moved by memory-bound ops per byte saved (counted; module docstring)
+CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
+OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
+KERNELS_PER_LAYER = 96  # of which launch a kernel (the rest are views)
+OPTIM_BYTES = 40.0  # AdamW: read p, g, m, v and write p, m, v (28) + zero_grad and clipping
+
+
+@dataclass
+class CommEvent:
+    """One kind of collective of a step: ``calls`` calls of ``nbytes`` (comm log bytes)."""
+
+    name: str  # dimension: dp, tp, pp, cp, ep
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send
+    axis: str  # comm-log axis name
+    nbytes: float
+    calls: float
+    group: int
+    stride: int  # distance between consecutive group members in the rank order
+    overlap: str  # how it hides (see module docstring)
+    seconds: float = 0.0
+
+
+@dataclass
+class TimeBreakdown:
+    items: dict[str, float] = field(default_factory=dict)  # seconds per step
+    comm: dict[str, float] = field(default_factory=dict)  # per dimension, before overlap
+    volumes: dict[str, float] = field(default_factory=dict)  # comm-log bytes per "op/axis"
+    micro_batches: int = 1
+    t_micro: float = 0.0
+    step: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    hfu: float = 0.0
+
+
+# ---------------------------------------------------------------------- collectives
+def threads_per_rank(hw: Accelerator, world: int) -> int:
+    """meshlm's CPU launch: one process uses every core; workers get one thread each."""
+    return (hw.cpu.cores if world == 1 else 1) if hw.cpu is not None else 1
+
+
+def collective_time(hw: Accelerator, op: str, nbytes: float, n: int, stride: int,
+                    procs: int = 1) -> float:
+    """Seconds of one collective over ``n`` ranks ``stride`` apart (see module docstring)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if hw.cpu is not None:
+        key = op if op in hw.cpu.collectives else "all_gather"
+        lat, bw = _nearest(hw.cpu.collectives[key], n)
+        # Calibrated with n processes alone; more processes than cores time-share the cores.
+        scale = max(1.0, procs / hw.cpu.cores) / max(1.0, n / hw.cpu.cores)
+        return (lat + nbytes / bw) * scale
+    inter = stride * n > hw.gpus_per_node
+    bw = hw.inter_bw * hw.inter_eff if inter else hw.intra_bw * hw.intra_eff
+    step = hw.inter_step_latency if inter else hw.intra_step_latency
+    frac = (n - 1) / n
+    if op == "all_reduce":
+        ring = 2 * (n - 1)
+        steps = min(ring, 2 * math.ceil(math.log2(n))) if inter else ring
+        return hw.coll_latency + steps * step + 2 * frac * nbytes / bw
+    if op == "send":
+        return hw.coll_latency + step + nbytes / bw
+    return hw.coll_latency + (n - 1) * step + frac * nbytes / bw  # ag, rs, all-to-all
+
+
+# ---------------------------------------------------------------------- compute
+def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> float:
+    """Forward + backward seconds of one linear layer: its 3 GEMMs (output, input gradient,
+    weight gradient). GPU: roofline per GEMM. CPU: compute plus writing the three fresh
+    output buffers (page faults make that cost add, not overlap; it dominates thin GEMMs
+    with wide outputs such as a small model's LM head)."""
+    flops = 2 * m * k * n
+    outputs = a * (m * n + m * k + k * n)
+    if rates.serial_ops:
+        return 3 * flops / rate + outputs / rates.bandwidth(a * m * max(n, k))
+    nbytes = a * (m * k + k * n + m * n)
+    return 3 * max(flops / rate, nbytes / rates.bandwidth(nbytes))
+
+
+def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe: bool
+                  ) -> dict[str, float]:
+    """Seconds of one (dense or MoE) layer for one micro-batch: forward + backward +
+    recomputation."""
+    c = work.model.config
+    t, a = lo.tp, ACT_BYTES[work.dtype]
+    tokens = lo.mbs * work.seq_len / lo.cp
+    h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
+    g_rate = rates.gemm[work.dtype]
+    lin = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
+    if moe:
+        routed = tokens * c.moe_topk  # balanced router: each rank computes this many rows
+        fe = c.expert_hidden
+        gemm = 3 * _gemm(routed, h, fe, a, g_rate, rates) + _gemm(tokens, h, c.moe_experts,
+                                                                  a, g_rate, rates)
+        shared = [(h, fe * c.moe_shared_experts / t)] * 2 + [(fe * c.moe_shared_experts / t,
+                                                              h)]
+        lin += shared if c.moe_shared_experts else []
+    else:
+        f = c.ffn_hidden / t
+        lin += ([(h, f), (h, f), (f, h)] if work.model.gated_mlp else [(h, f), (f, h)])
+        gemm = 0.0
+    gemm += sum(_gemm(tokens, k, n, a, g_rate, rates) for k, n in lin)
+    # Causal attention over the whole sequence: queries of this rank's s/cp tokens. Flash
+    # kernels skip the masked half; materialised scores are full batched GEMMs.
+    attn_flops = 4 * tokens * work.seq_len * hq / t
+    attn_fwd = (0.5 * attn_flops / rates.attention(c.hd) if work.flash
+                else max(attn_flops / g_rate, tokens * work.seq_len * c.n_heads / t * a
+                               / rates.bandwidth(tokens * h * a)))
+    saved = layer_activations(work, lo, moe)
+    tensor = tokens * h * a
+    # tensor parallelism copies each region's output before its all-reduce, forward and
+    # backward (parallel/tensor_comm.py): 4 activation copies (read + write) per layer
+    copies = 4 * 2 * tensor / (lo.tp if lo.sp else 1) if t > 1 else 0.0
+    elem = (C_TRAFFIC * sum(saved.values()) + copies) / rates.bandwidth(tensor)
+    out = {"gemm": gemm, "attention": 3 * attn_fwd, "memory-bound": elem}
+    if lo.recompute == "full":
+        out["recompute"] = gemm / 3 + attn_fwd + elem / 3
+    elif lo.recompute == "selective":
+        out["recompute"] = attn_fwd
+    if rates.serial_ops:
+        out["op overhead"] = OPS_PER_LAYER * rates.op_overhead
+    else:  # launches overlap kernels; a layer cannot run faster than it can launch them
+        launch = KERNELS_PER_LAYER * rates.op_overhead
+        busy = sum(out.values())
+        if launch > busy:
+            out["op overhead"] = launch - busy
+    return out
+
+
+def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, first: bool,
+                 last: bool) -> dict[str, float]:
+    """Embedding (first stage), LM head and loss (last stage) for one micro-batch."""
+    c = work.model.config
+    tokens = lo.mbs * work.seq_len / lo.cp
+    a = ACT_BYTES[work.dtype]
+    v_local = math.ceil(c.vocab_size / lo.tp)
+    out: dict[str, float] = {}
+    if first:  # lookup + dense gradient of the (local) embedding table
+        table = v_local * c.dim * 4
+        out["embedding"] = (tokens * c.dim * a + 2 * table) / rates.bandwidth(table)
+    if last:
+        out["head gemm"] = _gemm(tokens, c.dim, v_local, a, rates.gemm[work.dtype], rates)
+        logits = tokens * v_local
+        if rates.ce is not None:  # measured (CPU); tp > 1 uses the vocab-parallel loss
+            out["loss"] = logits * (rates.ce_tp if lo.tp > 1 and rates.ce_tp else rates.ce)
+        else:
+            out["loss"] = CE_PASSES * 4 * logits / rates.bandwidth(4 * logits)
+    return out
+
+
+# ---------------------------------------------------------------------- communication
+def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
+    """Every collective of one step on a rank of ``stage`` (comm-log bytes per call)."""
+    c = work.model.config
+    p = stage_params(work, lo, stage)
+    w, g, _ = STATE_BYTES[work.states]
+    a = ACT_BYTES[work.dtype]
+    m = lo.micro_batches(work.global_batch)
+    tokens = lo.mbs * work.seq_len / lo.cp
+    n_dp = lo.dp * lo.cp
+    ev: list[CommEvent] = []
+    if n_dp > 1:
+        def dp(op: str, nbytes: float, calls: float, overlap: str) -> None:
+            ev.append(CommEvent("dp", op, "dp", nbytes, calls, n_dp, lo.tp, overlap))
+
+        grads, weights = p.total * g, p.total * w
+        if lo.zero == 0:
+            dp("all_reduce", grads, 1, "last_backward")
+        elif lo.zero in (1, 2):
+            dp("reduce_scatter", grads, 1 if lo.zero == 1 else m,
+               "last_backward" if lo.zero == 1 else "each_backward")
+            dp("all_gather", weights, 1, "exposed")
+        else:
+            gathered = (2 * (p.dense + p.expert - p.root_unit) + p.root_unit) * w
+            dp("all_gather", gathered, m, "zero3")
+            dp("reduce_scatter", grads, m, "zero3")
+        if lo.zero:
+            dp("all_reduce", 8, 1, "exposed")  # squared gradient norm for clipping
+    if lo.tp > 1:
+        act = tokens * c.dim * (4 if work.dtype == "fp32" else a)
+
+        def tp(op: str, nbytes: float, calls: float) -> None:
+            ev.append(CommEvent("tp", op, "tp", nbytes, calls * m, lo.tp, 1,
+                                "gemm" if lo.tp_overlap else "exposed"))
+
+        layers = p.layers
+        first, last = stage == 0, stage == lo.pp - 1
+        redo = 1.5 if lo.recompute == "full" else 1.0  # recomputed forwards communicate again
+        if lo.sp:
+            # per layer: each region gathers its input and reduce-scatters its output,
+            # forward and (conjugate) backward; the norm weights' gradients are summed.
+            tp("all_gather", act, 4 * layers * redo + (1 if last else 0) + (1 if first else 0))
+            tp("reduce_scatter", act, 4 * layers * redo + (1 if last else 0) + (1 if first else 0))
+            tp("all_reduce", c.dim * 4, 2 * layers + (1 if last else 0))
+        else:
+            tp("all_reduce", act, 4 * layers * redo + (1 if first else 0) + (1 if last else 0))
+        if last:
+            tp("all_reduce", tokens * 4, 3)  # vocab-parallel cross-entropy: max, target, sum
+        ev.append(CommEvent("tp", "all_reduce", "tp", 8, 1, lo.tp, 1, "exposed"))  # clipping
+    if lo.pp > 1:
+        # meshlm's executor moves fp32 activations forward and their gradients backward at
+        # every stage boundary, one micro-batch at a time (parallel/pipeline.py).
+        act = tokens * c.dim * 4 / (lo.tp if lo.sp else 1)
+        last = lo.pp * lo.vpp - 1
+        chunks = [k * lo.pp + stage for k in range(lo.vpp)]
+        sends = sum((s < last) + (s > 0) for s in chunks)  # activation out, gradient back
+        recvs = sum((s > 0) + (s < last) for s in chunks)
+        stride = lo.tp * lo.cp * lo.dp
+        ev.append(CommEvent("pp", "send", "pp", act, sends * m, 2, stride, "exposed"))
+        ev.append(CommEvent("pp", "recv", "pp", act, recvs * m, 2, stride, "free"))
+        ev.append(CommEvent("pp", "all_reduce", "pp", 8, 1, lo.pp, stride, "exposed"))  # clip
+    if lo.cp > 1:
+        kv = 2 * tokens * c.n_kv_heads * c.hd / lo.tp * a
+        layers = len(stage_layers(c.n_layers, lo, stage))
+        ev.append(CommEvent("cp", "send", "cp", kv, 3 * (lo.cp - 1) * layers * m, 2, lo.tp,
+                            "attention"))
+    if lo.ep > 1:
+        moe_layers = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
+        routed = tokens * c.moe_topk * c.dim * a
+        ev.append(CommEvent("ep", "all_to_all", "ep", routed, 4 * moe_layers * m, lo.ep, lo.tp,
+                            "exposed"))
+    return ev
+
+
+def comm_volumes(work: Workload, lo: Layout, stage: int = 0) -> dict[str, float]:
+    """Comm-log bytes per step and ``op/axis`` (the quantity ``CommLog.bytes_by_op`` sums)."""
+    out: dict[str, float] = {}
+    for e in comm_events(work, lo, stage):
+        key = f"{e.op}/{e.axis}"
+        out[key] = out.get(key, 0.0) + e.nbytes * e.calls
+    return out
+
+
+# ---------------------------------------------------------------------- the step
+def stage_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, stage: int
+                  ) -> dict[str, float]:
+    """Seconds of one micro-batch (forward + backward) on ``stage``, by item."""
+    out: dict[str, float] = {}
+    for is_moe, count in layer_kinds(work, lo, stage).items():
+        for k, v in layer_compute(work, lo, hw, rates, is_moe).items():
+            out[k] = out.get(k, 0.0) + count * v
+    for k, v in head_compute(work, lo, hw, rates, stage == 0, stage == lo.pp - 1).items():
+        out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
+    """The step time breakdown of ``lo`` (see module docstring)."""
+    world = lo.world
+    procs = min(world, hw.gpus_per_node)
+    threads = threads_per_rank(hw, world)
+    # On CPU, ranks beyond the cores time-share them: compute at one rank's own rate, then
+    # stretch it by the oversubscription (below); the cores stay busy while a rank idles.
+    rates = hw.rates(1, threads) if hw.cpu is not None else hw.rates(procs, threads)
+    oversub = max(1.0, procs * threads / hw.cpu.cores) if hw.cpu is not None else 1.0
+    m = lo.micro_batches(work.global_batch)
+    n = work.model.config.n_layers
+    busiest = max(range(lo.pp), key=lambda r: len(stage_layers(n, lo, r)))
+    stages = sorted({0, lo.pp - 1, busiest})  # embedding, head, most layers
+    per_stage = {s: stage_compute(work, lo, hw, rates, s) for s in stages}
+    slow = max(per_stage, key=lambda s: sum(per_stage[s].values()))
+    mb_items = per_stage[slow]
+    t_mb = sum(mb_items.values())
+    out = TimeBreakdown(micro_batches=m, t_micro=t_mb * oversub)
+    for k, v in mb_items.items():
+        out.items[f"compute: {k}"] = v * m * oversub
+    bubble = 0.0
+    if lo.pp > 1:
+        # (p - 1) micro-batch times of the *other* stages: fill and drain wait on every stage
+        # but the slowest, which sets the steady-state pace (equal stages: (p - 1) t_mb).
+        times = {st: sum(v.values()) for st, v in per_stage.items()}
+        middle = times[busiest]
+        others = sum(times.values()) + (lo.pp - len(times)) * middle - t_mb
+        bubble = others / (3 if lo.schedule == "zb" else lo.vpp)
+    # A time-shared core runs the other ranks while one waits in the bubble: the bubble only
+    # costs what exceeds the extra time the sharing already added.
+    out.items["pipeline bubble"] = max(0.0, bubble - (oversub - 1) * m * t_mb)
+
+    attn = mb_items.get("attention", 0.0)
+    fwd = (t_mb - mb_items.get("recompute", 0.0)) / 3  # backward = 2 forwards + recompute
+    bwd = t_mb - fwd
+    events = comm_events(work, lo, slow)
+    exposed: dict[str, float] = {}
+    for e in events:
+        if e.overlap == "free":  # the receiving side of a timed send
+            e.seconds = 0.0
+        else:
+            e.seconds = collective_time(hw, e.op, e.nbytes, e.group, e.stride, procs) * e.calls
+        out.comm[e.name] = out.comm.get(e.name, 0.0) + e.seconds
+        key = f"{e.op}/{e.axis}"
+        out.volumes[key] = out.volumes.get(key, 0.0) + e.nbytes * e.calls
+    # Budgets of compute each overlappable kind of collective can hide behind (per step).
+    gemm_time = mb_items.get("gemm", 0.0) * m
+    budget = {"gemm": gemm_time, "attention": attn * m}
+    zero3 = {"fwd": 0.0, "bwd": 0.0, "first": 0.0}
+    for e in events:
+        per_call = e.seconds / max(e.calls, 1)
+        if e.overlap == "free":
+            continue
+        if not hw.overlap or e.overlap == "exposed" or (e.name == "dp" and lo.pp > 1
+                                                         and e.overlap != "zero3"):
+            # (with pipelining, meshlm, like Megatron, reduces gradients after the flush)
+            exposed[e.name] = exposed.get(e.name, 0.0) + e.seconds
+        elif e.overlap == "last_backward":
+            # buckets reduce while backward continues; the last bucket waits at the end
+            buckets = max(1, math.ceil(e.nbytes / (25 * 2**20)))
+            tail = per_call / buckets
+            exposed[e.name] = exposed.get(e.name, 0.0) + max(tail, e.seconds - bwd)
+        elif e.overlap == "each_backward":
+            exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, e.seconds - bwd * e.calls)
+        elif e.overlap == "zero3":
+            # forward gathers hide behind the forward; backward gathers and reduce-scatters
+            # behind the backward (+ recomputation); the first layer's gather never hides.
+            if e.op == "all_gather":
+                zero3["fwd"] += e.seconds / 2
+                zero3["bwd"] += e.seconds / 2
+                n_units = max(1, p_layers(work, lo, slow))
+                zero3["first"] += per_call / (2 * n_units + 1) * e.calls
+            else:
+                zero3["bwd"] += e.seconds
+        else:
+            left = budget[e.overlap]
+            exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, e.seconds - left)
+            budget[e.overlap] = max(0.0, left - e.seconds)
+    if zero3["fwd"] or zero3["bwd"]:
+        t_fwd = fwd * m
+        t_bwd = (t_mb - fwd) * m
+        exposed["dp"] = exposed.get("dp", 0.0) + (max(0.0, zero3["fwd"] - t_fwd)
+                                                  + max(0.0, zero3["bwd"] - t_bwd)
+                                                  + zero3["first"])
+    for name, v in exposed.items():
+        out.items[f"comm: {name}"] = v
+
+    p = stage_params(work, lo, slow)
+    owned = p.total / (lo.dp * lo.cp if lo.zero >= 1 else 1)
+    tensors = 2 * p.layers * 9 + 3  # parameter tensors per rank (foreach chunks)
+    if rates.adam is not None:  # measured per parameter (CPU)
+        out.items["optimizer"] = rates.adam * owned * oversub
+    else:
+        out.items["optimizer"] = OPTIM_BYTES * owned / rates.bandwidth(4 * owned / tensors)
+    out.step = sum(out.items.values())
+    tokens = work.tokens_per_step
+    out.tokens_per_s = tokens / out.step
+    flops = work.model.flops_per_token(work.seq_len) * tokens
+    peak = model_peak(hw, work.dtype, world)
+    out.mfu = flops / (out.step * world * peak)
+    extra = sum(v for k, v in out.items.items() if k == "compute: recompute")
+    out.hfu = out.mfu * (1 + extra / max(1e-12, sum(
+        v for k, v in out.items.items() if k.startswith("compute:") and k != "compute: recompute"
+    )))
+    return out
+
+
+def p_layers(work: Workload, lo: Layout, stage: int) -> int:
+    return len(stage_layers(work.model.config.n_layers, lo, stage))
+
+
+def model_peak(hw: Accelerator, dtype: str, world: int) -> float:
+    """The MFU denominator per rank: 16-bit datasheet peak (fp8 runs too, as torchtitan
+    reports them); on CPU the measured matmul rate of one rank's threads (the trainer's)."""
+    if hw.cpu is not None:
+        return _nearest(hw.cpu.peak.get(dtype, hw.cpu.peak["fp32"]), threads_per_rank(hw, world))
+    return hw.peak_flops("fp32" if dtype == "fp32" else "bf16")
