@@ -25,10 +25,10 @@ under bf16 autocast each linear saves its own bf16 copy of its input and the bf1
 copies live until backward. meshlm's sequence parallelism keeps the all-gathered input of
 each region (it does not gather again in backward).
 
-**Pipeline**: the first stage holds the activations of ``min(p, m)`` micro-batches under 1F1B
-(Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``min(p, m) (1 + (p - 1) / (p v))`` under
-interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the same as
-1F1B under ZB-H1 (Qi et al. 2023). **Buffers**: ZeRO-2's two transient gradient buckets,
+**Pipeline**: rank r holds the activations of ``min(p - r, m)`` micro-batches under 1F1B
+(Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``p (1 + (p - 1) / (p v))`` on the first
+rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the
+same as 1F1B under ZB-H1 (Qi et al. 2023). **Buffers**: ZeRO-2's two transient gradient buckets,
 ZeRO-3's gathered parameters and gradients of two layers plus the root unit
 (``parallel/zero3.py``; with the ``megatron`` profile DeepSpeed's live-parameter cap), and
 the accelerator's reserved runtime memory.
@@ -219,16 +219,20 @@ def recomputed(items: dict[str, float], work: Workload, lo: Layout) -> float:
     return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input
 
 
-def in_flight(lo: Layout, m: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak."""
+def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
+    """Micro-batches (in units of the rank's whole layer share) pipeline rank ``stage`` holds
+    at its peak: ``min(m, p - r)`` under 1F1B and ZB-H1, ``m`` under AFAB; interleaving runs
+    ``2 (p - r - 1) + (v - 1) p`` warm-up chunk forwards (Megatron's schedule, as meshlm's
+    ``parallel/schedules.py``) -- ``p (1 + (p - 1) / (p v))`` on the first rank (Korthikanti
+    et al. 2022, sec. 4.2.3)."""
     if lo.pp == 1:
         return 1.0
     if lo.schedule == "afab":
         return float(m)
-    held = float(min(lo.pp, m))
     if lo.schedule == "interleaved":
-        return held * (1 + (lo.pp - 1) / (lo.pp * lo.vpp))
-    return held  # 1f1b, zb (ZB-H1 keeps 1F1B's peak)
+        chunks = min(m * lo.vpp, 2 * (lo.pp - stage - 1) + (lo.vpp - 1) * lo.pp + 1)
+        return chunks / lo.vpp
+    return float(min(m, lo.pp - stage))
 
 
 def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> float:
@@ -259,10 +263,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
         full = layer_activations(work, lo, moe=is_moe)
         per_layer += count * recomputed(full, work, lo)
         working = max(working, sum(full.values()))
-    # Later stages hold fewer micro-batches under 1F1B: stage k holds min(p - k, m).
-    flight = in_flight(lo, m) * (1 - stage / lo.pp if lo.pp > 1 and lo.schedule != "afab"
-                                 else 1)
-    acts = per_layer * max(1.0, flight)
+    acts = per_layer * in_flight(lo, m, stage)
     if lo.recompute == "full":
         acts += working
     acts += head_activations(work, lo, stage == 0, stage == lo.pp - 1)

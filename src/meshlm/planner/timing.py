@@ -4,50 +4,57 @@
 summed over its operations (a roofline per operation, Williams et al. 2009):
 
 - each linear layer: forward ``2 M K N`` FLOPs, backward twice that (input and weight
-  gradients), at the accelerator's achievable GEMM rate (``max`` with its operand bytes over
-  memory bandwidth, which binds only for thin matrices);
+  gradients), at the achievable GEMM rate; on a GPU ``max`` with its operand bytes over memory
+  bandwidth, on CPU plus the time to write its fresh output buffers (page faults add there;
+  they dominate thin GEMMs with wide outputs, such as a small model's LM head);
 - attention scores and values: ``4 s_q s h_q`` FLOPs forward, 3x for forward + backward, half
-  of them done under the causal mask, at the fused-attention rate (materialised scores, before
-  FlashAttention: all of them at the GEMM rate, plus the softmax traffic of the scores);
+  of them done under the causal mask, at the fused-attention rate for the head dimension
+  (materialised scores, before FlashAttention: all of them at the GEMM rate);
 - memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds and their
   gradients): ``C_TRAFFIC`` x the bytes the layer saves for backward (memory.py) over memory
   bandwidth. 7.4 is counted, not fitted: the bytes every non-matmul aten op of meshlm's block
   reads and writes, forward + backward (TorchDispatchMode), per byte the block saves -- 7.4 for
   ``small``, 7.0 for ``tiny`` (a test recounts it). Fused kernels (Megatron, torch.compile)
-  move less; the planner does not credit them;
+  move less; the planner does not credit them. Tensor parallelism adds 4 activation copies per
+  layer (the clones around its all-reduces, ``parallel/tensor_comm.py``);
 - the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient); on CPU
-  the measured per-element cost of cross-entropy forward + backward (it includes the page
-  faults of freshly allocated 64 MiB buffers, which dominate there);
+  the measured per-element cost of (vocab-parallel) cross-entropy forward + backward;
 - per-operation overhead: ``OPS_PER_LAYER`` eager ops per layer (counted with
   TorchDispatchMode on meshlm's block) x the dispatch cost; serial on CPU, hidden behind
   running kernels on a GPU (a layer then takes at least its kernels' launch time).
 
 Full recomputation adds one forward of every layer, selective recomputation (Korthikanti et
-al. 2022) one forward of attention only.
+al. 2022) one forward of attention only. On CPU, ranks beyond the cores time-share them: the
+compute of each stretches by ranks / cores, and a pipeline rank's idle bubble is used by others.
 
 **Communication** per step (volumes are the comm log's bytes, the formulas of
-``parallel/data.py``, ``zero.py``, ``zero3.py``, ``tensor.py``; Ultra-Scale Playbook for the
-rest), each timed over the link its axis crosses: the mesh orders axes pp, dp, cp, tp from
-outer to inner, so an axis whose ranks span at most one node (stride x size <= GPUs per node)
-uses NVLink, otherwise the network. Ring collectives over n ranks move ``(n-1)/n`` of the
-buffer per rank (twice for all-reduce) plus a latency per ring step; all-reduce across nodes
-may use NCCL's tree (``2 log2 n`` steps). Overlap, as meshlm's engines do it:
+``parallel/data.py``, ``zero.py``, ``zero3.py``, ``tensor.py``, ``pipeline.py``; the
+Ultra-Scale Playbook for cp and ep), each timed over the link its axis crosses: the mesh orders
+axes pp, dp, cp, tp from outer to inner, so an axis whose ranks span at most one node (stride x
+size <= GPUs per node) uses NVLink, otherwise the network. Ring collectives over n ranks move
+``(n-1)/n`` of the buffer per rank (twice for all-reduce) plus a latency per ring step;
+all-reduce across nodes may use NCCL's tree (``2 log2 n`` steps). Overlap, as meshlm's engines
+do it:
 
 - DDP / ZeRO-1 gradient reduction runs beside the last micro-batch's backward (bucketed;
   Li et al. 2020) -- exposed: what exceeds that backward; ZeRO-2 does it every micro-batch;
+  with pipelining it runs after the flush (meshlm and Megatron): exposed;
 - ZeRO-1/2 parameter all-gather after the optimizer step: exposed;
-- ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight beside compute:
-  exposed what exceeds the micro-batch's compute, plus the first gather;
-- tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed;
+- ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight: forward gathers hide
+  behind the forward, backward gathers and reduce-scatters behind the backward, the first
+  layer's gather never;
+- tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed
+  (with ``tp_overlap`` -- async TP, published runs only -- they hide behind the GEMMs);
 - ring attention (cp) passes K/V beside the attention of the previous block: exposed what
   exceeds the attention compute; expert all-to-alls: exposed;
 - on CPU (gloo) nothing overlaps: the transport uses the same cores.
 
 **Bubble**: ``(p - 1) / v`` micro-batch times for AFAB, 1F1B and interleaved 1F1B with v
 virtual stages (Narayanan et al. 2021), ``(p - 1) / 3`` for ZB-H1 with equal forward, input-
-and weight-gradient times (Qi et al. 2023); with unequal stages (embedding, head and loss
-on the ends) the slowest stage sets the pace and the bubble is the other stages' times. **Optimizer**: AdamW reads and writes
-``OPTIM_BYTES`` per parameter it owns.
+and weight-gradient times (Qi et al. 2023) -- the fractions meshlm's ``schedules.simulate``
+gives; with unequal stages (embedding, head and loss on the ends) the slowest stage sets the
+pace and the bubble is the other stages' times. **Optimizer**: AdamW reads and writes
+``OPTIM_BYTES`` per parameter it owns (CPU: measured per parameter).
 
 MFU = model FLOPs (6N + attention, PaLM convention, ``ModelConfig.flops_per_token``) per
 second / (ranks x peak); HFU also counts recomputation.
