@@ -286,9 +286,9 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
     search_cache: dict[tuple, Plan | None] = {}
     for i, raw in enumerate(raws):
         row = build_row(i, raw)
-        base = {"row": i, "source": raw.get("source", "")[:80], "table_ref": raw.get("table_ref"),
+        base = {"row": i, "source": raw.get("source", ""), "table_ref": raw.get("table_ref"),
                 "model_name": raw.get("model_name"), "num_gpus": _int(raw, "num_gpus"),
-                "hardware": raw.get("hardware", "")[:40]}
+                "hardware": raw.get("hardware", "")}
         if row.reason:
             skipped.append({**base, "reason": row.reason})
             continue

@@ -62,7 +62,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     if args.calibrate:
         from .calibrate import calibrate, save
 
-        print("calibrating the cpu entry (about a minute; waits for an idle machine) ...")
+        print("calibrating the cpu entry (a few minutes; each round waits for an idle machine) ...")
         path = save(calibrate(), args.calibration)
         print(f"stored {path}")
         return 0
@@ -123,6 +123,10 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
 
+def _size(x: float) -> str:
+    return f"{x / GIB:.2f} GiB" if x >= GIB else f"{x / 2**20:.1f} MiB"
+
+
 def print_ranking(work: Workload, hw: Accelerator, gpus: int, plans: list[Plan]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -156,10 +160,10 @@ def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
     print(f"  seq {work.seq_len}, global batch {work.global_batch} seqs "
           f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}")
     verdict = "fits" if m.fits else "does NOT fit"
-    print(f"memory per device (stage {m.stage}): {_gib(m.total)} GiB of {_gib(m.capacity)} "
+    print(f"memory per device (stage {m.stage}): {_size(m.total)} of {_size(m.capacity)} "
           f"-- {verdict}")
     for k, v in m.items.items():
-        print(f"  {k:<24} {_gib(v):>10} GiB")
+        print(f"  {k:<24} {_size(v):>14}")
     print(f"time per step: {t.step:.4g} s")
     for k, v in t.items.items():
         if v > 0:

@@ -354,59 +354,19 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     # costs what exceeds the extra time the sharing already added.
     out.items["pipeline bubble"] = max(0.0, bubble - (oversub - 1) * m * t_mb)
 
-    attn = mb_items.get("attention", 0.0)
     fwd = (t_mb - mb_items.get("recompute", 0.0)) / 3  # backward = 2 forwards + recompute
-    bwd = t_mb - fwd
     events = comm_events(work, lo, slow)
-    exposed: dict[str, float] = {}
     for e in events:
-        if e.overlap == "free":  # the receiving side of a timed send
-            e.seconds = 0.0
-        else:
+        if e.overlap != "free":  # a receive is the other side of a timed send
             e.seconds = collective_time(hw, e.op, e.nbytes, e.group, e.stride, procs) * e.calls
         out.comm[e.name] = out.comm.get(e.name, 0.0) + e.seconds
         key = f"{e.op}/{e.axis}"
         out.volumes[key] = out.volumes.get(key, 0.0) + e.nbytes * e.calls
-    # Budgets of compute each overlappable kind of collective can hide behind (per step).
-    gemm_time = mb_items.get("gemm", 0.0) * m
-    budget = {"gemm": gemm_time, "attention": attn * m}
-    zero3 = {"fwd": 0.0, "bwd": 0.0, "first": 0.0}
-    for e in events:
-        per_call = e.seconds / max(e.calls, 1)
-        if e.overlap == "free":
-            continue
-        if not hw.overlap or e.overlap == "exposed" or (e.name == "dp" and lo.pp > 1
-                                                         and e.overlap != "zero3"):
-            # (with pipelining, meshlm, like Megatron, reduces gradients after the flush)
-            exposed[e.name] = exposed.get(e.name, 0.0) + e.seconds
-        elif e.overlap == "last_backward":
-            # buckets reduce while backward continues; the last bucket waits at the end
-            buckets = max(1, math.ceil(e.nbytes / (25 * 2**20)))
-            tail = per_call / buckets
-            exposed[e.name] = exposed.get(e.name, 0.0) + max(tail, e.seconds - bwd)
-        elif e.overlap == "each_backward":
-            exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, e.seconds - bwd * e.calls)
-        elif e.overlap == "zero3":
-            # forward gathers hide behind the forward; backward gathers and reduce-scatters
-            # behind the backward (+ recomputation); the first layer's gather never hides.
-            if e.op == "all_gather":
-                zero3["fwd"] += e.seconds / 2
-                zero3["bwd"] += e.seconds / 2
-                n_units = max(1, p_layers(work, lo, slow))
-                zero3["first"] += per_call / (2 * n_units + 1) * e.calls
-            else:
-                zero3["bwd"] += e.seconds
-        else:
-            left = budget[e.overlap]
-            exposed[e.name] = exposed.get(e.name, 0.0) + max(0.0, e.seconds - left)
-            budget[e.overlap] = max(0.0, left - e.seconds)
-    if zero3["fwd"] or zero3["bwd"]:
-        t_fwd = fwd * m
-        t_bwd = (t_mb - fwd) * m
-        exposed["dp"] = exposed.get("dp", 0.0) + (max(0.0, zero3["fwd"] - t_fwd)
-                                                  + max(0.0, zero3["bwd"] - t_bwd)
-                                                  + zero3["first"])
-    for name, v in exposed.items():
+    windows = {"fwd": fwd * m, "bwd": (t_mb - fwd) * m, "last_bwd": t_mb - fwd,
+               "gemm": mb_items.get("gemm", 0.0) * m,
+               "attention": mb_items.get("attention", 0.0) * m,
+               "layers": len(stage_layers(n, lo, slow))}
+    for name, v in exposed_comm(events, hw, lo, windows).items():
         out.items[f"comm: {name}"] = v
 
     p = stage_params(work, lo, slow)
@@ -429,8 +389,47 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     return out
 
 
-def p_layers(work: Workload, lo: Layout, stage: int) -> int:
-    return len(stage_layers(work.model.config.n_layers, lo, stage))
+def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
+                 win: dict[str, float]) -> dict[str, float]:
+    """Seconds per dimension that no computation hides (overlap rules: module docstring).
+
+    ``win`` holds the step's forward / backward time, the last micro-batch's backward, the
+    GEMM and attention time, and the number of layers of the stage.
+    """
+    exposed: dict[str, float] = {}
+    budget = {"gemm": win["gemm"], "attention": win["attention"]}
+    zero3 = {"fwd": 0.0, "bwd": 0.0, "first": 0.0}
+
+    def add(name: str, seconds: float) -> None:
+        exposed[name] = exposed.get(name, 0.0) + max(0.0, seconds)
+
+    for e in events:
+        per_call = e.seconds / max(e.calls, 1)
+        if e.overlap == "free":
+            continue
+        if not hw.overlap or e.overlap == "exposed" or (e.name == "dp" and lo.pp > 1
+                                                         and e.overlap != "zero3"):
+            add(e.name, e.seconds)  # with pipelining gradients are reduced after the flush
+        elif e.overlap == "last_backward":
+            # buckets reduce while backward continues; the last bucket waits at the end
+            tail = per_call / max(1, math.ceil(e.nbytes / (25 * 2**20)))
+            add(e.name, max(tail, e.seconds - win["last_bwd"]))
+        elif e.overlap == "each_backward":
+            add(e.name, e.seconds - win["bwd"])
+        elif e.overlap == "zero3":
+            if e.op == "all_gather":  # half in forward, half in backward, per micro-batch
+                zero3["fwd"] += e.seconds / 2
+                zero3["bwd"] += e.seconds / 2
+                zero3["first"] += per_call / (2 * max(1, win["layers"]) + 1) * e.calls
+            else:
+                zero3["bwd"] += e.seconds
+        else:  # hides behind the GEMMs (async TP) or the attention (ring attention)
+            add(e.name, e.seconds - budget[e.overlap])
+            budget[e.overlap] = max(0.0, budget[e.overlap] - e.seconds)
+    if zero3["fwd"] or zero3["bwd"]:
+        add("dp", max(0.0, zero3["fwd"] - win["fwd"]) + max(0.0, zero3["bwd"] - win["bwd"])
+            + zero3["first"])
+    return exposed
 
 
 def model_peak(hw: Accelerator, dtype: str, world: int) -> float:
