@@ -321,7 +321,8 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
     within = sum(r["within"] for r in results)
     given = [r for r in results if not r["completed"]]
     summary = {
-        "csv": str(path), "rows": len(raws), "predicted": len(results), "skipped": len(skipped),
+        "csv": path.name,  # the file name only: results do not record machine paths
+        "rows": len(raws), "predicted": len(results), "skipped": len(skipped),
         "within_20pct": within, "fraction_within_20pct": within / max(1, len(results)),
         "given_layout_rows": len(given),
         "given_layout_within_20pct": sum(r["within"] for r in given),
