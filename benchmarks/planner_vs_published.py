@@ -1,7 +1,7 @@
 """The planner against published training runs: predicted vs reported MFU / throughput.
 
     python benchmarks/planner_vs_published.py ../shared/data/published_runs.csv [--json]
-        [--no-search] [--out benchmarks/results/planner_vs_published.json]
+        [--markdown] [--no-search] [--out benchmarks/results/planner_vs_published.json]
 
 For every CSV row with a model shape, a layout and a reported figure, the planner predicts the
 same quantity in the row's FLOP convention and prints reported, predicted and the relative
@@ -14,9 +14,10 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
   (3 matrices) or GELU (2) nor whether embeddings are tied: the combination whose parameter
   count is closest to ``params_B`` is taken.
-- hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe, H800,
-  H200, B200, MI300X); a memory size ("96GB") and a per-GPU network rate ("400Gb/s ... per
-  GPU", or "N Gbps" per 8-GPU node) written there replace the entry's. TPUs and V100 are not
+- hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe, the
+  HBM2e H100 SXM at 500 W, H800, H200, B200, MI300X); a memory size ("96GB"), a power cap
+  ("@500W") and a per-GPU network rate ("400Gb/s ... per GPU", or "N Gbps" per 8-GPU node)
+  written there replace the entry's. TPUs and V100 are not
   in the catalogue.
 - layout: blank tp/pp/cp/ep = 1, blank dp = GPUs / (tp pp cp), vpp > 1 = interleaved 1F1B;
   ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1);
@@ -119,7 +120,9 @@ def build_hardware(text: str) -> Accelerator | str:
     if "A100" in t:
         hw = CATALOGUE["a100-40gb" if "40GB" in t else "a100-80gb"]
     elif "H100" in t:
-        hw = CATALOGUE["h100-pcie" if "PCIE" in t else "h100-sxm"]
+        # the only SXM H100 with HBM2e is the 96 GB, 500 W part (torchtitan's Grand Teton)
+        hw = CATALOGUE["h100-pcie" if "PCIE" in t
+                       else "h100-sxm-500w" if "HBM2E" in t else "h100-sxm"]
     else:
         for key in ("H800", "H200", "B200", "MI300X"):
             if key in t:
@@ -133,6 +136,9 @@ def build_hardware(text: str) -> Accelerator | str:
         changes["memory"] = float(mem.group(1)) * GIB
     per_gpu = re.search(r"(\d+)\s*GB/S[^,;)]*PER GPU", t)
     per_node = re.search(r"(\d+)\s*GBPS", t)
+    watts = re.search(r"(\d{3,4})\s*W\b", t)
+    if watts:
+        changes["power"] = float(watts.group(1))
     if per_gpu:
         changes["inter_bw"] = float(per_gpu.group(1)) / 8 * 1e9
     elif per_node:
@@ -157,6 +163,8 @@ def recompute_mode(text: str) -> str | None:
         return None
     if t.startswith("full"):
         return "full"
+    if "(op)" in t:  # torchtitan's op-level selective recomputation
+        return "op"
     if "selective" in t or "partial" in t:
         return "selective"
     return "none"
@@ -279,6 +287,14 @@ def predicted_metric(row: Row, plan: Plan) -> float:
     return flops / peak
 
 
+def reported_memory_gib(raw: dict[str, str]) -> float | None:
+    """Reported peak memory per GPU in GiB (the notes say "[unit: GiB]"; else GB)."""
+    value = _num(raw, "reported_memory_gb")
+    if value is None:
+        return None
+    return value if "unit: gib" in raw.get("notes", "").lower() else value * 1e9 / GIB
+
+
 def run(path: Path, do_search: bool = True) -> dict[str, Any]:
     with path.open(newline="") as f:
         raws = list(csv.DictReader(f))
@@ -304,6 +320,10 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
                  "layout": plan.layout.describe(), "completed": row.free,
                  "fits": plan.fits, "memory_gib": plan.memory.total / GIB,
                  "predicted_mfu": plan.time.mfu, "step_time_s": plan.time.step}
+        mem = reported_memory_gib(raw)
+        if mem is not None:  # a bonus check: peak memory per GPU, where the run reports it
+            entry["reported_memory_gib"] = mem
+            entry["memory_error"] = plan.memory.total / GIB / mem - 1
         if do_search:
             assert row.work and row.hw
             key = (row.work, plan.layout.world, row.hw.name, row.hw.memory, row.hw.inter_bw,
@@ -328,6 +348,9 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
         "given_layout_within_20pct": sum(r["within"] for r in given),
         "median_abs_mfu_error": _median([abs(r["mfu_error"]) for r in results]),
     }
+    mems = [r["memory_error"] for r in results if "memory_error" in r]
+    summary["memory_rows"] = len(mems)
+    summary["median_memory_error"] = _median(mems)
     if do_search:
         summary["search_at_least_as_fast"] = sum(
             1 for r in results if r.get("search_speedup") and r["search_speedup"] >= 1 - 1e-9)
@@ -359,16 +382,48 @@ def print_table(report: dict[str, Any]) -> None:
           f"({s['fraction_within_20pct']:.0%}); rows with the whole layout given: "
           f"{s['given_layout_within_20pct']}/{s['given_layout_rows']}; median |error| "
           f"{s['median_abs_mfu_error']:.1%}; {s['skipped']} rows not predicted")
+    if s["memory_rows"]:
+        print(f"peak memory per GPU, where reported: {s['memory_rows']} rows, median error "
+              f"{s['median_memory_error']:+.1%}")
     if "search_at_least_as_fast" in s:
         print(f"search's first layout at least as fast as the published one: "
               f"{s['search_at_least_as_fast']}/{s['predicted']}; always fits: "
               f"{s['search_best_always_fits']}")
 
 
+def print_markdown(report: dict[str, Any]) -> None:
+    """The tables of docs/planner.md."""
+    print("| # | run | GPUs | hardware | metric | reported | predicted | error | within 20 % "
+          "| layout (completed by the planner) | best / published |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        fmt = ".3f" if r["metric"] in ("mfu", "step_time_s") else ".1f"
+        src = re.split(r"[;(]", r["source"])[0].strip()[:32]
+        done = f" ({', '.join(r['completed'])})" if r["completed"] else ""
+        fits = "" if r["fits"] else " -- predicted not to fit"
+        speed = f"{r['search_speedup']:.2f}" if r.get("search_speedup") else "-"
+        print(f"| {r['row']} | {r['model_name']} -- {src} | {r['num_gpus']} | "
+              f"{r['hardware'].split(' (')[0][:24]} | {r['metric']} | {r['reported']:{fmt}} | "
+              f"{r['predicted']:{fmt}} | {r['mfu_error']:+.1%} | "
+              f"{'yes' if r['within'] else '**no**'} | `{r['layout']}`{done}{fits} | {speed} |")
+    print("\n| # | run | reason |\n|---|---|---|")
+    for r in report["skipped"]:
+        print(f"| {r['row']} | {r['model_name']} | {r['reason']} |")
+    mems = [r for r in report["rows"] if "memory_error" in r]
+    if mems:
+        print("\n| # | run | layout | reported (GiB) | predicted (GiB) | error |")
+        print("|---|---|---|---|---|---|")
+        for r in mems:
+            print(f"| {r['row']} | {r['model_name']} | `{r['layout']}` | "
+                  f"{r['reported_memory_gib']:.1f} | {r['memory_gib']:.1f} | "
+                  f"{r['memory_error']:+.1%} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", type=Path)
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--markdown", action="store_true", help="print the docs/planner.md tables")
     ap.add_argument("--no-search", action="store_true", help="skip the layout search check")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = ap.parse_args(argv)
@@ -380,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report["rows"] + [{**r, "predicted": None} for r in report["skipped"]],
                   sys.stdout, indent=1)
         print()
+    elif args.markdown:
+        print_markdown(report)
     else:
         print_table(report)
     return 0

@@ -32,6 +32,7 @@ from meshlm.planner import (
 from meshlm.planner.cli import add_plan_parser, auto_layout
 from meshlm.planner.hardware import DEFAULT_CPU, GIB, CpuProfile, accelerator_from_toml
 from meshlm.planner.memory import (
+    LOSS_WORKING,
     StageParams,
     layer_activations,
     partition,
@@ -39,6 +40,7 @@ from meshlm.planner.memory import (
     state_bytes,
 )
 from meshlm.planner.timing import C_TRAFFIC, OPS_PER_LAYER, collective_time
+from meshlm.planner.workload import RECOMPUTE
 
 H100 = CATALOGUE["h100-sxm"]
 A100 = CATALOGUE["a100-80gb"]
@@ -154,9 +156,67 @@ def test_more_zero_never_more_memory(work: Workload) -> None:
 @pytest.mark.parametrize("work", WORKS, ids=lambda w: w.model.name)
 def test_more_recompute_never_more_activations(work: Workload) -> None:
     for base in BASES:
-        acts = [memory(work, Layout(**{**base.as_dict(), "recompute": r}), H100)
-                .items["activations"] for r in ("none", "selective", "full")]
-        assert acts[0] >= acts[1] >= acts[2] > 0
+        mems = [memory(work, Layout(**{**base.as_dict(), "recompute": r}), H100)
+                for r in RECOMPUTE]  # least to most recomputation
+        acts = [m.items["activations"] for m in mems]
+        assert all(a >= b > 0 for a, b in zip(acts, acts[1:], strict=False)), acts
+        totals = [m.total for m in mems]
+        assert all(a >= b for a, b in zip(totals, totals[1:], strict=False)), totals
+
+
+def test_op_level_recompute_keeps_every_other_matmul_output() -> None:
+    """torchtitan's op-level SAC on a Llama layer (h 4096, GQA kv 1024, f 14336, bf16): keeps
+    the input, q, v, w1's and w2's outputs and the attention output + fp32 log-sum-exp."""
+    spec = ModelSpec(PRESETS["llama3-8b"])
+    work = Workload(spec, 8192, 16, dtype="bf16", states="mixed", profile="megatron")
+    lo = Layout(mbs=2, recompute="op")
+    h, kv, f, heads = 4096, 1024, 14336, 32
+    per_token = 2 * (h + h + kv + f + h) + 2 * h + 4 * heads
+    got = recomputed(layer_activations(work, lo), work, lo)
+    assert got == pytest.approx(2 * 8192 * per_token, rel=1e-12)
+    # time: the k, o and w3 forwards are recomputed -- between selective and full
+    times = [step_time(work, Layout(dp=8, mbs=2, recompute=r), H100).step for r in RECOMPUTE]
+    assert times == sorted(times)
+
+
+def test_loss_working_set_is_counted_on_cross_entropy() -> None:
+    """The loss's backward holds LOSS_WORKING bytes per logit above the saved 4 (the peak of
+    live storages while F.cross_entropy runs forward and backward)."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Live(TorchDispatchMode):
+        live = peak = 0
+        seen: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            for x in tree_flatten(out)[0]:
+                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in Live.seen:
+                    st = x.untyped_storage()
+                    key, n = st.data_ptr(), st.nbytes()
+                    Live.seen.add(key)
+                    Live.live += n
+                    Live.peak = max(Live.peak, Live.live)
+
+                    def gone(key: int = key, n: int = n) -> None:
+                        Live.live -= n
+                        Live.seen.discard(key)
+
+                    weakref.finalize(st, gone)
+            return out
+
+    t, v = 4096, 4096  # the head's saved input (64 per row) is 1.6 % of the logits
+    x, w = torch.randn(t, 64, requires_grad=True), torch.randn(v, 64, requires_grad=True)
+    y = torch.randint(0, v, (t,))
+    with Live():
+        loss = torch.nn.functional.cross_entropy(x @ w.t(), y)
+        held = Live.live
+        loss.backward()
+    assert held / (t * v) == pytest.approx(4, rel=0.05)  # the saved log-probabilities
+    assert (Live.peak - held) / (t * v) == pytest.approx(LOSS_WORKING, rel=0.05)
 
 
 def test_pipeline_in_flight_micro_batches() -> None:
@@ -233,13 +293,16 @@ def test_cpu_oversubscription_halves_the_rate() -> None:
     assert four.gemm["fp32"] == pytest.approx(two.gemm["fp32"] / 2)
 
 
-def test_traffic_and_op_constants_recount_on_meshlm_block() -> None:
-    """C_TRAFFIC and OPS_PER_LAYER were counted on meshlm's block; recount them."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_traffic_and_op_constants_recount_on_meshlm_block(dtype: str) -> None:
+    """C_TRAFFIC and OPS_PER_LAYER were counted on meshlm's block; recount them (fp32, and
+    bf16 autocast, whose casts and fp32 norms move more bytes per byte saved)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     cfg = PRESETS["small"]
     model = build_model(cfg, 0)
+    weights = {p.numel() for p in model.parameters()}
     views = {"t", "view", "detach", "transpose", "_unsafe_view", "expand", "slice", "split",
              "alias", "as_strided", "unsqueeze", "squeeze", "permute", "select", "reshape"}
     skip = {"mm", "_scaled_dot_product_flash_attention_for_cpu", "ones_like",
@@ -252,21 +315,24 @@ def test_traffic_and_op_constants_recount_on_meshlm_block() -> None:
             out = func(*args, **(kwargs or {}))
             Count.ops += 1
             name = str(func.overloadpacket).removeprefix("aten.")
-            if name not in views and name not in skip:
-                ts = [x for x in tree_flatten((args, kwargs, out))[0]
-                      if isinstance(x, torch.Tensor)]
+            ts = [x for x in tree_flatten((args, kwargs, out))[0] if isinstance(x, torch.Tensor)]
+            # weight-only ops (autocast's weight casts, gradient accumulation) do not grow
+            # with the tokens; at training batch sizes they vanish next to activations
+            if name not in views and name not in skip and any(
+                    x.numel() not in weights for x in ts):
                 Count.traffic += sum(x.numel() * x.element_size() for x in ts)
             return out
 
-    b, s = 4, 64
+    b, s = 8, 128
     x = torch.randn(b, s, cfg.dim, requires_grad=True)
-    with Count():
+    with Count(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
         y = model.layers["0"](x, model.rope_cos[:s], model.rope_sin[:s])
         y.backward(torch.ones_like(y))
-    work = Workload(ModelSpec(cfg), s, b, dtype="fp32", states="fp32")
+    work = Workload(ModelSpec(cfg), s, b, dtype=dtype, states="fp32")
     saved = sum(layer_activations(work, Layout(mbs=b)).values())
-    assert Count.traffic / saved == pytest.approx(C_TRAFFIC, rel=0.15)
-    assert Count.ops == pytest.approx(OPS_PER_LAYER, rel=0.1)
+    assert Count.traffic / saved == pytest.approx(C_TRAFFIC[dtype], rel=0.1)
+    if dtype == "fp32":
+        assert Count.ops == pytest.approx(OPS_PER_LAYER, rel=0.1)
 
 
 # ---------------------------------------------------------------------- search
@@ -327,6 +393,27 @@ def test_user_hardware_from_toml(tmp_path) -> None:  # noqa: ANN001
     path.write_text('base = "h100-sxm"\nwarp_drive = 1\n')
     with pytest.raises(ConfigError):
         accelerator_from_toml(path)
+
+
+def test_power_cap_scales_compute_not_bandwidth(tmp_path) -> None:  # noqa: ANN001
+    """Capped GPUs compute at (cap / TDP) ** 0.58: the exponent comes from H100 PCIe vs SXM
+    MAMF per SM, so capping the SXM part to the PCIe part's watts per SM gives its rate."""
+    from meshlm.planner.hardware import POWER_EXPONENT
+
+    assert POWER_EXPONENT == pytest.approx(0.58, abs=0.01)
+    sxm = CATALOGUE["h100-sxm"]
+    pcie_per_sm = CATALOGUE["h100-pcie"].rates().gemm["bf16"] / 114
+    capped = sxm.with_(power=700 * (350 / 114) / (700 / 132))
+    assert capped.rates().gemm["bf16"] / 132 == pytest.approx(pcie_per_sm, rel=1e-3)
+    full, half = sxm.rates(), CATALOGUE["h100-sxm-500w"].rates()
+    assert half.gemm["bf16"] == pytest.approx(full.gemm["bf16"] * (500 / 700) ** POWER_EXPONENT)
+    assert half.attention(128) < full.attention(128)
+    path = tmp_path / "capped.toml"
+    path.write_text('base = "h100-sxm"\npower_w = 500\n')
+    hw = accelerator_from_toml(path)
+    assert hw.rates().gemm["bf16"] == pytest.approx(half.gemm["bf16"])
+    assert hw.rates().bandwidth(1) == full.bandwidth(1)  # memory clocks are not capped
+    assert sxm.with_(power=800).rates().gemm["bf16"] == full.gemm["bf16"]  # no boost above TDP
 
 
 def test_calibration_file_round_trip(tmp_path) -> None:  # noqa: ANN001

@@ -57,6 +57,12 @@ _NCCL_EFF = ("nccl-tests on 8x A100 NVLink: sendrecv 195 GB/s of 300 GB/s, all-r
              "taken for NVLink and network alike")
 _LAUNCH = ("PyTorch eager CUDA kernel launch ~5 us (CPU-side dispatch); launches overlap "
            "running kernels, so they only bound very short kernels")
+# Power caps. A power-bound GEMM's rate follows the watts per SM: H100 SXM (132 SMs, 700 W)
+# reaches 794.5 TFLOPS in MAMF, H100 PCIe (same GH100 die, 114 SMs, 350 W) 499.5 -- per SM
+# 0.728x at 0.579x the watts per SM, so rate ~ watts ** (ln 0.728 / ln 0.579) = watts ** 0.58.
+POWER_EXPONENT = math.log((499.5 / 114) / (794.5 / 132)) / math.log((350 / 114) / (700 / 132))
+_POWER = ("rate ~ (cap / TDP) ** 0.58, from MAMF of H100 SXM (700 W, 132 SMs) and H100 PCIe "
+          "(350 W, 114 SMs); memory bandwidth assumed unaffected")
 _RESERVED = ("CUDA context ~0.5 GiB + NCCL buffers and cuBLAS workspaces ~1 GiB + allocator "
              "slack; assumption: 2 GiB per GPU not available to the model")
 
@@ -176,6 +182,8 @@ class Accelerator:
     launch: float = 5e-6
     overlap: bool = True  # collectives run beside compute (separate streams / SMs)
     reserved: float = 2 * GIB
+    tdp: float = 0.0  # W, the board power the peaks and gemm_eff were measured at (0: unknown)
+    power: float = 0.0  # W, a power cap below ``tdp`` (0: none)
     cpu: CpuProfile | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -189,12 +197,21 @@ class Accelerator:
             return self.peak[dtype]
         return self.peak["fp16" if dtype == "fp8" else "bf16"]
 
+    @property
+    def power_scale(self) -> float:
+        """Sustained compute rate under ``power`` relative to ``tdp``: ``(power / tdp) **
+        POWER_EXPONENT`` (tensor-core work is power-bound; see ``POWER_EXPONENT``)."""
+        if not self.tdp or not self.power or self.power >= self.tdp:
+            return 1.0
+        return (self.power / self.tdp) ** POWER_EXPONENT
+
     def rates(self, procs: int = 1, threads: int = 1) -> Rates:
         """Per-rank rates with ``procs`` ranks of ``threads`` threads on one node (CPU)."""
         if self.cpu is None:
-            gemm = {d: self.peak_flops(d) * self.gemm_eff.get(d, self.gemm_eff["bf16"])
+            cap = self.power_scale
+            gemm = {d: self.peak_flops(d) * self.gemm_eff.get(d, self.gemm_eff["bf16"]) * cap
                     for d in ("fp32", "bf16", "fp16", "fp8")}
-            return Rates(gemm, {1: self.peak_flops("bf16") * self.attn_eff},
+            return Rates(gemm, {1: self.peak_flops("bf16") * self.attn_eff * cap},
                          {1: self.hbm_bw * self.hbm_eff}, self.launch, serial_ops=False)
         c = self.cpu
         t = threads
@@ -265,15 +282,24 @@ CATALOGUE: dict[str, Accelerator] = {
     "a100-40gb": _gpu(
         "a100-40gb", "NVIDIA A100 SXM4 40GB (DGX A100 node)", 312, None, 156, 40, 1.555,
         300, 25, 0.869, None, 0.55,
-        {**_A100_SRC, "memory": "A100 datasheet: 40 GB HBM2, 1555 GB/s"}),
+        {**_A100_SRC, "memory": "A100 datasheet: 40 GB HBM2, 1555 GB/s"}, tdp=400.0),
     "a100-80gb": _gpu(
         "a100-80gb", "NVIDIA A100 SXM4 80GB (DGX A100 node)", 312, None, 156, 80, 2.039,
         300, 25, 0.869, None, 0.55,
-        {**_A100_SRC, "memory": "A100 datasheet: 80 GB HBM2e, 2039 GB/s"}),
+        {**_A100_SRC, "memory": "A100 datasheet: 80 GB HBM2e, 2039 GB/s"}, tdp=400.0),
     "h100-sxm": _gpu(
         "h100-sxm", "NVIDIA H100 SXM5 80GB (DGX H100 node)", 989, 1979, 495, 80, 3.35,
         450, 50, 0.803, 0.709, 0.35,
-        {**_H100_SRC, "memory": "H100 datasheet: 80 GB HBM3, 3.35 TB/s"}),
+        {**_H100_SRC, "memory": "H100 datasheet: 80 GB HBM3, 3.35 TB/s"}, tdp=700.0),
+    "h100-sxm-500w": _gpu(
+        "h100-sxm-500w", "NVIDIA H100 SXM 96GB HBM2e at 500 W (Meta Grand Teton)", 989, 1979,
+        495, 96, 2.41, 450, 50, 0.803, 0.709, 0.35,
+        {**_H100_SRC, "power": _POWER,
+         "memory": "96 GB HBM2e; 2.41 TB/s measured-spec for the HBM2e H100 (Ujeniya et al. "
+                   "2026, arXiv:2604.11391, sec. 3)",
+         "variant": "torchtitan (Liang et al. 2024): H100 with 96 GB HBM2e and a 500 W TDP, "
+                    "400 Gb/s RDMA per GPU"},
+        tdp=700.0, power=500.0),
     "h100-pcie": _gpu(
         "h100-pcie", "NVIDIA H100 PCIe 80GB (8 per node over PCIe Gen5)", 756, 1513, 378, 80,
         2.0, 64, 50, 0.661, None, 0.35,
@@ -283,20 +309,20 @@ CATALOGUE: dict[str, Accelerator] = {
          "links": "PCIe Gen5 x16: 64 GB/s per direction (NVLink bridges join pairs only); "
                   "network assumed 400 Gb/s per GPU",
          "gemm_eff": "mag-/gpu_benchmark README (mamf-finder.py): H100 PCIe 499.5 / 756 = "
-                     "0.661"}),
+                     "0.661"}, tdp=350.0),
     "h800": _gpu(
         "h800", "NVIDIA H800 SXM5 80GB (export H100: NVLink 400 GB/s)", 989, 1979, 495, 80, 3.35,
         200, 50, 0.803, 0.709, 0.35,
         {**_H100_SRC, "memory": "H800 = H100 SXM5 die: 80 GB HBM3, 3.35 TB/s",
          "links": "NVLink 400 GB/s bidirectional (200 per direction); DeepSeek-V3 report "
                   "(2024, sec. 3.2.2): IB 50 GB/s per GPU, NVLink 160 GB/s achievable",
-         "gemm_eff": f"{_MAMF}: H100 SXM values (same die; no H800 measurement)"}),
+         "gemm_eff": f"{_MAMF}: H100 SXM values (same die; no H800 measurement)"}, tdp=700.0),
     "h200": _gpu(
         "h200", "NVIDIA H200 SXM 141GB (HGX H200 node)", 989, 1979, 495, 141, 4.8,
         450, 50, 0.803, 0.734, 0.35,
         {**_H100_SRC, "memory": "H200 datasheet: 141 GB HBM3e, 4.8 TB/s",
          "gemm_eff": f"{_MAMF}: 'H200 is the same' as H100 for BF16 (0.803); FP8 "
-                     "1453.4 / 1979 = 0.734"}),
+                     "1453.4 / 1979 = 0.734"}, tdp=700.0),
     "b200": _gpu(
         "b200", "NVIDIA B200 180GB (DGX B200 node)", 2250, 4500, 1100, 180, 8.0,
         900, 50, 0.776, 0.763, 0.35,
@@ -306,7 +332,8 @@ CATALOGUE: dict[str, Accelerator] = {
          "links": "NVLink 5 1.8 TB/s bidirectional (900 per direction); DGX B200: 8x "
                   "ConnectX-7 400 Gb/s = 50 GB/s per GPU",
          "gemm_eff": f"{_MAMF}: B200 SXM BF16 1745 / 2250 = 0.776, FP8 3432.5 / 4500 = 0.763",
-         "attn_eff": "no published FlashAttention-2 utilisation on B200; H100's 0.35 assumed"}),
+         "attn_eff": "no published FlashAttention-2 utilisation on B200; H100's 0.35 assumed"},
+        tdp=1000.0),
     "mi300x": _gpu(
         "mi300x", "AMD Instinct MI300X 192GB (8 per node, Infinity Fabric)", 1307.4, 2614.9,
         653.7, 192, 5.3, 448, 50, 0.514, None, 0.35,
@@ -315,7 +342,8 @@ CATALOGUE: dict[str, Accelerator] = {
          "links": "MI300X datasheet: 896 GB/s aggregate peer-to-peer Infinity Fabric "
                   "(448 per direction); network assumed 400 Gb/s per GPU",
          "gemm_eff": f"{_MAMF}: MI300X 668.4 / 1300 = 0.514 (ROCm 6.3, TunableOp)",
-         "attn_eff": "no like-for-like FlashAttention-2 figure; H100's 0.35 assumed"}),
+         "attn_eff": "no like-for-like FlashAttention-2 figure; H100's 0.35 assumed"},
+        tdp=750.0),
 }
 
 # The shipped `cpu` entry: `meshlm plan --calibrate` on the project's CI machine (2-core Xeon
@@ -382,7 +410,8 @@ _TOML_FIELDS = {
     "peak_fp8": ("peak", "fp8", T), "peak_fp32": ("peak", "fp32", T),
     "memory_gb": ("memory", None, 1e9), "memory_gib": ("memory", None, GIB),
     "hbm_tbps": ("hbm_bw", None, T), "intra_gbps": ("intra_bw", None, GBPS),
-    "inter_gbps": ("inter_bw", None, GBPS),
+    "inter_gbps": ("inter_bw", None, GBPS), "power_w": ("power", None, 1.0),
+    "tdp_w": ("tdp", None, 1.0),
 }
 
 

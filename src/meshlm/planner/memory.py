@@ -15,7 +15,11 @@ Recomputation in Large Transformer Models", sec. 4). Profile ``megatron`` is the
 block at 16-bit (eq. 1 and table 2): ``s b h (34 + 5 a s / h)`` bytes without parallelism;
 with tensor parallelism ``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence parallelism
 ``s b h (34 + 5 a s / h) / t``; selective recomputation drops the ``5 a s / h`` attention-score
-term; full recomputation keeps ``2 s b h`` (``/ t`` with sp) per layer. The same items are
+term; full recomputation keeps ``2 s b h`` (``/ t`` with sp) per layer. Op-level selective
+recomputation (torchtitan's ``selective_ac_option="op"``) keeps the layer input, every other
+matmul output in forward order (the 1st, 3rd, ...: q, v, the MLP's first matrix, its last)
+and the attention output with its log-sum-exp; everything else is recomputed (MoE layers:
+counted as selective). The same items are
 written for grouped-query attention (K, V of ``kv`` features), a SwiGLU MLP (4 tensors of
 width f instead of GELU's 2) and flash attention (no scores; output plus an fp32 log-sum-exp
 per head). Profile ``meshlm`` counts what meshlm's block saves (measured with
@@ -28,7 +32,10 @@ each region (it does not gather again in backward).
 **Pipeline**: rank r holds the activations of ``min(p - r, m)`` micro-batches under 1F1B
 (Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``p (1 + (p - 1) / (p v))`` on the first
 rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the
-same as 1F1B under ZB-H1 (Qi et al. 2023). **Buffers**: ZeRO-2's two transient gradient buckets,
+same as 1F1B under ZB-H1 (Qi et al. 2023). **Transient**: the peak above the saved
+activations -- the loss's backward (8 more bytes per logit: fp32 gradients of the
+log-probabilities and logits, counted on ``F.cross_entropy``) or, with full recomputation,
+one layer's rebuilt activations, whichever is larger. **Buffers**: ZeRO-2's two transient gradient buckets,
 ZeRO-3's gathered parameters and gradients of two layers plus the root unit
 (``parallel/zero3.py``; with the ``megatron`` profile DeepSpeed's live-parameter cap), and
 the accelerator's reserved runtime memory.
@@ -45,6 +52,7 @@ from .workload import Layout, Workload
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 recipes keep 16-bit activations
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
+LOSS_WORKING = 8  # bytes per logit live in the loss's backward beyond the saved 4 (counted)
 MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
 
 
@@ -208,12 +216,36 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
     return {k: v * tokens for k, v in items.items()}
 
 
-def recomputed(items: dict[str, float], work: Workload, lo: Layout) -> float:
+def matmul_outputs(work: Workload, lo: Layout) -> list[float]:
+    """Output features per token of a dense layer's matmuls on one rank, in forward order:
+    q, k, v, the attention output projection, then the MLP's (w1, w3, w2 or fc1, fc2).
+    Row-parallel outputs are partial sums of the full width."""
+    c, t = work.model.config, lo.tp
+    hq, kv, f = c.n_heads * c.hd, c.n_kv_heads * c.hd, c.ffn_hidden
+    mlp = [f / t, f / t, c.dim] if work.model.gated_mlp else [f / t, c.dim]
+    return [hq / t, kv / t, kv / t, c.dim, *mlp]
+
+
+def op_saved(work: Workload, lo: Layout) -> float:
+    """Bytes a dense layer keeps per micro-batch under op-level selective recomputation."""
+    c = work.model.config
+    tokens = lo.mbs * work.seq_len / lo.cp
+    a = ACT_BYTES[work.dtype]
+    r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
+    kept = sum(matmul_outputs(work, lo)[0::2]) * a  # the 1st, 3rd, ... matmul outputs
+    kept += c.n_heads * c.hd / lo.tp * a + c.n_heads * 4 / lo.tp  # attention out + lse
+    return (kept + c.dim * r / (lo.tp if lo.sp else 1)) * tokens
+
+
+def recomputed(items: dict[str, float], work: Workload, lo: Layout, moe: bool = False
+               ) -> float:
     """Bytes one layer keeps for one micro-batch under ``lo.recompute``."""
     if lo.recompute == "none":
         return sum(items.values())
-    if lo.recompute == "selective":
+    if lo.recompute == "selective" or (lo.recompute == "op" and moe):
         return sum(v for k, v in items.items() if k != "scores")
+    if lo.recompute == "op":
+        return min(op_saved(work, lo), sum(v for k, v in items.items() if k != "scores"))
     tokens = lo.mbs * work.seq_len / lo.cp
     r = 2 if work.profile == "megatron" else 4
     return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input
@@ -261,13 +293,19 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     working = 0.0  # one layer's full activations, rebuilt during its backward
     for is_moe, count in layer_kinds(work, lo, stage).items():
         full = layer_activations(work, lo, moe=is_moe)
-        per_layer += count * recomputed(full, work, lo)
+        per_layer += count * recomputed(full, work, lo, is_moe)
         working = max(working, sum(full.values()))
     acts = per_layer * in_flight(lo, m, stage)
-    if lo.recompute == "full":
-        acts += working
     acts += head_activations(work, lo, stage == 0, stage == lo.pp - 1)
     items["activations"] = acts
+    # Transient peaks on top of the saved activations (they do not coincide): the loss's
+    # backward holds the fp32 gradients of the log-probabilities and of the logits beside the
+    # saved log-probabilities (LOSS_WORKING bytes per logit; counted on torch's
+    # cross_entropy), and full recomputation rebuilds one layer's activations in backward.
+    tokens = lo.mbs * work.seq_len / lo.cp
+    loss = LOSS_WORKING * tokens * math.ceil(work.model.config.vocab_size / lo.tp) if (
+        stage == lo.pp - 1) else 0.0
+    items["transient"] = max(loss, working if lo.recompute == "full" else 0.0)
     buffers = 0.0
     w, g, _ = STATE_BYTES[work.states]
     if lo.zero == 2:

@@ -8,9 +8,11 @@ allow), every micro-batch size dividing the per-replica batch, recomputation and
 the schedules 1F1B, interleaved 1F1B (v = 2, 4, ... dividing the layers per stage) and ZB-H1.
 AFAB is left out: it has 1F1B's bubble and holds more activations, so it never ranks higher.
 
-Two cuts keep the search fast without losing the best layout: recomputation only adds work,
-so for each of the other choices only the cheapest recomputation that fits is timed; and
-memory, which is cheap, is checked before time.
+Two cuts keep the search fast without losing the best layout: the recomputation modes are
+tried from least to most memory saved (none, selective, op, full) and each recomputes a
+superset of the one before, except selective (the attention core) vs op (every other matmul
+and the elementwise ops), which do not nest -- so the first that fits is timed, and when that
+is selective, op too; and memory, which is cheap, is checked before time.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
         for stage in zero:
             if base.pp > 1 and stage > 1:
                 continue
+            best: Plan | None = None
             for rc in recompute:
                 lo = Layout(**{**base.as_dict(), "zero": stage, "recompute": rc,
                                "tp_overlap": tp_overlap and base.tp > 1})
@@ -135,8 +138,13 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
                     break
                 mem = memory(work, lo, hw)
                 if mem.fits:
-                    found.append(Plan(lo, mem, step_time(work, lo, hw)))
-                    break  # more recomputation is only slower
+                    plan = Plan(lo, mem, step_time(work, lo, hw))
+                    if best is None or plan.tokens_per_s > best.tokens_per_s:
+                        best = plan
+                    if rc != "selective":
+                        break  # what follows recomputes a superset: slower
+            if best is not None:
+                found.append(best)
     found.sort(key=_rank_key)
     return found[:top]
 

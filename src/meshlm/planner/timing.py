@@ -10,13 +10,17 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
 - attention scores and values: ``4 s_q s h_q`` FLOPs forward, 3x for forward + backward, half
   of them done under the causal mask, at the fused-attention rate for the head dimension
   (materialised scores, before FlashAttention: all of them at the GEMM rate);
-- memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds and their
-  gradients): ``C_TRAFFIC`` x the bytes the layer saves for backward (memory.py) over memory
-  bandwidth. 7.4 is counted, not fitted: the bytes every non-matmul aten op of meshlm's block
-  reads and writes, forward + backward (TorchDispatchMode), per byte the block saves -- 7.4 for
-  ``small``, 7.0 for ``tiny`` (a test recounts it). Fused kernels (Megatron, torch.compile)
-  move less; the planner does not credit them. Tensor parallelism adds 4 activation copies per
-  layer (the clones around its all-reduces, ``parallel/tensor_comm.py``);
+- memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds, autocast casts and
+  their gradients): ``C_TRAFFIC[dtype]`` x the bytes meshlm's block saves for backward
+  (memory.py's ``meshlm`` profile, whatever profile the workload's memory uses) over memory
+  bandwidth. The ratio is counted, not fitted: the bytes every non-matmul aten op of meshlm's
+  block reads and writes, forward + backward (TorchDispatchMode), per byte the block saves --
+  7.6 in fp32 (7.5 for ``tiny``), 11.0 under bf16 autocast (its casts and fp32
+  norms); a test recounts both. It is the traffic of an eager PyTorch Llama block: fused
+  kernels (Megatron, torch.compile) move less, and the planner does not credit them. Under
+  tensor parallelism the count is split as the work is: norms and residuals over sequence
+  shards (sp) or replicated, the rest over tp; tp adds 4 activation copies per layer (the
+  clones around its all-reduces, ``parallel/tensor_comm.py``);
 - the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient); on CPU
   the measured per-element cost of (vocab-parallel) cross-entropy forward + backward;
 - per-operation overhead: ``OPS_PER_LAYER`` eager ops per layer (counted with
@@ -24,8 +28,11 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   running kernels on a GPU (a layer then takes at least its kernels' launch time).
 
 Full recomputation adds one forward of every layer, selective recomputation (Korthikanti et
-al. 2022) one forward of attention only. On CPU, ranks beyond the cores time-share them: the
-compute of each stretches by ranks / cores, and a pipeline rank's idle bubble is used by others.
+al. 2022) one forward of attention only, op-level selective recomputation (torchtitan) the
+forwards of every other matmul and of the memory-bound ops. On CPU, ranks beyond the cores
+time-share them: the compute of each stretches by ranks / cores, and a pipeline rank's idle
+bubble is used by others. A power-capped GPU computes at ``(cap / TDP) ** 0.58`` of its rate
+(``hardware.POWER_EXPONENT``).
 
 **Communication** per step (volumes are the comm log's bytes, the formulas of
 ``parallel/data.py``, ``zero.py``, ``zero3.py``, ``tensor.py``, ``pipeline.py``; the
@@ -63,7 +70,7 @@ second / (ranks x peak); HFU also counts recomputation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
@@ -76,7 +83,9 @@ from .memory import (
 )
 from .workload import Layout, Workload
 
-C_TRAFFIC = 7.4  # bytes moved by memory-bound ops per byte saved (counted; module docstring)
+# bytes moved by memory-bound ops per byte meshlm's block saves, by matmul dtype (counted;
+# module docstring)
+C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp8": 11.0}
 CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
 KERNELS_PER_LAYER = 96  # of which launch a kernel (the rest are views)
@@ -155,6 +164,19 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
     return 3 * max(flops / rate, nbytes / rates.bandwidth(nbytes))
 
 
+_OUTSIDE = ("norm inputs", "norm normalised", "region inputs")  # tensors outside tp regions
+
+
+def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
+    """The bytes meshlm's block would save for one micro-batch on one rank, as the measure of
+    its memory-bound work: counted without tensor parallelism, then split as the elementwise
+    ops are -- norms and residuals over the sequence shards (sp) or replicated, everything
+    inside the tensor-parallel regions over tp."""
+    items = layer_activations(replace(work, profile="meshlm"), replace(lo, tp=1, sp=False), moe)
+    out_t = lo.tp if lo.sp else 1
+    return sum(v / (out_t if k in _OUTSIDE else lo.tp) for k, v in items.items())
+
+
 def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe: bool
                   ) -> dict[str, float]:
     """Seconds of one (dense or MoE) layer for one micro-batch: forward + backward +
@@ -177,24 +199,26 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         f = c.ffn_hidden / t
         lin += ([(h, f), (h, f), (f, h)] if work.model.gated_mlp else [(h, f), (f, h)])
         gemm = 0.0
-    gemm += sum(_gemm(tokens, k, n, a, g_rate, rates) for k, n in lin)
+    per_linear = [_gemm(tokens, k, n, a, g_rate, rates) for k, n in lin]
+    gemm += sum(per_linear)
     # Causal attention over the whole sequence: queries of this rank's s/cp tokens. Flash
     # kernels skip the masked half; materialised scores are full batched GEMMs.
     attn_flops = 4 * tokens * work.seq_len * hq / t
     attn_fwd = (0.5 * attn_flops / rates.attention(c.hd) if work.flash
                 else max(attn_flops / g_rate, tokens * work.seq_len * c.n_heads / t * a
                                / rates.bandwidth(tokens * h * a)))
-    saved = layer_activations(work, lo, moe)
     tensor = tokens * h * a
     # tensor parallelism copies each region's output before its all-reduce, forward and
     # backward (parallel/tensor_comm.py): 4 activation copies (read + write) per layer
     copies = 4 * 2 * tensor / (lo.tp if lo.sp else 1) if t > 1 else 0.0
-    elem = (C_TRAFFIC * sum(saved.values()) + copies) / rates.bandwidth(tensor)
+    elem = (C_TRAFFIC[work.dtype] * eager_saved(work, lo, moe) + copies) / rates.bandwidth(tensor)
     out = {"gemm": gemm, "attention": 3 * attn_fwd, "memory-bound": elem}
     if lo.recompute == "full":
         out["recompute"] = gemm / 3 + attn_fwd + elem / 3
-    elif lo.recompute == "selective":
+    elif lo.recompute == "selective" or (lo.recompute == "op" and moe):
         out["recompute"] = attn_fwd
+    elif lo.recompute == "op":  # the 2nd, 4th, ... matmuls' forwards and the elementwise ops
+        out["recompute"] = sum(per_linear[1::2]) / 3 + elem / 3
     if rates.serial_ops:
         out["op overhead"] = OPS_PER_LAYER * rates.op_overhead
     else:  # launches overlap kernels; a layer cannot run faster than it can launch them

@@ -23,7 +23,7 @@ from ..config import ConfigError
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 STATES = ("fp32", "mixed")
