@@ -31,7 +31,9 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   or earlier materialise attention scores (FlashAttention appeared in May 2022) and use sequence
   parallelism only where they say so (it was introduced in 2022); later rows get flash
   attention, and sequence parallelism is completed like the other blank knobs. States are
-  mixed precision (2 + 2 + 12 bytes) for every row.
+  mixed precision (2 + 2 + 12 bytes) for every row. The loss is torch's cross-entropy
+  unless the row says "fused" or comes from llm-foundry, whose MPT model defaults to
+  flash-attn's fused cross-entropy.
 - metric: reported MFU if given, else TFLOP/s per GPU, else tokens/s per GPU, else step time.
   FLOP conventions from the notes: "96Bslh" / "incl. recompute" / "counts recompute" /
   "HFU-like" rows count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (Narayanan et al. 2021),
@@ -222,8 +224,11 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
     text = " ".join(raw.get(k, "") for k in ("model_name", "notes", "recompute")).lower()
     sp_given = "sequence parallel" in text
     modern = year is None or year > 2022  # FlashAttention and sequence parallelism: 2022
+    # llm-foundry's MPT defaults to flash-attn's fused cross-entropy (loss_fn default
+    # 'fused_crossentropy' in llmfoundry/models/mpt/modeling_mpt.py)
+    fused = "fused" in text or "llm-foundry" in raw.get("source", "").lower()
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
-                        profile="megatron", flash=modern)
+                        profile="megatron", flash=modern, loss="fused" if fused else "torch")
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
                         tp_overlap=any(k in text.replace(" ", "")
                                        for k in ("tp-comm-overlap", "asynctp")),

@@ -109,6 +109,9 @@ def test_cli_surface_is_frozen() -> None:
     assert {"--seq-len", "--json"} <= set(options["info"])
     assert {"--pp", "--microbatches", "--schedule", "--virtual", "--plot", "--timeline"} <= set(
         options["schedule"])
+    assert {"--model", "--gpus", "--gpu", "--seq-len", "--global-batch-tokens", "--layout",
+            "--precision", "--states", "--loss", "--top", "--json", "--calibrate",
+            "--calibration"} <= set(options["plan"])
 
 
 def test_train_launches_data_parallel_workers(tiny_args: list[str], tmp_path: Path) -> None:

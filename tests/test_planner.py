@@ -179,6 +179,20 @@ def test_op_level_recompute_keeps_every_other_matmul_output() -> None:
     assert times == sorted(times)
 
 
+def test_fused_loss_has_no_transient_and_keeps_logits_in_their_dtype() -> None:
+    spec = ModelSpec(PRESETS["llama3-8b"])
+    torch_loss = Workload(spec, 2048, 64, dtype="bf16", states="mixed")
+    fused = Workload(spec, 2048, 64, dtype="bf16", states="mixed", loss="fused")
+    lo = Layout(dp=8, mbs=4, zero=3)
+    a, b = memory(torch_loss, lo, H100), memory(fused, lo, H100)
+    logits = 4 * 2048 * PRESETS["llama3-8b"].vocab_size
+    assert a.items["transient"] == pytest.approx(LOSS_WORKING * logits)
+    assert b.items["transient"] == 0
+    assert a.items["activations"] - b.items["activations"] == pytest.approx((4 - 2) * logits)
+    assert step_time(fused, lo, H100).step < step_time(torch_loss, lo, H100).step
+    assert Workload(spec, 2048, 64, loss="liger").problems()
+
+
 def test_loss_working_set_is_counted_on_cross_entropy() -> None:
     """The loss's backward holds LOSS_WORKING bytes per logit above the saved 4 (the peak of
     live storages while F.cross_entropy runs forward and backward)."""

@@ -45,6 +45,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--states", choices=("fp32", "mixed"), default="fp32",
                    help="fp32: meshlm's fp32 weights/grads + Adam (16 B/param); mixed: "
                         "16-bit weights/grads + fp32 master and Adam (ZeRO paper)")
+    p.add_argument("--loss", choices=("torch", "fused"), default="torch",
+                   help="cross-entropy: torch (fp32 logits, as meshlm) or fused (gradient "
+                        "written in place: flash-attn, Megatron-Core loss fusion)")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--calibrate", action="store_true",
@@ -74,7 +77,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     spec = load_model_spec(args.model)
     hw = get_accelerator(args.gpu, args.calibration)
     work = build_workload(spec, hw, args.seq_len, args.global_batch_tokens, args.precision,
-                          args.states)
+                          args.states, args.loss)
     if args.layout:
         layout = parse_layout(args.layout, args.gpus)
         problems = layout_problems(layout, work, args.gpus,
@@ -97,7 +100,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
-                   batch_tokens: int | None, precision: str | None, states: str) -> Workload:
+                   batch_tokens: int | None, precision: str | None, states: str,
+                   loss: str = "torch") -> Workload:
     c = spec.config
     seq = seq_len or min(c.max_seq_len, 256 if hw.is_cpu else 2048)
     if seq < 1 or seq > c.max_seq_len:
@@ -108,7 +112,7 @@ def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
         raise ConfigError(f"--global-batch-tokens={tokens} is less than one sequence of "
                           f"{seq} tokens")
     dtype = precision or ("fp32" if hw.is_cpu else "bf16")
-    return Workload(spec, seq, tokens // seq, dtype=dtype, states=states)
+    return Workload(spec, seq, tokens // seq, dtype=dtype, states=states, loss=loss)
 
 
 def context(work: Workload, hw: Accelerator, gpus: int) -> dict[str, Any]:

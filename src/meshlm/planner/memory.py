@@ -34,7 +34,8 @@ each region (it does not gather again in backward).
 rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the
 same as 1F1B under ZB-H1 (Qi et al. 2023). **Transient**: the peak above the saved
 activations -- the loss's backward (8 more bytes per logit: fp32 gradients of the
-log-probabilities and logits, counted on ``F.cross_entropy``) or, with full recomputation,
+log-probabilities and logits, counted on ``F.cross_entropy``; none for a fused loss that
+writes the gradient in place) or, with full recomputation,
 one layer's rebuilt activations, whichever is larger. **Buffers**: ZeRO-2's two transient gradient buckets,
 ZeRO-3's gathered parameters and gradients of two layers plus the root unit
 (``parallel/zero3.py``; with the ``megatron`` profile DeepSpeed's live-parameter cap), and
@@ -279,7 +280,9 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
     if last:
         norm = (2 * c.dim if work.profile == "megatron" else 2 * (c.dim + 1) * 4) / out_t
         head_in = c.dim * (4 if a == 4 and work.profile == "meshlm" else 2)
-        logits = 4 * math.ceil(c.vocab_size / lo.tp)  # fp32 softmax for the loss
+        v_local = math.ceil(c.vocab_size / lo.tp)
+        # torch: fp32 log-probabilities; fused: the logits in their dtype (gradient in place)
+        logits = 4 * v_local if work.loss == "torch" else a * v_local
         total += (norm + head_in + logits + 8) * tokens
     return total
 
@@ -304,7 +307,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     # cross_entropy), and full recomputation rebuilds one layer's activations in backward.
     tokens = lo.mbs * work.seq_len / lo.cp
     loss = LOSS_WORKING * tokens * math.ceil(work.model.config.vocab_size / lo.tp) if (
-        stage == lo.pp - 1) else 0.0
+        stage == lo.pp - 1 and work.loss == "torch") else 0.0
     items["transient"] = max(loss, working if lo.recompute == "full" else 0.0)
     buffers = 0.0
     w, g, _ = STATE_BYTES[work.states]

@@ -21,7 +21,8 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   tensor parallelism the count is split as the work is: norms and residuals over sequence
   shards (sp) or replicated, the rest over tp; tp adds 4 activation copies per layer (the
   clones around its all-reduces, ``parallel/tensor_comm.py``);
-- the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient); on CPU
+- the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient), or
+  ``FUSED_CE_PASSES`` over the logits in their dtype for a fused loss; on CPU
   the measured per-element cost of (vocab-parallel) cross-entropy forward + backward;
 - per-operation overhead: ``OPS_PER_LAYER`` eager ops per layer (counted with
   TorchDispatchMode on meshlm's block) x the dispatch cost; serial on CPU, hidden behind
@@ -87,6 +88,7 @@ from .workload import Layout, Workload
 # module docstring)
 C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp8": 11.0}
 CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
+FUSED_CE_PASSES = 3.0  # fused loss: read the logits (forward), read + write them (gradient)
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
 KERNELS_PER_LAYER = 96  # of which launch a kernel (the rest are views)
 OPTIM_BYTES = 40.0  # AdamW: read p, g, m, v and write p, m, v (28) + zero_grad and clipping
@@ -247,6 +249,8 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
             out["loss"] = logits * (rates.ce_tp if lo.tp > 1 and rates.ce_tp else rates.ce)
         else:
             out["loss"] = CE_PASSES * 4 * logits / rates.bandwidth(4 * logits)
+            if work.loss == "fused":
+                out["loss"] = FUSED_CE_PASSES * a * logits / rates.bandwidth(a * logits)
     return out
 
 

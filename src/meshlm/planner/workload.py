@@ -28,6 +28,7 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 STATES = ("fp32", "mixed")
 PROFILES = ("meshlm", "megatron")
+LOSSES = ("torch", "fused")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,10 @@ class Workload:
     (16-bit weights and gradients, fp32 master weights and moments: 2 + 2 + 12). ``profile``
     picks the activation accounting: ``meshlm`` (the tensors meshlm's own block saves) or
     ``megatron`` (Korthikanti et al. 2022's GPT block); ``flash`` whether attention scores
-    are never materialised (FlashAttention / SDPA).
+    are never materialised (FlashAttention / SDPA); ``loss`` the cross-entropy: ``torch``
+    (``F.cross_entropy`` on fp32 logits, as meshlm) or ``fused`` (one kernel that keeps the
+    logits in their dtype and writes the gradient in place: flash-attn's, Megatron-Core's
+    ``--cross-entropy-loss-fusion``).
     """
 
     model: ModelSpec
@@ -90,6 +94,7 @@ class Workload:
     states: str = "fp32"
     profile: str = "meshlm"
     flash: bool = True
+    loss: str = "torch"
 
     @property
     def tokens_per_step(self) -> int:
@@ -101,6 +106,8 @@ class Workload:
             out.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.states not in STATES:
             out.append(f"states {self.states!r} is not one of {', '.join(STATES)}")
+        if self.loss not in LOSSES:
+            out.append(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.profile not in PROFILES:
             out.append(f"profile {self.profile!r} is not one of {', '.join(PROFILES)}")
         if self.seq_len < 1 or self.global_batch < 1:
