@@ -1,6 +1,6 @@
 """The planner against published training runs: predicted vs reported MFU / throughput.
 
-    python benchmarks/planner_vs_published.py ../shared/data/published_runs.csv [--json]
+    python benchmarks/planner_vs_published.py benchmarks/data/published_runs.csv [--json]
         [--markdown] [--no-search] [--out benchmarks/results/planner_vs_published.json]
 
 For every CSV row with a model shape, a layout and a reported figure, the planner predicts the
