@@ -14,11 +14,14 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
   (3 matrices) or GELU (2) nor whether embeddings are tied: the combination whose parameter
   count is closest to ``params_B`` is taken.
-- hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe, the
-  HBM2e H100 SXM at 500 W, H800, H200, B200, MI300X); a memory size ("96GB"), a power cap
-  ("@500W") and a per-GPU network rate ("400Gb/s ... per GPU", or "N Gbps" per 8-GPU node)
-  written there replace the entry's. TPUs and V100 are not
-  in the catalogue.
+- hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe,
+  H800, H200, B200, MI300X; an H100 whose text says HBM2e and not PCIe is the 96 GB HBM2e SXM
+  part at 500 W, the only SXM H100 with HBM2e -- torchtitan's); a memory size ("96GB"), a
+  power cap ("@500W") and a per-GPU network rate ("400Gb/s ... per GPU", or "N Gbps" per
+  8-GPU node) written there replace the entry's. TPUs and V100 are not in the catalogue.
+- recomputation: "full", "selective" (Korthikanti's attention core), torchtitan's "selective
+  (op)" (op-level); torchtitan's "selective (layer)" (every n-th layer checkpointed) is not
+  modelled and is completed like a blank.
 - layout: blank tp/pp/cp/ep = 1, blank dp = GPUs / (tp pp cp), vpp > 1 = interleaved 1F1B;
   ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1);
   "sequence parallel" in the text = sp; "tp-comm-overlap" / "AsyncTP" = tensor-parallel
@@ -167,6 +170,8 @@ def recompute_mode(text: str) -> str | None:
         return "full"
     if "(op)" in t:  # torchtitan's op-level selective recomputation
         return "op"
+    if "(layer)" in t:  # torchtitan's every-n-th-layer checkpointing: not modelled, completed
+        return None
     if "selective" in t or "partial" in t:
         return "selective"
     return "none"
@@ -226,7 +231,8 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
     modern = year is None or year > 2022  # FlashAttention and sequence parallelism: 2022
     # llm-foundry's MPT defaults to flash-attn's fused cross-entropy (loss_fn default
     # 'fused_crossentropy' in llmfoundry/models/mpt/modeling_mpt.py)
-    fused = "fused" in text or "llm-foundry" in raw.get("source", "").lower()
+    fused = bool(re.search(r"fused[ _-]?(cross[ _-]?entropy|ce\b|loss)|loss[ _-]fusion", text)
+                 or "llm-foundry" in raw.get("source", "").lower())
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
                         profile="megatron", flash=modern, loss="fused" if fused else "torch")
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
@@ -403,7 +409,7 @@ def print_markdown(report: dict[str, Any]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         fmt = ".3f" if r["metric"] in ("mfu", "step_time_s") else ".1f"
-        src = re.split(r"[;(]", r["source"])[0].strip()[:32]
+        src = re.split(r"[;('\"]", r["source"])[0].strip()[:32]
         done = f" ({', '.join(r['completed'])})" if r["completed"] else ""
         fits = "" if r["fits"] else " -- predicted not to fit"
         speed = f"{r['search_speedup']:.2f}" if r.get("search_speedup") else "-"

@@ -193,6 +193,30 @@ def test_fused_loss_has_no_transient_and_keeps_logits_in_their_dtype() -> None:
     assert Workload(spec, 2048, 64, loss="liger").problems()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16", "fp8"])
+def test_every_precision_plans(dtype: str) -> None:
+    work = Workload(ModelSpec(PRESETS["llama3-8b"]), 2048, 64, dtype=dtype, states="mixed")
+    plan = search(work, 8, H100, top=1)[0]
+    assert plan.fits and plan.tokens_per_s > 0
+
+
+def test_op_recompute_without_flash_redoes_the_scores() -> None:
+    """op = the k, o, w3 forwards + the elementwise forward, plus -- when the scores are
+    materialised and so not kept -- the attention forward (selective's whole recompute)."""
+    from meshlm.planner.timing import layer_compute
+
+    work = Workload(ModelSpec(PRESETS["llama3-8b"]), 32768, 8, states="mixed", flash=False)
+
+    def items(rc: str) -> dict[str, float]:
+        return layer_compute(work, Layout(dp=8, mbs=1, recompute=rc), H100, H100.rates(),
+                             False)
+
+    op, sel = items("op"), items("selective")
+    matmuls = op["recompute"] - op["memory-bound"] / 3 - sel["recompute"]
+    assert 0 < matmuls < op["gemm"] / 3
+    assert sel["recompute"] > matmuls  # long sequence: without the term, matmuls < 0
+
+
 def test_loss_working_set_is_counted_on_cross_entropy() -> None:
     """The loss's backward holds LOSS_WORKING bytes per logit above the saved 4 (the peak of
     live storages while F.cross_entropy runs forward and backward)."""

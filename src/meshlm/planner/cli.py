@@ -120,7 +120,7 @@ def context(work: Workload, hw: Accelerator, gpus: int) -> dict[str, Any]:
     return {"model": c.name, "params": work.model.num_params(), "gpus": gpus,
             "hardware": hw.name, "hardware_sources": hw.sources, "seq_len": work.seq_len,
             "global_batch_seqs": work.global_batch, "precision": work.dtype,
-            "states": work.states}
+            "states": work.states, "loss": work.loss}
 
 
 def _gib(x: float) -> str:
@@ -162,7 +162,8 @@ def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
     assert t is not None
     print(f"{c.name} on {plan.layout.world} x {hw.name}: {plan.layout.describe()}")
     print(f"  seq {work.seq_len}, global batch {work.global_batch} seqs "
-          f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}")
+          f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}, "
+          f"{work.loss} loss")
     verdict = "fits" if m.fits else "does NOT fit"
     print(f"memory per device (stage {m.stage}): {_size(m.total)} of {_size(m.capacity)} "
           f"-- {verdict}")

@@ -27,7 +27,9 @@ run at half speed each.
 
 Users describe other hardware in TOML: ``name``, ``base`` (a catalogue entry to start from)
 and any field below (``peak_bf16``, ``peak_fp8``, ``memory_gb``, ``hbm_tbps``,
-``intra_gbps``, ``inter_gbps`` in GB/s per GPU per direction, ``gpus_per_node``, ...).
+``intra_gbps``, ``inter_gbps`` in GB/s per GPU per direction, ``gpus_per_node``, ``power_w``
+for a power cap below ``tdp_w``, ...). A cap scales the compute rates by
+``(power / tdp) ** POWER_EXPONENT``; memory bandwidth is left alone.
 """
 
 from __future__ import annotations
@@ -295,8 +297,9 @@ CATALOGUE: dict[str, Accelerator] = {
         "h100-sxm-500w", "NVIDIA H100 SXM 96GB HBM2e at 500 W (Meta Grand Teton)", 989, 1979,
         495, 96, 2.41, 450, 50, 0.803, 0.709, 0.35,
         {**_H100_SRC, "power": _POWER,
-         "memory": "96 GB HBM2e; 2.41 TB/s measured-spec for the HBM2e H100 (Ujeniya et al. "
-                   "2026, arXiv:2604.11391, sec. 3)",
+         "memory": "96 GB HBM2e; 2.41 TB/s, the HBM2e H100's bandwidth in Ujeniya et al. "
+                   "2026 (arXiv:2604.11391, setup); consistent with 6 HBM2e stacks where the "
+                   "PCIe card's 5 give 2.0 TB/s",
          "variant": "torchtitan (Liang et al. 2024): H100 with 96 GB HBM2e and a 500 W TDP, "
                     "400 Gb/s RDMA per GPU"},
         tdp=700.0, power=500.0),

@@ -17,9 +17,9 @@ with tensor parallelism ``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence p
 ``s b h (34 + 5 a s / h) / t``; selective recomputation drops the ``5 a s / h`` attention-score
 term; full recomputation keeps ``2 s b h`` (``/ t`` with sp) per layer. Op-level selective
 recomputation (torchtitan's ``selective_ac_option="op"``) keeps the layer input, every other
-matmul output in forward order (the 1st, 3rd, ...: q, v, the MLP's first matrix, its last)
-and the attention output with its log-sum-exp; everything else is recomputed (MoE layers:
-counted as selective). The same items are
+matmul output in forward order (the 1st, 3rd, ...: q, v, then w1 and w2 of SwiGLU or fc1 of
+a GELU MLP) and the attention output with its log-sum-exp; everything else is recomputed (MoE
+layers: counted as selective). The same items are
 written for grouped-query attention (K, V of ``kv`` features), a SwiGLU MLP (4 tensors of
 width f instead of GELU's 2) and flash attention (no scores; output plus an fp32 log-sum-exp
 per head). Profile ``meshlm`` counts what meshlm's block saves (measured with
@@ -53,7 +53,9 @@ from .workload import Layout, Workload
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 recipes keep 16-bit activations
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
-LOSS_WORKING = 8  # bytes per logit live in the loss's backward beyond the saved 4 (counted)
+# bytes per logit live in the loss's backward beyond the saved 4: counted on F.cross_entropy,
+# fp32 and under bf16 autocast alike (meshlm's vocab-parallel loss is assumed the same)
+LOSS_WORKING = 8
 MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
 
 

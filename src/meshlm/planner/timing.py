@@ -16,11 +16,11 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   bandwidth. The ratio is counted, not fitted: the bytes every non-matmul aten op of meshlm's
   block reads and writes, forward + backward (TorchDispatchMode), per byte the block saves --
   7.6 in fp32 (7.5 for ``tiny``), 11.0 under bf16 autocast (its casts and fp32
-  norms); a test recounts both. It is the traffic of an eager PyTorch Llama block: fused
-  kernels (Megatron, torch.compile) move less, and the planner does not credit them. Under
-  tensor parallelism the count is split as the work is: norms and residuals over sequence
-  shards (sp) or replicated, the rest over tp; tp adds 4 activation copies per layer (the
-  clones around its all-reduces, ``parallel/tensor_comm.py``);
+  norms; fp16 and fp8 assumed the same); a test recounts both. It is the traffic of an eager
+  PyTorch Llama block: fused kernels (Megatron, torch.compile) move less, and the planner does
+  not credit them. Under tensor parallelism the saved bytes split as the work does (norms over
+  sequence shards with sp, the regions' interior over tp); tp adds 4 activation copies per
+  layer (the clones around its all-reduces, ``parallel/tensor_comm.py``);
 - the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient), or
   ``FUSED_CE_PASSES`` over the logits in their dtype for a fused loss; on CPU
   the measured per-element cost of (vocab-parallel) cross-entropy forward + backward;
@@ -86,7 +86,7 @@ from .workload import Layout, Workload
 
 # bytes moved by memory-bound ops per byte meshlm's block saves, by matmul dtype (counted;
 # module docstring)
-C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp8": 11.0}
+C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0, "fp8": 11.0}  # fp16/fp8: bf16's casts
 CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
 FUSED_CE_PASSES = 3.0  # fused loss: read the logits (forward), read + write them (gradient)
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
@@ -166,17 +166,13 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
     return 3 * max(flops / rate, nbytes / rates.bandwidth(nbytes))
 
 
-_OUTSIDE = ("norm inputs", "norm normalised", "region inputs")  # tensors outside tp regions
-
-
 def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
-    """The bytes meshlm's block would save for one micro-batch on one rank, as the measure of
-    its memory-bound work: counted without tensor parallelism, then split as the elementwise
-    ops are -- norms and residuals over the sequence shards (sp) or replicated, everything
-    inside the tensor-parallel regions over tp."""
-    items = layer_activations(replace(work, profile="meshlm"), replace(lo, tp=1, sp=False), moe)
-    out_t = lo.tp if lo.sp else 1
-    return sum(v / (out_t if k in _OUTSIDE else lo.tp) for k, v in items.items())
+    """The bytes meshlm's block saves for one micro-batch on one rank under ``lo`` (memory.py's
+    ``meshlm`` profile, whatever profile the workload's memory uses): the measure of its
+    memory-bound work. Under tensor parallelism it splits as the elementwise work does --
+    norms over sequence shards with sp, the regions' interior over tp -- and keeps what runs
+    on gathered full-sequence tensors (each linear's autocast copy of its input) whole."""
+    return sum(layer_activations(replace(work, profile="meshlm"), lo, moe).values())
 
 
 def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe: bool
@@ -220,7 +216,8 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     elif lo.recompute == "selective" or (lo.recompute == "op" and moe):
         out["recompute"] = attn_fwd
     elif lo.recompute == "op":  # the 2nd, 4th, ... matmuls' forwards and the elementwise ops
-        out["recompute"] = sum(per_linear[1::2]) / 3 + elem / 3
+        # (materialised scores are not kept either: their forward is redone too)
+        out["recompute"] = sum(per_linear[1::2]) / 3 + elem / 3 + (0 if work.flash else attn_fwd)
     if rates.serial_ops:
         out["op overhead"] = OPS_PER_LAYER * rates.op_overhead
     else:  # launches overlap kernels; a layer cannot run faster than it can launch them
