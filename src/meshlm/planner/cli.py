@@ -18,7 +18,15 @@ from typing import Any
 from ..config import Config, ConfigError, validate
 from .hardware import GIB, Accelerator, get_accelerator
 from .search import Plan, evaluate, search
-from .workload import Layout, ModelSpec, Workload, layout_problems, load_model_spec, parse_layout
+from .workload import (
+    LOSSES,
+    Layout,
+    ModelSpec,
+    Workload,
+    layout_problems,
+    load_model_spec,
+    parse_layout,
+)
 
 DEFAULT_BATCH_TOKENS = 2**20  # the Ultra-Scale Playbook's benchmark batch: 1M tokens
 
@@ -45,7 +53,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--states", choices=("fp32", "mixed"), default="fp32",
                    help="fp32: meshlm's fp32 weights/grads + Adam (16 B/param); mixed: "
                         "16-bit weights/grads + fp32 master and Adam (ZeRO paper)")
-    p.add_argument("--loss", choices=("torch", "fused"), default="torch",
+    p.add_argument("--loss", choices=LOSSES, default="torch",
                    help="cross-entropy: torch (fp32 logits, as meshlm) or fused (gradient "
                         "written in place: flash-attn, Megatron-Core loss fusion)")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")

@@ -19,10 +19,9 @@ term; full recomputation keeps ``2 s b h`` (``/ t`` with sp) per layer. Op-level
 recomputation (torchtitan's ``selective_ac_option="op"``) keeps the layer input, every other
 matmul output in forward order (the 1st, 3rd, ...: q, v, then w1 and w2 of SwiGLU or fc1 of
 a GELU MLP) and the attention output with its log-sum-exp; everything else is recomputed (MoE
-layers: counted as selective). The same items are
-written for grouped-query attention (K, V of ``kv`` features), a SwiGLU MLP (4 tensors of
-width f instead of GELU's 2) and flash attention (no scores; output plus an fp32 log-sum-exp
-per head). Profile ``meshlm`` counts what meshlm's block saves (measured with
+layers: counted as selective). The same items are written for grouped-query attention
+(K, V of ``kv`` features), a SwiGLU MLP (4 tensors of width f instead of GELU's 2) and flash
+attention (no scores; output plus an fp32 log-sum-exp per head). Profile ``meshlm`` counts what meshlm's block saves (measured with
 ``saved_tensors_hooks``): per token ``6h`` fp32 values in the two RMSNorms (input, normalised
 input, output), ``q, k, v``, the attention output and the log-sum-exp, and ``4f`` in SwiGLU;
 under bf16 autocast each linear saves its own bf16 copy of its input and the bf16 weight
@@ -35,8 +34,8 @@ rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2
 same as 1F1B under ZB-H1 (Qi et al. 2023). **Transient**: the peak above the saved
 activations -- the loss's backward (8 more bytes per logit: fp32 gradients of the
 log-probabilities and logits, counted on ``F.cross_entropy``; none for a fused loss that
-writes the gradient in place) or, with full recomputation,
-one layer's rebuilt activations, whichever is larger. **Buffers**: ZeRO-2's two transient gradient buckets,
+writes the gradient in place) or, with full recomputation, one layer's rebuilt activations,
+whichever is larger. **Buffers**: ZeRO-2's two transient gradient buckets,
 ZeRO-3's gathered parameters and gradients of two layers plus the root unit
 (``parallel/zero3.py``; with the ``megatron`` profile DeepSpeed's live-parameter cap), and
 the accelerator's reserved runtime memory.
@@ -245,10 +244,11 @@ def recomputed(items: dict[str, float], work: Workload, lo: Layout, moe: bool = 
     """Bytes one layer keeps for one micro-batch under ``lo.recompute``."""
     if lo.recompute == "none":
         return sum(items.values())
+    selective = sum(v for k, v in items.items() if k != "scores")
     if lo.recompute == "selective" or (lo.recompute == "op" and moe):
-        return sum(v for k, v in items.items() if k != "scores")
+        return selective
     if lo.recompute == "op":
-        return min(op_saved(work, lo), sum(v for k, v in items.items() if k != "scores"))
+        return min(op_saved(work, lo), selective)
     tokens = lo.mbs * work.seq_len / lo.cp
     r = 2 if work.profile == "megatron" else 4
     return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input

@@ -8,11 +8,12 @@ allow), every micro-batch size dividing the per-replica batch, recomputation and
 the schedules 1F1B, interleaved 1F1B (v = 2, 4, ... dividing the layers per stage) and ZB-H1.
 AFAB is left out: it has 1F1B's bubble and holds more activations, so it never ranks higher.
 
-Two cuts keep the search fast without losing the best layout: the recomputation modes are
-tried from least to most recomputation (none, selective, op, full), each keeping fewer
-activations and recomputing a superset of the one before, except selective (the attention core) vs op (every other matmul
-and the elementwise ops), which do not nest -- so the first that fits is timed, and when that
-is selective, op too; and memory, which is cheap, is checked before time.
+Two cuts keep the search fast without losing the best layout. The recomputation modes are
+tried from least to most recomputation (none, selective, op, full); each keeps fewer
+activations and recomputes a superset of the one before, except selective (the attention
+core) and op (every other matmul and the elementwise ops), which do not nest. So the first
+mode that fits is timed -- and op too when that is selective. And memory, which is cheap, is
+checked before time.
 """
 
 from __future__ import annotations

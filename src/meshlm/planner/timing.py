@@ -244,10 +244,10 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
         logits = tokens * v_local
         if rates.ce is not None:  # measured (CPU); tp > 1 uses the vocab-parallel loss
             out["loss"] = logits * (rates.ce_tp if lo.tp > 1 and rates.ce_tp else rates.ce)
+        elif work.loss == "fused":
+            out["loss"] = FUSED_CE_PASSES * a * logits / rates.bandwidth(a * logits)
         else:
             out["loss"] = CE_PASSES * 4 * logits / rates.bandwidth(4 * logits)
-            if work.loss == "fused":
-                out["loss"] = FUSED_CE_PASSES * a * logits / rates.bandwidth(a * logits)
     return out
 
 
