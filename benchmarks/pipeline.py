@@ -27,8 +27,8 @@ from torch import nn
 from meshlm.config import load_config
 from meshlm.data import build_data
 from meshlm.data.sampler import StepSampler
+from meshlm.layout import partition_layers
 from meshlm.models import build_model
-from meshlm.parallel.pipeline import partition_layers
 
 TORCH = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
          "torch-interleaved": "ScheduleInterleaved1F1B"}

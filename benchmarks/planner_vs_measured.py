@@ -37,35 +37,37 @@ from typing import Any
 import torch
 
 from meshlm.config import load_config
+from meshlm.distributed.spawn import run_world
+from meshlm.layout import Layout
 from meshlm.models.config import ModelConfig
 from meshlm.planner.calibrate import wait_for_quiet
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.memory import stage_memory
 from meshlm.planner.timing import comm_volumes, step_time
-from meshlm.planner.workload import Layout, ModelSpec, Workload
-from meshlm.testing import run_world
+from meshlm.planner.workload import ModelSpec, Workload
 
 # (name, preset, layout, extra config overrides). pp needs untied embeddings in meshlm.
 UNTIE = ["--model.tie_embeddings=false"]
 TINY_VOCAB = ["--data.vocab_size=512"]  # the tiny preset's vocabulary (the trainer's BPE size)
 LAYOUTS: list[tuple[str, str, Layout, list[str]]] = [
-    ("single", "small", Layout(mbs=16), []),
-    ("dp2", "small", Layout(dp=2, mbs=8), []),
-    ("dp2-zero1", "small", Layout(dp=2, zero=1, mbs=8), []),
-    ("dp2-zero2-accum2", "small", Layout(dp=2, zero=2, mbs=4), []),
-    ("dp2-zero3", "small", Layout(dp=2, zero=3, mbs=8), []),
-    ("dp4", "small", Layout(dp=4, mbs=4), []),
-    ("dp4-zero3", "small", Layout(dp=4, zero=3, mbs=4), []),
-    ("tp2", "small", Layout(tp=2, mbs=16), []),
-    ("tp2-sp", "small", Layout(tp=2, sp=True, mbs=16), []),
-    ("tp2-dp2-zero1", "small", Layout(tp=2, dp=2, zero=1, mbs=8), []),
-    ("pp2-1f1b", "small", Layout(pp=2, mbs=4), UNTIE),
-    ("pp2-interleaved", "small", Layout(pp=2, mbs=4, schedule="interleaved", vpp=2), UNTIE),
-    ("pp2-zb", "small", Layout(pp=2, mbs=4, schedule="zb"), UNTIE),
-    ("pp2-dp2", "small", Layout(pp=2, dp=2, mbs=2), UNTIE),
-    ("pp2-tp2-sp", "small", Layout(pp=2, tp=2, sp=True, mbs=4), UNTIE),
-    ("tiny-dp2", "tiny", Layout(dp=2, mbs=8), TINY_VOCAB),
-    ("tiny-tp2", "tiny", Layout(tp=2, mbs=16), TINY_VOCAB),
+    ("single", "small", Layout(micro_batch=16), []),
+    ("dp2", "small", Layout(dp=2, micro_batch=8), []),
+    ("dp2-zero1", "small", Layout(dp=2, zero=1, micro_batch=8), []),
+    ("dp2-zero2-accum2", "small", Layout(dp=2, zero=2, micro_batch=4), []),
+    ("dp2-zero3", "small", Layout(dp=2, zero=3, micro_batch=8), []),
+    ("dp4", "small", Layout(dp=4, micro_batch=4), []),
+    ("dp4-zero3", "small", Layout(dp=4, zero=3, micro_batch=4), []),
+    ("tp2", "small", Layout(tp=2, micro_batch=16), []),
+    ("tp2-sp", "small", Layout(tp=2, sp=True, micro_batch=16), []),
+    ("tp2-dp2-zero1", "small", Layout(tp=2, dp=2, zero=1, micro_batch=8), []),
+    ("pp2-1f1b", "small", Layout(pp=2, micro_batch=4), UNTIE),
+    ("pp2-interleaved", "small",
+     Layout(pp=2, micro_batch=4, pp_schedule="interleaved", pp_virtual=2), UNTIE),
+    ("pp2-zb", "small", Layout(pp=2, micro_batch=4, pp_schedule="zb"), UNTIE),
+    ("pp2-dp2", "small", Layout(pp=2, dp=2, micro_batch=2), UNTIE),
+    ("pp2-tp2-sp", "small", Layout(pp=2, tp=2, sp=True, micro_batch=4), UNTIE),
+    ("tiny-dp2", "tiny", Layout(dp=2, micro_batch=8), TINY_VOCAB),
+    ("tiny-tp2", "tiny", Layout(tp=2, micro_batch=16), TINY_VOCAB),
 ]
 SEQ, BATCH = 256, 16
 WARMUP = 2
@@ -74,10 +76,10 @@ WARMUP = 2
 def overrides(preset: str, lo: Layout, run_dir: str, extra: list[str]) -> list[str]:
     return [
         f"--model.preset={preset}", f"--data.seq_len={SEQ}", f"--train.global_batch={BATCH}",
-        f"--train.micro_batch={lo.mbs}", "--train.steps=1000000", "--train.eval_every=0",
+        f"--train.micro_batch={lo.micro_batch}", "--train.steps=1000000", "--train.eval_every=0",
         f"--parallel.dp={lo.dp}", f"--parallel.tp={lo.tp}",
         f"--parallel.sp={'true' if lo.sp else 'false'}", f"--parallel.pp={lo.pp}",
-        f"--parallel.pp_schedule={lo.schedule}", f"--parallel.pp_virtual={lo.vpp}",
+        f"--parallel.pp_schedule={lo.pp_schedule}", f"--parallel.pp_virtual={lo.pp_virtual}",
         f"--parallel.zero={lo.zero}", f"--run.dir={run_dir}", "--run.sample_tokens=0",
         "--train.peak_flops=1e12", *extra,
     ]
@@ -156,7 +158,7 @@ def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, ro
         wait_for_quiet(300)
         run_dir = tempfile.mkdtemp(prefix=f"meshlm-plan-{name}-{r}-")
         args = (preset, lo.as_dict(), extra, run_dir, steps)
-        if lo.world == 1:  # as `meshlm train` runs one process: every core
+        if lo.world_size == 1:  # as `meshlm train` runs one process: every core
             saved_threads = torch.get_num_threads()
             torch.set_num_threads(torch.get_num_threads() if saved_threads > 1 else 2)
             try:
@@ -164,7 +166,7 @@ def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, ro
             finally:
                 torch.set_num_threads(saved_threads)
         else:
-            res = run_world(lo.world, worker, *args)
+            res = run_world(lo.world_size, worker, *args)
         step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
         if best is None or step < best["step_time_s"]:
             best = {"step_time_s": step, "ranks": res}
@@ -208,7 +210,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         keys = sorted(set(vol_pred) | set(vol_meas))
         vol_err = max((abs(rel(vol_pred.get(k, 0), vol_meas.get(k, 0))) for k in keys),
                       default=0.0)
-        row = {"name": name, "preset": preset, "layout": lo.describe(), "world": lo.world,
+        row = {"name": name, "preset": preset, "layout": lo.describe(), "world": lo.world_size,
                "step_measured_s": m["step_time_s"], "step_predicted_s": t.step,
                "step_error": rel(t.step, m["step_time_s"]), "states_max_error": state_err,
                "activations_max_error": act_err, "comm_max_error": vol_err,

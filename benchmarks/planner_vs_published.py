@@ -57,10 +57,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlm.layout import Layout
 from meshlm.models.config import ModelConfig
 from meshlm.planner.hardware import CATALOGUE, GIB, Accelerator
 from meshlm.planner.search import Plan, evaluate, search
-from meshlm.planner.workload import Layout, ModelSpec, Workload
+from meshlm.planner.workload import ModelSpec, Workload
 
 ROOT = Path(__file__).resolve().parent
 TOLERANCE = 0.20
@@ -238,9 +239,9 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
                         tp_overlap=any(k in text.replace(" ", "")
                                        for k in ("tp-comm-overlap", "asynctp")),
-                        zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), mbs=mbs or 1,
+                        zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), micro_batch=mbs or 1,
                         recompute=rc or "none",
-                        schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp)
+                        pp_schedule="interleaved" if vpp > 1 else "1f1b", pp_virtual=vpp)
     row.free = ((["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
                 + (["sp"] if tp > 1 and not sp_given and modern else []))
     row.hw = hw
@@ -254,12 +255,12 @@ def predict(row: Row) -> Plan:
     options = [base]
     if row.free:
         mbs_opts = ([d for d in range(1, 129) if (row.work.global_batch // base.dp) % d == 0]
-                    if "mbs" in row.free else [base.mbs])
+                    if "mbs" in row.free else [base.micro_batch])
         rc_opts = ["none", "selective", "full"] if "recompute" in row.free else [base.recompute]
         sp_opts = [False, True] if "sp" in row.free else [base.sp]
-        options = [Layout(**{**base.as_dict(), "mbs": m, "recompute": r, "sp": sp})
+        options = [Layout(**{**base.as_dict(), "micro_batch": m, "recompute": r, "sp": sp})
                    for m in mbs_opts for r in rc_opts for sp in sp_opts]
-    plans = [evaluate(row.work, lo, row.hw, base.world) for lo in options]
+    plans = [evaluate(row.work, lo, row.hw, base.world_size) for lo in options]
     valid = [p for p in plans if not p.problems]
     if not valid:
         return plans[0]
@@ -283,7 +284,7 @@ def flops_per_token(row: Row, recompute_counted: bool) -> float:
 
 def predicted_metric(row: Row, plan: Plan) -> float:
     assert plan.time and row.work and row.hw
-    tps_gpu = plan.time.tokens_per_s / plan.layout.world
+    tps_gpu = plan.time.tokens_per_s / plan.layout.world_size
     notes = row.raw.get("notes", "").lower().replace(" ", "")
     hfu = any(k in notes for k in ("96bslh", "incl.recompute", "countsrecompute", "hfu-like",
                                    "incl.full-recompute"))
@@ -337,11 +338,11 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
             entry["memory_error"] = plan.memory.total / GIB / mem - 1
         if do_search:
             assert row.work and row.hw
-            key = (row.work, plan.layout.world, row.hw.name, row.hw.memory, row.hw.inter_bw,
+            key = (row.work, plan.layout.world_size, row.hw.name, row.hw.memory, row.hw.inter_bw,
                    plan.layout.tp_overlap)
             if key not in search_cache:
                 # The search may use the techniques the published run used (async TP).
-                top = search(row.work, plan.layout.world, row.hw, top=1,
+                top = search(row.work, plan.layout.world_size, row.hw, top=1,
                              tp_overlap=plan.layout.tp_overlap)
                 search_cache[key] = top[0] if top else None
             best = search_cache[key]

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from meshlm.config import load_config
 from meshlm.models import build_model
+from meshlm.precision import DTYPES
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.peak import peak_flops
-from meshlm.train.precision import DTYPES
 from meshlm.train.trainer import Trainer
 
 

@@ -143,14 +143,15 @@ def overlap_probe(delay_s: float) -> dict:
     """DDP on 2 ranks: a sleep injected at the start of the embedding's backward."""
     from meshlm.config import TrainSection
     from meshlm.distributed.comm import Comm, CommLog
-    from meshlm.distributed.mesh import Mesh, ParallelDims
+    from meshlm.distributed.mesh import Mesh
+    from meshlm.layout import Layout
     from meshlm.models import build_model, get_preset
     from meshlm.parallel.data import DDPEngine
 
     model = build_model(get_preset("tiny"), seed=0)
     log = CommLog()
-    comm = Comm(Mesh(ParallelDims(dp=2)), log)
-    engine = DDPEngine(model, TrainSection(), comm, "dp", bucket_mb=0.05)
+    comm = Comm(Mesh(Layout(dp=2)), log)
+    engine = DDPEngine(model, TrainSection(), comm, bucket_mb=0.05)
 
     def slow(module, args, out):  # noqa: ANN001, ANN202
         out.register_hook(lambda g: time.sleep(delay_s))  # runs before embedding backward

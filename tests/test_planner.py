@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meshlm.config import ConfigError, load_config, validate
+from meshlm.layout import RECOMPUTE, partition_layers
 from meshlm.models.config import ModelConfig
 from meshlm.models.llama import build_model
 from meshlm.models.presets import PRESETS
@@ -23,7 +24,6 @@ from meshlm.planner import (
     comm_volumes,
     evaluate,
     get_accelerator,
-    layout_problems,
     memory,
     parse_layout,
     search,
@@ -35,12 +35,11 @@ from meshlm.planner.memory import (
     LOSS_WORKING,
     StageParams,
     layer_activations,
-    partition,
     recomputed,
+    stage_layers,
     state_bytes,
 )
 from meshlm.planner.timing import C_TRAFFIC, OPS_PER_LAYER, collective_time
-from meshlm.planner.workload import RECOMPUTE
 
 H100 = CATALOGUE["h100-sxm"]
 A100 = CATALOGUE["a100-80gb"]
@@ -70,7 +69,7 @@ def test_meshlm_states_are_16_bytes_per_parameter_sharded_by_stage() -> None:
     work = Workload(spec, 256, 16, dtype="fp32", states="fp32")
     n = spec.num_params()
     for zero, per_param in ((0, 16), (1, 4 + 4 + 8 / 2), (2, 4 + 12 / 2), (3, 16 / 2)):
-        got = memory(work, Layout(dp=2, zero=zero, mbs=8), get_accelerator("cpu")).states
+        got = memory(work, Layout(dp=2, zero=zero, micro_batch=8), get_accelerator("cpu")).states
         assert got == pytest.approx(per_param * n, rel=1e-9)
 
 
@@ -85,11 +84,11 @@ def per_layer(lo: Layout, flash: bool = False) -> float:
 
 
 @pytest.mark.parametrize("lo, formula", [
-    (Layout(mbs=B), 34 + 5 * A * S / H),  # eq. 1
-    (Layout(tp=T, mbs=B), 10 + 24 / T + 5 * A * S / (H * T)),  # eq. 2
-    (Layout(tp=T, sp=True, mbs=B), 34 / T + 5 * A * S / (H * T)),  # eq. 4
-    (Layout(tp=T, sp=True, mbs=B, recompute="selective"), 34 / T),  # eq. 6
-    (Layout(tp=T, mbs=B, recompute="full"), 2.0),  # table 2, full recomputation
+    (Layout(micro_batch=B), 34 + 5 * A * S / H),  # eq. 1
+    (Layout(tp=T, micro_batch=B), 10 + 24 / T + 5 * A * S / (H * T)),  # eq. 2
+    (Layout(tp=T, sp=True, micro_batch=B), 34 / T + 5 * A * S / (H * T)),  # eq. 4
+    (Layout(tp=T, sp=True, micro_batch=B, recompute="selective"), 34 / T),  # eq. 6
+    (Layout(tp=T, micro_batch=B, recompute="full"), 2.0),  # table 2, full recomputation
 ])
 def test_korthikanti_per_layer_activations(lo: Layout, formula: float) -> None:
     assert per_layer(lo) == pytest.approx(S * B * H * formula, rel=1e-9)
@@ -100,8 +99,8 @@ def test_korthikanti_22b_totals() -> None:
     recomputation or sequence parallelism, 9.6 GiB with both (their analytic values)."""
     spec = gpt(6144, 48, 64)
     work = Workload(spec, 2048, 4, dtype="fp16", states="mixed", profile="megatron", flash=False)
-    plain = memory(work, Layout(tp=8, mbs=4), A100).items["activations"] / GIB
-    both = memory(work, Layout(tp=8, sp=True, mbs=4, recompute="selective"),
+    plain = memory(work, Layout(tp=8, micro_batch=4), A100).items["activations"] / GIB
+    both = memory(work, Layout(tp=8, sp=True, micro_batch=4, recompute="selective"),
                   A100).items["activations"] / GIB
     # + the loss's fp32 logits (4 s b V / t), which the figure leaves out
     logits = 4 * 2048 * 4 * 51200 / 8 / GIB
@@ -129,7 +128,8 @@ def test_meshlm_profile_matches_saved_tensors_of_the_real_model() -> None:
             logits = model(ids)
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
         work = Workload(ModelSpec(cfg), s, b, dtype="fp32", states="fp32")
-        predicted = memory(work, Layout(mbs=b), get_accelerator("cpu")).items["activations"]
+        predicted = memory(work, Layout(micro_batch=b),
+                           get_accelerator("cpu")).items["activations"]
         assert predicted == pytest.approx(sum(seen.values()), rel=0.01), name
 
 
@@ -139,8 +139,9 @@ WORKS = [
     Workload(ModelSpec(PRESETS["llama3-70b"]), 8192, 512, profile="megatron", states="mixed"),
     Workload(ModelSpec(PRESETS["small"]), 256, 16, dtype="fp32"),
 ]
-BASES = [Layout(dp=8), Layout(tp=4, dp=4, sp=True, mbs=2), Layout(tp=2, pp=4, dp=2, mbs=1),
-         Layout(tp=8, pp=2, dp=4, cp=2, mbs=1, schedule="interleaved", vpp=2)]
+BASES = [Layout(dp=8), Layout(tp=4, dp=4, sp=True, micro_batch=2),
+         Layout(tp=2, pp=4, dp=2, micro_batch=1),
+         Layout(tp=8, pp=2, dp=4, cp=2, micro_batch=1, pp_schedule="interleaved", pp_virtual=2)]
 
 
 @pytest.mark.parametrize("work", WORKS, ids=lambda w: w.model.name)
@@ -169,13 +170,14 @@ def test_op_level_recompute_keeps_every_other_matmul_output() -> None:
     the input, q, v, w1's and w2's outputs and the attention output + fp32 log-sum-exp."""
     spec = ModelSpec(PRESETS["llama3-8b"])
     work = Workload(spec, 8192, 16, dtype="bf16", states="mixed", profile="megatron")
-    lo = Layout(mbs=2, recompute="op")
+    lo = Layout(micro_batch=2, recompute="op")
     h, kv, f, heads = 4096, 1024, 14336, 32
     per_token = 2 * (h + h + kv + f + h) + 2 * h + 4 * heads
     got = recomputed(layer_activations(work, lo), work, lo)
     assert got == pytest.approx(2 * 8192 * per_token, rel=1e-12)
     # time: the k, o and w3 forwards are recomputed -- between selective and full
-    times = [step_time(work, Layout(dp=8, mbs=2, recompute=r), H100).step for r in RECOMPUTE]
+    times = [step_time(work, Layout(dp=8, micro_batch=2, recompute=r), H100).step
+             for r in RECOMPUTE]
     assert times == sorted(times)
 
 
@@ -183,7 +185,7 @@ def test_fused_loss_has_no_transient_and_keeps_logits_in_their_dtype() -> None:
     spec = ModelSpec(PRESETS["llama3-8b"])
     torch_loss = Workload(spec, 2048, 64, dtype="bf16", states="mixed")
     fused = Workload(spec, 2048, 64, dtype="bf16", states="mixed", loss="fused")
-    lo = Layout(dp=8, mbs=4, zero=3)
+    lo = Layout(dp=8, micro_batch=4, zero=3)
     a, b = memory(torch_loss, lo, H100), memory(fused, lo, H100)
     logits = 4 * 2048 * PRESETS["llama3-8b"].vocab_size
     assert a.items["transient"] == pytest.approx(LOSS_WORKING * logits)
@@ -208,8 +210,8 @@ def test_op_recompute_without_flash_redoes_the_scores() -> None:
     work = Workload(ModelSpec(PRESETS["llama3-8b"]), 32768, 8, states="mixed", flash=False)
 
     def items(rc: str) -> dict[str, float]:
-        return layer_compute(work, Layout(dp=8, mbs=1, recompute=rc), H100, H100.rates(),
-                             False)
+        return layer_compute(work, Layout(dp=8, micro_batch=1, recompute=rc), H100,
+                             H100.rates(), False)
 
     op, sel = items("op"), items("selective")
     matmuls = op["recompute"] - op["memory-bound"] / 3 - sel["recompute"]
@@ -260,26 +262,26 @@ def test_loss_working_set_is_counted_on_cross_entropy() -> None:
 def test_pipeline_in_flight_micro_batches() -> None:
     """1F1B holds p micro-batches on the first stage, AFAB all m, interleaving more than 1F1B."""
     work = WORKS[1]
-    base = Layout(tp=8, pp=4, dp=2, mbs=1)
+    base = Layout(tp=8, pp=4, dp=2, micro_batch=1)
     one = memory(work, base, H100).items["activations"]
-    afab = memory(work, Layout(**{**base.as_dict(), "schedule": "afab"}), H100)
-    inter = memory(work, Layout(**{**base.as_dict(), "schedule": "interleaved", "vpp": 2}), H100)
+    afab = memory(work, Layout(**{**base.as_dict(), "pp_schedule": "afab"}), H100)
+    inter = memory(work, Layout(**{**base.as_dict(), "pp_schedule": "interleaved",
+                                   "pp_virtual": 2}), H100)
     assert afab.items["activations"] > 10 * one / 4  # m = 256 micro-batches in flight vs 4
     assert inter.items["activations"] > one
 
 
 def test_partition_is_the_pipeline_rule() -> None:
-    from meshlm.parallel.pipeline import partition_layers
-
     for n, stages in ((32, 4), (126, 8), (7, 3), (80, 6), (10, 10)):
-        assert partition(n, stages) == [len(x) for x in partition_layers(n, stages)]
+        assert [stage_layers(n, Layout(pp=stages), r) for r in range(stages)] == (
+            partition_layers(n, stages))
 
 
 # ---------------------------------------------------------------------- time model
 def test_bubble_follows_the_schedules() -> None:
     work = WORKS[1]
-    base = dict(tp=8, pp=8, dp=4, mbs=1)
-    t = {s: step_time(work, Layout(**base, schedule=s, vpp=v), H100)
+    base = dict(tp=8, pp=8, dp=4, micro_batch=1)
+    t = {s: step_time(work, Layout(**base, pp_schedule=s, pp_virtual=v), H100)
          for s, v in (("1f1b", 1), ("interleaved", 2), ("zb", 1))}
     t_mb = t["1f1b"].t_micro  # the slowest stage's micro-batch time
     one = t["1f1b"].items["pipeline bubble"]
@@ -303,19 +305,19 @@ def test_communication_volumes_follow_the_engines_docstrings() -> None:
     spec = ModelSpec(PRESETS["small"])
     work = Workload(spec, 256, 16, dtype="fp32", states="fp32")
     psi = spec.num_params() * 4
-    assert comm_volumes(work, Layout(dp=2, mbs=8)) == {"all_reduce/dp": psi}
-    z1 = comm_volumes(work, Layout(dp=2, zero=1, mbs=8))
+    assert comm_volumes(work, Layout(dp=2, micro_batch=8)) == {"all_reduce/dp": psi}
+    z1 = comm_volumes(work, Layout(dp=2, zero=1, micro_batch=8))
     assert z1["reduce_scatter/dp"] == z1["all_gather/dp"] == psi
-    z2 = comm_volumes(work, Layout(dp=2, zero=2, mbs=2))  # 4 micro-batches
+    z2 = comm_volumes(work, Layout(dp=2, zero=2, micro_batch=2))  # 4 micro-batches
     assert z2["reduce_scatter/dp"] == 4 * psi
-    z3 = comm_volumes(work, Layout(dp=2, zero=3, mbs=4))  # 2 micro-batches
+    z3 = comm_volumes(work, Layout(dp=2, zero=3, micro_batch=4))  # 2 micro-batches
     root = spec.config.vocab_size * spec.config.dim + spec.config.dim
     assert z3["all_gather/dp"] == pytest.approx(2 * 4 * (2 * (psi / 4 - root) + root))
     assert z3["reduce_scatter/dp"] == 2 * psi
 
 
 def test_more_data_parallel_bandwidth_never_slower_and_tp_prefers_nvlink() -> None:
-    lo = Layout(tp=8, dp=16, mbs=1)
+    lo = Layout(tp=8, dp=16, micro_batch=1)
     work = WORKS[0]
     slow = step_time(work, lo, H100.with_(inter_bw=H100.inter_bw / 4)).step
     assert step_time(work, lo, H100).step <= slow
@@ -367,7 +369,7 @@ def test_traffic_and_op_constants_recount_on_meshlm_block(dtype: str) -> None:
         y = model.layers["0"](x, model.rope_cos[:s], model.rope_sin[:s])
         y.backward(torch.ones_like(y))
     work = Workload(ModelSpec(cfg), s, b, dtype=dtype, states="fp32")
-    saved = sum(layer_activations(work, Layout(mbs=b)).values())
+    saved = sum(layer_activations(work, Layout(micro_batch=b)).values())
     assert Count.traffic / saved == pytest.approx(C_TRAFFIC[dtype], rel=0.1)
     if dtype == "fp32":
         assert Count.ops == pytest.approx(OPS_PER_LAYER, rel=0.1)
@@ -389,10 +391,10 @@ def test_search_returns_only_layouts_that_divide_and_fit(preset: str, gpus: int,
         lo = p.layout
         assert lo.dp * lo.tp * lo.pp * lo.cp == gpus
         assert c.n_heads % lo.tp == 0 and c.n_kv_heads % lo.tp == 0 and c.ffn_hidden % lo.tp == 0
-        assert c.n_layers % (lo.pp * lo.vpp) == 0
-        assert work.global_batch % (lo.dp * lo.mbs) == 0
+        assert c.n_layers % (lo.pp * lo.pp_virtual) == 0
+        assert work.global_batch % (lo.dp * lo.micro_batch) == 0
         assert (lo.dp * lo.cp) % lo.ep == 0 and (not c.is_moe or c.moe_experts % lo.ep == 0)
-        assert not layout_problems(lo, work, gpus, strict=True)
+        assert not lo.problems(c, work.seq_len, work.global_batch, gpus, strict=True)
         assert p.fits and p.memory.total <= acc.memory
     speeds = [p.tokens_per_s for p in plans]  # fastest first (ties broken by simplicity)
     assert all(a >= b * (1 - 1e-5) for a, b in zip(speeds, speeds[1:], strict=False))
@@ -400,7 +402,7 @@ def test_search_returns_only_layouts_that_divide_and_fit(preset: str, gpus: int,
 
 def test_search_is_at_least_as_fast_as_a_hand_layout() -> None:
     work = WORKS[0]
-    hand = evaluate(work, Layout(tp=8, dp=8, mbs=1, zero=1), H100, 64)
+    hand = evaluate(work, Layout(tp=8, dp=8, micro_batch=1, zero=1), H100, 64)
     best = search(work, 64, H100, top=1)[0]
     assert best.fits and best.tokens_per_s >= hand.tokens_per_s
 
@@ -409,7 +411,8 @@ def test_search_is_at_least_as_fast_as_a_hand_layout() -> None:
 def test_parse_layout_and_its_errors() -> None:
     lo = parse_layout("tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,"
                       "vpp=2")
-    assert (lo.tp, lo.pp, lo.dp, lo.zero, lo.vpp, lo.schedule) == (8, 4, 16, 1, 2, "interleaved")
+    assert (lo.tp, lo.pp, lo.dp, lo.zero, lo.pp_virtual, lo.pp_schedule) == (
+        8, 4, 16, 1, 2, "interleaved")
     assert parse_layout("tp=2,sp", 8).dp == 4
     for bad in ("tp=0", "foo=1", "tp=x", "sp=maybe"):
         with pytest.raises(ConfigError):
@@ -511,10 +514,9 @@ def test_model_toml_file(tmp_path, capsys) -> None:  # noqa: ANN001
 def test_auto_layout_proposes_a_valid_config() -> None:
     cfg = load_config(None, ["--model.preset=tiny", "--train.global_batch=16",
                              "--train.micro_batch=16", "--data.seq_len=64"])
-    values = auto_layout(cfg, 4)
-    assert values["dp"] * values["tp"] * values["pp"] * values["cp"] == 4
-    for key, value in values.items():
-        setattr(cfg.train if key == "micro_batch" else cfg.parallel, key, value)
+    layout = auto_layout(cfg, 4)
+    assert layout.dp * layout.tp * layout.pp * layout.cp == 4
+    cfg.set_layout(layout)
     validate(cfg, check_paths=False)  # the proposal passes meshlm's own validation
     with pytest.raises(ConfigError):
         auto_layout(load_config(None, ["--model.preset=tiny", "--train.global_batch=3",
@@ -530,4 +532,5 @@ def test_gelu_model_spec_counts() -> None:
     assert swiglu.flops_per_token(128) == spec.config.flops_per_token(128)
     assert math.isclose(spec.flops_per_token(128) - 6 * spec.matmul_params(),
                         12 * 2 * 64 * 128)
-    assert collections.Counter(partition(10, 4)) == collections.Counter([3, 3, 2, 2])
+    assert collections.Counter(len(s) for s in partition_layers(10, 4)) == collections.Counter(
+        [3, 3, 2, 2])

@@ -88,7 +88,7 @@ def test_shipped_runs_accuracy_and_search(bench) -> None:  # noqa: ANN001
     for r in small:
         row = bench.build_row(r["row"], raws[r["row"]])
         plan = bench.predict(row)
-        best = bench.search(row.work, plan.layout.world, row.hw, top=1,
+        best = bench.search(row.work, plan.layout.world_size, row.hw, top=1,
                             tp_overlap=plan.layout.tp_overlap)[0]
         assert best.fits
         assert best.tokens_per_s >= plan.tokens_per_s * (1 - 1e-9), (r["row"], best.layout)

@@ -12,9 +12,9 @@ import torch
 from meshlm import load_model
 from meshlm.checkpoint.state import find_latest
 from meshlm.config import ConfigError, load_config
+from meshlm.optim import lr_at
 from meshlm.testing import assert_weights_close
 from meshlm.train.metrics import read_metrics
-from meshlm.train.optim import lr_at
 from meshlm.train.trainer import train
 
 CONTRACT_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s",

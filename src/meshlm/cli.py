@@ -42,10 +42,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
     resolve_world(cfg, world.world_size if world else None)
     if args.dry_run:
-        from .train.estimate import memory_estimate
+        from .planner.cli import config_memory
 
         print(to_toml(cfg))
-        for line in memory_estimate(cfg):
+        for line in config_memory(cfg):
             print(line)
         return 0
     from .train.trainer import prepare_launch, run_worker, train
@@ -77,18 +77,14 @@ def apply_auto_layout(cfg, world_size: int) -> None:  # noqa: ANN001
     """``parallel.auto=true``: the planner's best layout of ``world_size`` ranks.
 
     Under torchrun/SLURM the world is given; otherwise its size is pp * dp * cp * tp of the
-    config (e.g. ``--parallel.dp=4`` means "4 local ranks, planner's choice of layout").
+    config (e.g. ``--parallel.dp=4`` means "4 local ranks, planner's choice of layout"). The
+    planner proposes only layouts that pass the trainer's rules.
     """
-    from .config import validate
     from .planner.cli import auto_layout
 
-    chosen = auto_layout(cfg, world_size)
-    cfg.train.micro_batch = chosen.pop("micro_batch")
-    for key, value in chosen.items():
-        setattr(cfg.parallel, key, value)
-    validate(cfg)
-    print(f"parallel.auto: {world_size} ranks -> " + ", ".join(
-        f"{k}={v}" for k, v in chosen.items()) + f", micro_batch={cfg.train.micro_batch}")
+    layout = auto_layout(cfg, world_size)
+    cfg.set_layout(layout)
+    print(f"parallel.auto: {world_size} ranks -> {layout.describe()}")
 
 
 def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:

@@ -4,7 +4,9 @@ A config is a set of dataclass sections (``[model]``, ``[data]``, ``[train]``, `
 ``[precision]``, ``[run]``). Each component receives only its own section. Every value is
 checked against its field's type and range before any worker starts or any file is written;
 a bad value raises :class:`ConfigError` with one line naming the key, the value and what
-would be valid. The resolved config is written as ``config.toml`` into the run directory.
+would be valid. The ``[parallel]`` keys and ``train.micro_batch`` are read as one
+:class:`~meshlm.layout.Layout` (:meth:`Config.layout`), checked by the layout's own rules.
+The resolved config is written as ``config.toml`` into the run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .layout import CONFIG_KEYS, PARALLEL_KEYS, Layout
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
 
@@ -136,19 +139,33 @@ class Config:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def layout(self) -> Layout:
+        """The parallel layout: the ``[parallel]`` keys and ``train.micro_batch`` (dp left at 0,
+        to be inferred from a world, reads as 1)."""
+        values = {k: getattr(self.parallel, k) for k in PARALLEL_KEYS}
+        return Layout(**{**values, "dp": max(1, self.parallel.dp)},
+                      micro_batch=self.train.micro_batch)
+
+    def set_layout(self, layout: Layout) -> None:
+        """Write ``layout`` into the ``[parallel]`` keys and ``train.micro_batch``."""
+        if layout.recompute != "none" or layout.tp_overlap:
+            raise ConfigError(f"layout {layout.describe()}: recomputation and tp overlap are "
+                              "not config keys")
+        for key in PARALLEL_KEYS:
+            setattr(self.parallel, key, getattr(layout, key))
+        self.train.micro_batch = layout.micro_batch
+
     @property
     def world_size(self) -> int:
-        p = self.parallel
-        return p.pp * max(1, p.dp) * p.cp * p.tp
+        return self.layout().world_size
 
     @property
     def grad_accum(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
-        return self.train.global_batch // (self.train.micro_batch * max(1, self.parallel.dp))
+        return self.layout().micro_batches(self.train.global_batch)
 
 
 SECTIONS = {f.name: f for f in fields(Config)}
-PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -273,12 +290,6 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     for key in ("steps", "global_batch", "micro_batch"):
         _check(getattr(t, key) > 0, f"train.{key}={getattr(t, key)} must be positive")
     _check(p.dp >= 0, f"parallel.dp={p.dp} must be >= 1 (or 0: inferred from the world size)")
-    for key in ("tp", "pp", "pp_virtual", "cp", "ep"):
-        _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1")
-    dp = max(1, p.dp)
-    _check(t.global_batch % (t.micro_batch * dp) == 0,
-           f"train.global_batch={t.global_batch} is not divisible by train.micro_batch * "
-           f"parallel.dp = {t.micro_batch} * {dp} = {t.micro_batch * dp}")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
            f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     _check(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps} must be >= 0")
@@ -301,57 +312,15 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     if d.tokenizer and check_paths:
         _check(Path(d.tokenizer).expanduser().is_file(),
                f"data.tokenizer={d.tokenizer!r} is not a file")
-    _check(p.pp_schedule in PP_SCHEDULES,
-           f"parallel.pp_schedule={p.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}")
-    _check(p.zero in (0, 1, 2, 3), f"parallel.zero={p.zero} must be 0, 1, 2 or 3")
     _check(cfg.precision.dtype in DTYPES,
            f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
-    unsupported = [f"parallel.{k}={getattr(p, k)}" for k in ("cp", "ep") if getattr(p, k) != 1]
-    _check(not unsupported,
-           f"{', '.join(unsupported)}: context and expert parallelism are not available in "
-           "this version (data, tensor/sequence and pipeline parallelism are)")
-    if p.pp > 1 or p.pp_virtual > 1:
-        from .parallel.pipeline import partition_layers
-        from .parallel.schedules import check_args
-
-        stages = p.pp * p.pp_virtual
-        _check(stages <= mc.n_layers or bool(p.pp_layers),
-               f"parallel.pp * pp_virtual = {stages} stages exceed model.n_layers={mc.n_layers}")
-        try:
-            check_args(p.pp_schedule, p.pp, cfg.grad_accum, p.pp_virtual)
-            if p.pp_layers and not all(c.strip().isdigit() and int(c) >= 1
-                                       for c in p.pp_layers.split(",")):
-                raise ValueError(f"parallel.pp_layers={p.pp_layers!r} must be a comma list of "
-                                 "layer counts >= 1, e.g. \"3,3,2\"")
-            partition_layers(mc.n_layers, stages, p.pp_layers)
-        except ValueError as e:
-            raise ConfigError(f"{e} (micro-batches per step = train.global_batch / "
-                              "(train.micro_batch * parallel.dp))"
-                              if "micro-batches" in str(e) else str(e)) from None
-        _check(cfg.precision.dtype != "fp16",
-               "precision.dtype=fp16 with parallel.pp > 1 is not supported; use bf16")
-    if p.tp > 1:
-        for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
-            _check(getattr(mc, key) % p.tp == 0,
-                   f"parallel.tp={p.tp} does not divide model.{key}={getattr(mc, key)}")
-        if mc.is_moe:
-            _check(mc.expert_hidden % p.tp == 0, f"parallel.tp={p.tp} does not divide the "
-                   f"expert width model.moe_ffn_hidden={mc.expert_hidden}")
-    _check(not p.sp or p.tp > 1, "parallel.sp=true needs parallel.tp > 1")
-    _check(not (p.tp > 1 and cfg.precision.dtype == "fp16"),
-           "precision.dtype=fp16 with parallel.tp > 1 is not supported (each shard's overflow "
-           "check would skip steps on some ranks only); use bf16")
+    problems = training_problems(cfg, cfg.layout(), mc)
+    _check(not problems, problems[0] if problems else "")
+    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
     _check(t.eval_every == 0 or t.eval_batches >= 1,
            f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0")
     _check(cfg.run.sample_tokens == 0 or bool(cfg.run.sample_prompt),
            "run.sample_prompt must not be empty when run.sample_tokens > 0")
-    if p.sp:
-        _check(d.seq_len % p.tp == 0, f"parallel.sp=true: data.seq_len={d.seq_len} is not "
-               f"divisible by parallel.tp={p.tp}")
-    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
-    _check(not (p.zero and cfg.precision.dtype == "fp16"),
-           f"parallel.zero={p.zero} with precision.dtype=fp16 is not supported "
-           "(the loss scaler would need a sharded inf check); use bf16")
     if cfg.run.resume:
         _check(bool(cfg.run.dir), "run.resume=true needs run.dir naming the run to continue")
     if cfg.run.tensorboard:
@@ -360,27 +329,58 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
 
 
+def training_problems(cfg: Config, layout: Layout, model_cfg: ModelConfig | None = None
+                      ) -> list[str]:
+    """Why meshlm's trainer cannot run ``layout`` with the rest of ``cfg`` (empty: it can).
+
+    What this version supports (no context or expert parallelism, no fp16 loss scaling with
+    sharded states), then :meth:`Layout.problems` with the trainer's rules, named by config key.
+    """
+    unsupported = [f"parallel.{k}={getattr(layout, k)}" for k in ("cp", "ep")
+                   if getattr(layout, k) > 1]
+    if unsupported:
+        return [f"{', '.join(unsupported)}: context and expert parallelism are not available in "
+                "this version (data, tensor/sequence and pipeline parallelism are)"]
+    out = layout.problems(model_cfg or cfg.model_config(), cfg.data.seq_len,
+                          cfg.train.global_batch, trainer=True, keys=CONFIG_KEYS)
+    if cfg.precision.dtype == "fp16":
+        if layout.pp > 1:
+            out.append("precision.dtype=fp16 with parallel.pp > 1 is not supported; use bf16")
+        if layout.tp > 1:
+            out.append("precision.dtype=fp16 with parallel.tp > 1 is not supported (each "
+                       "shard's overflow check would skip steps on some ranks only); use bf16")
+        if layout.zero:
+            out.append(f"parallel.zero={layout.zero} with precision.dtype=fp16 is not supported "
+                       "(the loss scaler would need a sharded inf check); use bf16")
+    return out
+
+
 def resolve_world(cfg: Config, world_size: int | None) -> Config:
     """Fix ``parallel.dp`` for a given world (None: this process launches the workers).
 
     Under torchrun or SLURM the world is given: dp is inferred as world / (pp * cp * tp) when
-    left at 0, and an explicit dp must fill the world exactly. Validates the result.
+    left at 0, and an explicit dp must fill the world exactly. Only what the world changes is
+    checked: its arithmetic and, for an inferred dp, the layout's rules (``load_config``
+    validated the rest).
     """
     p = cfg.parallel
     inner = p.pp * p.cp * p.tp
     if world_size is None:
-        p.dp = p.dp or 1
-    else:
-        _check(world_size % inner == 0,
-               f"the world has {world_size} ranks, not divisible by parallel.pp * cp * tp = "
-               f"{p.pp} * {p.cp} * {p.tp} = {inner}")
-        if p.dp == 0:
-            p.dp = world_size // inner
-        _check(p.dp * inner == world_size,
-               f"parallel.dp={p.dp} does not fit the world: pp * dp * cp * tp = "
-               f"{p.dp * inner}, but the world has {world_size} ranks "
-               "(leave parallel.dp unset to infer it)")
-    validate(cfg)
+        p.dp = p.dp or 1  # Config.layout() read 0 as 1 already: nothing new to check
+        return cfg
+    _check(world_size % inner == 0,
+           f"the world has {world_size} ranks, not divisible by parallel.pp * cp * tp = "
+           f"{p.pp} * {p.cp} * {p.tp} = {inner}")
+    inferred = p.dp == 0
+    if inferred:
+        p.dp = world_size // inner
+    _check(p.dp * inner == world_size,
+           f"parallel.dp={p.dp} does not fit the world: pp * dp * cp * tp = "
+           f"{p.dp * inner}, but the world has {world_size} ranks "
+           "(leave parallel.dp unset to infer it)")
+    if inferred:
+        problems = training_problems(cfg, cfg.layout())
+        _check(not problems, problems[0] if problems else "")
     return cfg
 
 
@@ -407,6 +407,3 @@ def to_toml(cfg: Config) -> str:
         lines.append("")
     return "\n".join(lines)
 
-
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(to_toml(cfg))

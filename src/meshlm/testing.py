@@ -1,4 +1,5 @@
-"""Comparison helpers for parity checks of a layout against the single-process reference.
+"""Test helpers: parity checks of a layout against the single-process reference, training
+runs as spawned-world bodies, and ``run_world`` (from :mod:`meshlm.distributed.spawn`).
 
 Weights are compared per tensor by the relative norm of the difference,
 ``||a - b|| / ||b||``. Element-wise relative error is the wrong measure after a few AdamW steps:
@@ -13,6 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
+from .distributed.spawn import run_world
+
+__all__ = ["assert_weights_close", "final_weights", "max_relative_difference",
+           "relative_difference", "run_world", "train_runs"]
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,72 +51,6 @@ def assert_weights_close(
     worst, name = max_relative_difference(got, ref)
     if worst >= rel:
         raise AssertionError(f"{name}: relative difference {worst:.3e} >= {rel:.0e}")
-
-
-# ---------------------------------------------------------------------- spawned worlds
-def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: float) -> None:  # noqa: ANN001
-    import faulthandler
-    import os
-    import traceback
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    # A stuck rank prints every thread's stack before the parent gives up on it.
-    faulthandler.dump_traceback_later(max(10.0, timeout - 20), exit=False)
-    try:
-        # a collective that waits longer than this raises instead of hanging
-        limit = timedelta(seconds=max(30.0, timeout - 40))
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
-        queue.put((rank, "ok", fn(*args)))
-    except BaseException:  # report any failure to the parent instead of hanging it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:  # noqa: ANN001
-    """Run ``fn(*args)`` on ``world`` gloo ranks (spawned, one thread each); rank-ordered results.
-
-    ``fn`` must be importable (module level). A failing rank raises here with its traceback.
-    """
-    import queue as queue_mod
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    # The parent serves the rendezvous store on a port the OS picks: no race for a free port
-    # with other worlds started at the same time.
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    port = store.port
-    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn, args, q, timeout),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    try:
-        while len(results) < world:
-            try:
-                rank, status, value = q.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(f"world of {world} timed out after {timeout}s") from None
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        del store
-    return [results[r] for r in range(world)]
 
 
 # ---------------------------------------------------------------------- training runs

@@ -28,6 +28,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..models.weights import check_weights
+
 REQUIRED = ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt", "config.toml")
 _STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
@@ -50,18 +52,6 @@ def find_latest(root: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters by name, each stored tensor once (tied weights keep their first name)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        out[name] = p.detach().float().contiguous().cpu()
-    return out
-
-
 def load_model_weights(model: nn.Module, path: Path) -> None:
     """Copy weights from a ``model.safetensors`` file into ``model``, checking names and shapes."""
     try:
@@ -69,25 +59,14 @@ def load_model_weights(model: nn.Module, path: Path) -> None:
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
     params = dict(model.named_parameters())
-    missing = [n for n in params if n not in tensors and not _is_tied_alias(model, n)]
-    unexpected = [n for n in tensors if n not in params]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
+    tied = ("output.weight",) if getattr(getattr(model, "cfg", None), "tie_embeddings", False) else ()
+    try:
+        check_weights({n: tuple(p.shape) for n, p in params.items()}, tensors, tied)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     with torch.no_grad():
         for name, t in tensors.items():
-            if params[name].shape != t.shape:
-                raise CheckpointError(
-                    f"{path}: {name} has shape {tuple(t.shape)}, the model expects "
-                    f"{tuple(params[name].shape)}"
-                )
             params[name].copy_(t)
-
-
-def _is_tied_alias(model: nn.Module, name: str) -> bool:
-    cfg = getattr(model, "cfg", None)
-    return bool(cfg is not None and cfg.tie_embeddings and name == "output.weight")
 
 
 def save_state(

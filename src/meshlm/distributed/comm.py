@@ -34,7 +34,7 @@ class CommRecord:
     dtype: str
     bytes: int
     time: float  # time.perf_counter() when the collective was issued
-    purpose: str = "train"  # "train" (gradients, parameters) or "metrics" (bookkeeping)
+    purpose: str = "train"  # "train" (gradients, parameters), "metrics" or "state" (checkpoints)
 
 
 @dataclass
@@ -148,6 +148,24 @@ class Comm:
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, dist.get_global_rank(group, peer), group=group))
         return dist.batch_isend_irecv(p2p)
+
+    def all_gather_object(self, obj: object, axis: str) -> list:
+        """Every rank's ``obj`` along ``axis``, in axis order (pickled in memory, between ranks;
+        for assembling checkpoints, not for the training step). Logged with purpose "state"."""
+        if self.size(axis) == 1:
+            return [obj]
+        self.log.add("all_gather_object", axis, torch.empty(0), purpose="state")
+        out: list = [None] * self.size(axis)
+        dist.all_gather_object(out, obj, group=self.mesh.group(axis))
+        return out
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """``obj`` of world rank ``src`` on every rank (start-up decisions, not training)."""
+        if not self.mesh.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
 
     def max_scalar(self, value: float, axis: str = "world") -> float:
         return self.reduce_scalars([value], axis, "max")[0]

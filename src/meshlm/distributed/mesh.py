@@ -1,4 +1,4 @@
-"""The process mesh: named axes pp, dp, cp, tp (outermost to innermost) over the world.
+"""The process mesh: a :class:`~meshlm.layout.Layout`'s axes pp, dp, cp, tp over the world.
 
 Rank r sits at coordinates ``(pp, dp, cp, tp)`` of a row-major grid, so tp neighbours have
 consecutive ranks (the fastest links, inside a node) and pp is the outermost axis. Groups are
@@ -12,63 +12,21 @@ code path serves the laptop and the cluster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "cp", "tp")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Sizes of the parallel axes; ``world_size`` is their product."""
-
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
-
-    def problems(self, world_size: int | None = None) -> list[str]:
-        """Layout errors, each naming the keys involved (empty when valid)."""
-        out = [f"parallel.{a}={getattr(self, a)} must be >= 1" for a in (*AXES, "ep")
-               if getattr(self, a) < 1]
-        if out:
-            return out
-        if world_size is not None and world_size != self.world_size:
-            out.append(
-                f"parallel.pp * dp * cp * tp = {self.pp} * {self.dp} * {self.cp} * {self.tp} = "
-                f"{self.world_size} does not match the world size {world_size}"
-            )
-        if (self.dp * self.cp) % self.ep:
-            out.append(f"parallel.ep={self.ep} must divide parallel.dp * parallel.cp = "
-                       f"{self.dp * self.cp}")
-        return out
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank`` on each axis (row-major, tp fastest)."""
-        out, rest = {}, rank
-        for axis in reversed(AXES):
-            size = getattr(self, axis)
-            out[axis] = rest % size
-            rest //= size
-        return {a: out[a] for a in AXES}
+from ..layout import AXES, CONFIG_KEYS, Layout
 
 
 class Mesh:
     """This rank's place in the layout: sizes, coordinates and process groups per axis."""
 
-    def __init__(self, dims: ParallelDims, device_type: str = "cpu") -> None:
-        self.dims = dims
+    def __init__(self, layout: Layout, device_type: str = "cpu") -> None:
+        self.layout = layout
         self.device_type = device_type
         self.distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if self.distributed else 1
-        problems = dims.problems(world)
+        problems = layout.problems(world=world, keys=CONFIG_KEYS)
         if problems:
             raise ValueError("; ".join(problems))
         self.rank = dist.get_rank() if self.distributed else 0
@@ -78,13 +36,13 @@ class Mesh:
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape = tuple(getattr(dims, a) for a in AXES)
+            shape = tuple(getattr(layout, a) for a in AXES)
             self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
             for axis in AXES:
                 self._groups[axis] = self.device_mesh.get_group(axis)
             self._groups["world"] = dist.group.WORLD
-            self._groups["embed"] = self._embedding_group() if dims.pp > 1 else None
-        self.coords = dims.coords(self.rank)
+            self._groups["embed"] = self._embedding_group() if layout.pp > 1 else None
+        self.coords = layout.coords(self.rank)
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
         """First and last pipeline stage of this rank's (dp, cp, tp) coordinate.
@@ -93,7 +51,7 @@ class Mesh:
         Every rank creates every group, in the same order, as ``new_group`` requires.
         """
         mine = None
-        pp_groups = self.device_mesh.mesh.reshape(self.dims.pp, -1)  # (pp, dp*cp*tp) ranks
+        pp_groups = self.device_mesh.mesh.reshape(self.layout.pp, -1)  # (pp, dp*cp*tp) ranks
         for column in range(pp_groups.shape[1]):
             ranks = [int(pp_groups[0, column]), int(pp_groups[-1, column])]
             group = dist.new_group(ranks)
@@ -104,7 +62,7 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis == "embed":
             return 2 if self._groups.get("embed") is not None else 1
-        return self.world_size if axis == "world" else getattr(self.dims, axis)
+        return self.world_size if axis == "world" else getattr(self.layout, axis)
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along ``axis``."""
@@ -122,7 +80,7 @@ class Mesh:
         return self.rank == 0
 
     def describe(self) -> str:
-        d = self.dims
+        d = self.layout
         return (f"world {self.world_size} (pp={d.pp} dp={d.dp} cp={d.cp} tp={d.tp}"
                 + (f" ep={d.ep}" if d.ep > 1 else "") + ")")
 

@@ -9,7 +9,7 @@ convention is the "rotate half" one of Hugging Face Llama, so HF weights load by
 
 Initial weights depend only on (seed, model config): every parameter is drawn from its own
 generator seeded by (seed, parameter name), so any layout can materialise exactly the tensor
-a single-process run would have (DESIGN principle 4).
+a single-process run would have.
 
 Memory (fp32, one rank): 4 bytes per parameter; activations per layer roughly
 ``b * s * (34 h + 5 a s)`` bytes with eager attention (Korthikanti et al. 2022), less with SDPA.
@@ -131,15 +131,32 @@ class Transformer(nn.Module):
         s = input_ids.shape[1]
         if s > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {s} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         h = self.tok_embeddings(input_ids)  # (B, S, h)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))  # (B, S, V)
+        return self.head(self.run_layers(h, s))  # (B, S, V)
 
-    def aux_loss(self) -> torch.Tensor | float:
-        """Sum of the MoE load-balancing losses of the last forward (0.0 for dense models)."""
-        losses = [m.last_aux_loss for m in self.modules() if isinstance(m, MoE)]
+    def run_layers(self, h: torch.Tensor, seq_len: int, layer_ids: list[int] | None = None
+                   ) -> torch.Tensor:
+        """The decoder layers ``layer_ids`` (default: all, in order) on hidden states ``h``.
+
+        ``seq_len`` is the whole sequence's length (``h`` may hold a shard of it): the rotary
+        tables are cut to it. A pipeline stage runs its own layers through this.
+        """
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        keys = self.layers.keys() if layer_ids is None else [str(i) for i in layer_ids]
+        for key in keys:
+            h = self.layers[key](h, cos, sin)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden states -> logits."""
+        return self.output(self.norm(h))
+
+    def aux_loss(self, layer_ids: list[int] | None = None) -> torch.Tensor | float:
+        """Sum of the MoE load-balancing losses of the last forward of ``layer_ids`` (default:
+        every layer); 0.0 when none has one (dense models)."""
+        keys = self.layers.keys() if layer_ids is None else [str(i) for i in layer_ids]
+        losses = [ff.last_aux_loss for k in keys
+                  if isinstance(ff := self.layers[k].feed_forward, MoE)]
         losses = [x for x in losses if x is not None]
         return torch.stack(losses).sum() if losses else 0.0
 
@@ -167,17 +184,20 @@ def init_std(cfg: ModelConfig, name: str) -> float | None:
     return cfg.init_std
 
 
+def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The whole initial tensor of parameter ``name``: a function of (seed, name) only."""
+    std = init_std(cfg, name)
+    if std is None:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+
+
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
     """Initialise every parameter from (seed, its name), independent of order or layout."""
     for name, p in model.named_parameters():
-        std = init_std(model.cfg, name)
-        if std is None:
-            p.fill_(1.0)
-            continue
-        g = torch.Generator().manual_seed(param_seed(seed, name))
-        full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-        p.copy_(full)
+        p.copy_(initial_value(model.cfg, name, tuple(p.shape), seed))
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> Transformer:

@@ -11,6 +11,11 @@ Load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4, generalised t
 ``coef * E * sum_i f_i * P_i`` with ``f_i`` the fraction of the T*k assignments that go to
 expert i and ``P_i`` the mean router probability of expert i over the T tokens.
 
+The layer hands its tokens to a *dispatcher* (``moe.dispatcher(moe, x)``): :class:`LocalDispatcher`
+routes and runs every expert here; parallelism swaps in its own (tensor-parallel: experts
+sharded by width; expert-parallel: tokens sent to the ranks owning their experts) without
+changing this class.
+
 Memory (one rank, no expert parallelism): ``E * 3 * H * F`` expert weights; activations of
 ``T * k`` routed token copies.
 """
@@ -73,6 +78,16 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs, dim=0)
 
 
+class LocalDispatcher:
+    """Route the tokens and run every expert on this rank (no communication)."""
+
+    def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, H)
+        weights, top_idx = moe.route(x)
+        return moe.combine(x, weights, top_idx).reshape(shape)
+
+
 class MoE(nn.Module):
     """Top-k routed experts plus optional shared experts; stores its aux loss per forward."""
 
@@ -87,13 +102,12 @@ class MoE(nn.Module):
             else None
         )
         self.last_aux_loss: torch.Tensor | None = None
-        self.last_top_idx: torch.Tensor | None = None
+        self.dispatcher = LocalDispatcher()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (T, H) -> (weights (T, k), expert ids (T, k)); records the aux loss."""
         probs, weights, top_idx = route_topk(self.router(x), self.topk)
         self.last_aux_loss = self.coef * load_balancing_loss(probs, top_idx, self.n_experts)
-        self.last_top_idx = top_idx.detach()
         return weights, top_idx
 
     def combine(self, x: torch.Tensor, weights: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
@@ -110,7 +124,5 @@ class MoE(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # (T, H)
-        weights, top_idx = self.route(x)
-        return self.combine(x, weights, top_idx).reshape(shape)
+        """(B, S, H) -> (B, S, H) through this layer's dispatcher."""
+        return self.dispatcher(self, x)

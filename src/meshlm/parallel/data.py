@@ -8,6 +8,10 @@ a bucket is accumulated during the last micro-batch's backward, that bucket's al
 asynchronously while backward goes on with earlier layers (Li et al. 2020, "PyTorch
 Distributed", section 3.2.3). Micro-batches before the last communicate nothing.
 
+Parameters are bucketed per reduction group (their shard spec's ``reduce_axis``: ``dp`` today,
+expert-data-parallel and dense groups with expert parallelism); a bucket never mixes groups
+and is all-reduced over its group's axis.
+
 Communication per optimizer step (comm log, fp32 gradients): one all-reduce of every bucket,
 ``4Ψ`` bytes in total (Ψ = parameters) -- independent of gradient accumulation.
 Memory per rank: weights 4Ψ + gradients 4Ψ + Adam moments 8Ψ = 16Ψ bytes.
@@ -20,6 +24,7 @@ from torch import nn
 
 from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
+from ..distributed.spec import ParamGroup, reduction_groups
 from .engine import LocalEngine
 from .flat import FlatGroup, split_by_size, unique_trainable
 
@@ -27,8 +32,8 @@ from .flat import FlatGroup, split_by_size, unique_trainable
 class Bucket:
     """A flat gradient buffer shared by a group of parameters, plus its pending reduction."""
 
-    def __init__(self, group: FlatGroup) -> None:
-        self.group = group
+    def __init__(self, group: FlatGroup, axis: str) -> None:
+        self.group, self.axis = group, axis
         p0 = group.params[0]
         self.grad = torch.zeros(group.padded, dtype=p0.dtype, device=p0.device)
         self.views = group.views(self.grad)
@@ -42,17 +47,17 @@ class Bucket:
 
 
 class DDPEngine(LocalEngine):
-    """Full replicas; gradients averaged over ``axis`` by overlapped bucket all-reduces."""
+    """Full replicas; each group's gradients averaged over its axis by overlapped bucket
+    all-reduces (groups: by shard spec, or given)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, axis: str = "dp",
-                 bucket_mb: float = 25.0) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm,
+                 bucket_mb: float = 25.0, groups: list[ParamGroup] | None = None) -> None:
         super().__init__(model, cfg, comm)
-        self.axis = axis
-        self.n = comm.size(axis)
-        named = unique_trainable(list(model.named_parameters()))[::-1]  # ~ backward order
+        if groups is None:  # ~ backward order
+            groups = reduction_groups(unique_trainable(list(model.named_parameters()))[::-1])
         self.buckets = [
-            Bucket(FlatGroup([p for _, p in g], [n for n, _ in g], 1))
-            for g in split_by_size(named, int(bucket_mb * 2**20))
+            Bucket(FlatGroup([p for _, p in g], [n for n, _ in g], 1), group.axis)
+            for group in groups for g in split_by_size(group.named, int(bucket_mb * 2**20))
         ]
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
@@ -75,16 +80,16 @@ class DDPEngine(LocalEngine):
             return
         bucket.ready += 1
         if bucket.ready == len(bucket.group.params):
-            bucket.handle = self.comm.all_reduce(bucket.grad, self.axis, async_op=True)
+            bucket.handle = self.comm.all_reduce(bucket.grad, bucket.axis, async_op=True)
 
     def finish_grads(self) -> None:
         for b in self.buckets:
             if b.handle is None:  # a parameter received no gradient this step
-                b.handle = self.comm.all_reduce(b.grad, self.axis, async_op=True)
+                b.handle = self.comm.all_reduce(b.grad, b.axis, async_op=True)
         for b in self.buckets:
             b.handle.wait()
-            if self.n > 1:
-                b.grad.div_(self.n)
+            if self.comm.size(b.axis) > 1:
+                b.grad.div_(self.comm.size(b.axis))
             b.handle, b.ready = None, 0
 
     def zero_grad(self) -> None:

@@ -19,8 +19,10 @@ from torch import nn
 
 from ..config import TrainSection
 from ..distributed.comm import Comm
-from ..train.optim import build_optimizer, canonical_params, set_lr
-from ..train.precision import Precision
+from ..distributed.spec import ShardSpec, attach_specs, norm_axes, spec_of
+from ..models.weights import check_weights
+from ..optim import build_optimizer, canonical_params, set_lr
+from ..precision import Precision
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
@@ -72,31 +74,20 @@ class Engine:
         raise NotImplementedError
 
 
-def tp_norm_weight(p: torch.Tensor, tp: int) -> float:
-    """Share of a parameter's squared gradient norm this tp rank contributes.
+def clip_by_global_norm(pairs: list[tuple[ShardSpec, torch.Tensor]], max_norm: float,
+                        comm: Comm, axes: tuple[str, ...]) -> float:
+    """L2 norm of every gradient (shard) in the world, each element once; scale if above max.
 
-    Tensor-parallel shards are disjoint (each counts fully); replicated parameters (norm
-    weights) hold the same gradient on every tp rank, so each rank counts 1/tp of it.
+    ``pairs`` are (spec, gradient) with the gradient possibly a shard or a flat piece of the
+    parameter's; a copy replicated on an axis counts 1/copies (see ``ShardSpec``), so the
+    squared sums need adding only over ``axes`` (:func:`~meshlm.distributed.spec.norm_axes`).
     """
-    share = 1.0 if getattr(p, "_tp_sharded", False) else 1.0 / tp
-    # tied embeddings under a pipeline: the same gradient sits on the first and last stage
-    return share * (0.5 if getattr(p, "_pp_tied", False) else 1.0)
-
-
-def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float,
-                        comm: Comm | None, axes: tuple[str, ...]) -> float:
-    """L2 norm of every gradient shard over ``axes`` (each element once); scale if above max.
-
-    ``pairs`` are (parameter, gradient) with the gradient possibly a shard of the parameter's.
-    """
-    tp = comm.size("tp") if comm is not None else 1
-    device = pairs[0][1].device if pairs else (comm.mesh.device() if comm is not None else None)
+    device = pairs[0][1].device if pairs else comm.mesh.device()
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p, g in pairs:
-        sq += g.double().pow(2).sum() * tp_norm_weight(p, tp)
+    for spec, g in pairs:
+        sq += g.double().pow(2).sum() * spec.norm_weight(comm.mesh)
     for axis in axes:
-        if comm is not None:
-            comm.all_reduce(sq, axis)
+        comm.all_reduce(sq, axis)
     norm = float(sq.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0 and pairs:
@@ -107,10 +98,12 @@ def clip_by_global_norm(pairs: list[tuple[torch.Tensor, torch.Tensor]], max_norm
 class LocalEngine(Engine):
     """Every parameter, gradient and optimizer state held in full, no communication."""
 
-    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm | None = None) -> None:
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm) -> None:
         self.model, self.comm, self.cfg = model, comm, cfg
+        attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
         self.optimizer = build_optimizer(model, cfg)
         self.params = [p for _, p, _ in canonical_params(model)]
+        self.norm_axes = norm_axes([spec_of(p) for p in self.params], comm.mesh)
         self._grad_bytes = 0
 
     def finish_grads(self) -> None:
@@ -118,10 +111,10 @@ class LocalEngine(Engine):
         self._grad_bytes = tensor_bytes([p.grad for p in self.params if p.grad is not None])
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.comm is None or (self.comm.size("tp") == 1 and self.comm.size("pp") == 1):
+        if not self.norm_axes:  # every rank holds whole gradients: torch's own clipping
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        pairs = [(p, p.grad) for p in self.params if p.grad is not None]
-        return clip_by_global_norm(pairs, max_norm, self.comm, ("tp", "pp"))
+        pairs = [(spec_of(p), p.grad) for p in self.params if p.grad is not None]
+        return clip_by_global_norm(pairs, max_norm, self.comm, self.norm_axes)
 
     def step(self, lr: float, precision: Precision | None = None) -> None:
         set_lr(self.optimizer, lr)
@@ -159,16 +152,9 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainSection) -
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a model holding full parameters, checking names and shapes."""
     params = {n: p for n, p, _ in canonical_params(model)}
-    missing = sorted(set(params) - set(weights))
-    unexpected = sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"weights do not match the model: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+    check_weights({n: tuple(p.shape) for n, p in params.items()}, weights)
     with torch.no_grad():
         for name, p in params.items():
-            if tuple(p.shape) != tuple(weights[name].shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(weights[name].shape)}, "
-                                 f"model {tuple(p.shape)}")
             p.copy_(weights[name])
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..distributed.spec import spec_of, update_spec
+
 
 @dataclass
 class Piece:
@@ -34,6 +36,7 @@ class FlatGroup:
     params: list[nn.Parameter]
     names: list[str]
     n_shards: int
+    axis: str = "dp"  # the mesh axis the shards are spread over
     offsets: list[int] = field(init=False)
     shapes: list[torch.Size] = field(init=False)  # recorded now: ZeRO-3 later frees the data
     numel: int = field(init=False)  # unpadded
@@ -78,6 +81,16 @@ class FlatGroup:
             a, b = self.span(i)
             out[a:b].copy_(t.reshape(-1))
         return out
+
+    def own(self, rank: int) -> None:
+        """Record in each parameter's shard spec the flat range rank's shard owns of it."""
+        lo, hi = self.shard_range(rank)
+        for i, p in enumerate(self.params):
+            a, b = self.span(i)
+            mine = (min(max(lo - a, 0), b - a), min(max(hi - a, 0), b - a))
+            spec = spec_of(p)
+            update_spec(p, flat=mine, replicated=tuple(x for x in spec.replicated
+                                                       if x != self.axis))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (original shapes) into a flat buffer of this layout."""

@@ -30,34 +30,12 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..distributed.spec import spec_of, update_spec
+from ..layout import partition_layers
 from ..models.llama import Transformer
-from ..models.moe import MoE
 from .schedules import Action, build_schedule
 
 AXIS = "pp"
-
-
-def partition_layers(n_layers: int, n_stages: int, explicit: str = "") -> list[list[int]]:
-    """Layer ids of each stage: an explicit comma list of counts, or balanced by count.
-
-    With a remainder, the extra layers go to the middle stages first, because the first and
-    last stages also hold the embedding and the head.
-    """
-    if explicit:
-        counts = [int(c) for c in explicit.split(",")]
-        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
-            raise ValueError(f"parallel.pp_layers={explicit!r} must list {n_stages} counts "
-                             f"summing to model.n_layers={n_layers}")
-    else:
-        counts = [n_layers // n_stages] * n_stages
-        order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
-        for s in order[: n_layers % n_stages]:
-            counts[s] += 1
-    out, start = [], 0
-    for c in counts:
-        out.append(list(range(start, start + c)))
-        start += c
-    return out
 
 
 class PipelineModel:
@@ -81,27 +59,27 @@ class PipelineModel:
             first, last = 0 in self.stages, self.n_stages - 1 in self.stages
             if first or last:
                 self.tied = (model.tok_embeddings if first else model.output).weight
-                self.tied._pp_tied = True  # counted half on each end in the gradient norm
+                # one global tensor, a copy on each end: counted half each in norms
+                spec = spec_of(self.tied)
+                update_spec(self.tied, tied_axis="embed", replicated=(*spec.replicated, "embed"))
 
     def sync_tied_grads(self, comm: Comm) -> None:
-        """All-reduce the tied embedding's gradient between the first and the last stage."""
+        """Sum the tied embedding's gradient over its copies (first and last stage)."""
         if self.tied is not None and self.tied.grad is not None:
-            comm.all_reduce(self.tied.grad, "embed")
+            comm.all_reduce(self.tied.grad, spec_of(self.tied).tied_axis)
 
     def forward(self, s: int, x: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stage ``s`` on ids (first stage) or activations; returns (output, MoE aux loss)."""
+        """Stage ``s`` on ids (first stage) or activations; returns (output, MoE aux loss).
+
+        The model's own pieces run: its embedding, ``run_layers`` on this stage's layers, its head.
+        """
         m = self.model
-        cos, sin = m.rope_cos[:seq_len], m.rope_sin[:seq_len]
         h = m.tok_embeddings(x) if s == 0 else x
-        aux = []
-        for i in self.layers[s]:
-            layer = m.layers[str(i)]
-            h = layer(h, cos, sin)
-            if isinstance(layer.feed_forward, MoE) and layer.feed_forward.last_aux_loss is not None:
-                aux.append(layer.feed_forward.last_aux_loss)
+        h = m.run_layers(h, seq_len, self.layers[s])
         if s == self.n_stages - 1:
-            h = m.output(m.norm(h))
-        return h, (torch.stack(aux).sum() if aux else None)
+            h = m.head(h)
+        aux = m.aux_loss(self.layers[s])
+        return h, (aux if isinstance(aux, torch.Tensor) else None)
 
     def stage_modules(self, s: int) -> list[nn.Module]:
         m = self.model

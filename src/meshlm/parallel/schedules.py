@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+from ..layout import SCHEDULES, schedule_problems
+
 COMPUTE = ("F", "B", "I", "W")
 
 
@@ -110,18 +111,9 @@ def compute_order(schedule: str, pp: int, m: int, v: int, r: int) -> list[tuple[
 
 def check_args(schedule: str, pp: int, m: int, v: int) -> None:
     """Raise ValueError naming the problem for an impossible (schedule, pp, m, v)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    if pp < 1 or m < 1 or v < 1:
-        raise ValueError(f"pp={pp}, micro-batches={m} and virtual={v} must be >= 1")
-    if schedule == "interleaved":
-        if v < 2:
-            raise ValueError("the interleaved schedule needs parallel.pp_virtual >= 2")
-        if m % pp:
-            raise ValueError(f"the interleaved schedule needs micro-batches ({m}) divisible by "
-                             f"parallel.pp ({pp})")
-    elif v != 1:
-        raise ValueError(f"parallel.pp_virtual={v} needs parallel.pp_schedule=interleaved")
+    problems = schedule_problems(schedule, pp, m, v)
+    if problems:
+        raise ValueError(problems[0])
 
 
 def build_schedule(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:

@@ -31,11 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..distributed.spec import set_spec, spec_of
 from ..models.llama import RMSNorm, Transformer
 from ..models.moe import MoE, SwiGLU
+from ..optim import canonical_params
 from .tensor_comm import (
     AXIS,
     copy_to_tp,
+    gather_dim,
     gather_last,
     gather_seq,
     gather_seq_two_ways,
@@ -61,16 +64,12 @@ MOE_PLAN: list[tuple[str, int]] = [
 ]
 
 
-def _shard(p: nn.Parameter, dim: int, rank: int, size: int, padded: int | None = None) -> None:
-    """Keep this rank's slice of ``p`` along ``dim`` (zero-padded to ``padded`` first)."""
-    full = p.data
-    n = full.shape[dim]
-    if padded is not None and padded > n:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = padded - n
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    p.data = full.chunk(size, dim=dim)[rank].contiguous()
-    p._tp_dim, p._tp_full = dim, n  # shard metadata: how to gather it back
+def _shard(p: nn.Parameter, dim: int, comm: Comm, padded: int | None = None) -> None:
+    """Keep this rank's slice of ``p`` along ``dim`` (zero-padded to ``padded`` first) and
+    record it in the parameter's shard spec."""
+    spec = spec_of(p).shard(AXIS, dim, comm.rank(AXIS), comm.size(AXIS), padded)
+    p.data = spec.take(p.data).contiguous()
+    set_spec(p, spec)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -101,8 +100,8 @@ class SequenceParallelRMSNorm(RMSNorm):
         return (xf * copy_to_tp(self.weight, self.comm).float()).type_as(x)
 
 
-class TensorParallelMoE(MoE):
-    """MoE with experts sharded over tp: routing replicated, expert outputs partial sums.
+class TensorParallelDispatcher:
+    """MoE dispatch with experts sharded over tp: routing replicated, expert outputs partial sums.
 
     The router runs on whole tokens on every tp rank (same routing, same aux loss as one
     process) and its input gradient is whole, so it bypasses ``f``; the routing weights pass
@@ -111,19 +110,18 @@ class TensorParallelMoE(MoE):
     backward; with SP, one all-gather and one reduce-scatter of b s h each way + T k.
     """
 
-    comm: Comm
-    sp: bool
+    def __init__(self, comm: Comm, sp: bool) -> None:
+        self.comm, self.sp = comm, sp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s_in, h = x.shape
+    def __call__(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        b, _, h = x.shape
         if self.sp:
             x_sharded, x_replicated = gather_seq_two_ways(x, self.comm)  # (B, S, h) each
         else:
             x_sharded, x_replicated = copy_to_tp(x, self.comm), x
-        weights, top_idx = self.route(x_replicated.reshape(-1, h))
+        weights, top_idx = moe.route(x_replicated.reshape(-1, h))
         weights = copy_to_tp(weights, self.comm)
-        y = self.combine(x_sharded.reshape(-1, h), weights, top_idx)  # partial sums
-        y = y.view(b, -1, h)
+        y = moe.combine(x_sharded.reshape(-1, h), weights, top_idx).view(b, -1, h)  # partial
         return scatter_seq(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
 
 
@@ -162,6 +160,13 @@ class _VocabParallelCE(torch.autograd.Function):
         return g.to(ctx.in_dtype), None, None, None, None
 
 
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, start: int,
+                                 valid: int, comm: Comm) -> torch.Tensor:
+    """Mean cross-entropy of (N, V/t) vocab-sharded logits whose columns are the global ids
+    ``[start, start + valid)`` of this tp rank (padding columns beyond ``valid`` never count)."""
+    return _VocabParallelCE.apply(logits, targets, start, valid, comm)
+
+
 @dataclass
 class TensorParallel:
     """What a tensor-parallel model needs beyond its modules: loss, logits, checkpoints."""
@@ -178,39 +183,25 @@ class TensorParallel:
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over (B, S) of vocab-sharded (B, S, V/t) logits."""
-        return _VocabParallelCE.apply(logits.flatten(0, 1), targets.flatten(), self.vocab_start,
-                                      self.vocab_valid, self.comm)
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                            self.vocab_start, self.vocab_valid, self.comm)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return gather_last(logits, self.comm)[..., : self.vocab_size]
 
-    # -- checkpoints: full tensors <-> this rank's shards --------------------------------------
+    # -- checkpoints: full tensors <-> this rank's shards (read from the shard specs) ----------
     def gather_tensor(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        dim = getattr(p, "_tp_dim", None)
-        if dim is None:
-            return t
-        moved = t.movedim(dim, 0).contiguous()
-        out = torch.empty((self.size * moved.shape[0], *moved.shape[1:]), dtype=t.dtype,
-                          device=t.device)
-        self.comm.all_gather(out, moved, AXIS)
-        return out.narrow(0, 0, p._tp_full).movedim(0, dim).contiguous()
+        spec = spec_of(p)
+        for axis, dim in spec.shards:
+            if axis == AXIS:  # (padding beyond the global size dropped)
+                return gather_dim(t, dim, self.comm).narrow(dim, 0, spec.global_shape[dim])
+        return t
 
     def shard_tensor(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        dim = getattr(p, "_tp_dim", None)
-        if dim is None:
-            return t
-        size = self.size
-        padded = -(-t.shape[dim] // size) * size
-        if padded > t.shape[dim]:
-            shape = list(t.shape)
-            shape[dim] = padded - t.shape[dim]
-            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
-        return t.chunk(size, dim=dim)[self.comm.rank(AXIS)].contiguous()
+        return spec_of(p).take(t).contiguous()
 
     def _map_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
                    optim: dict[str, Any], fn) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # noqa: ANN001
-        from ..train.optim import canonical_params
-
         params = {n: p for n, p, _ in canonical_params(model)}
         order = list(params)
         new_w = {n: fn(t, params[n]) for n, t in weights.items()}
@@ -255,12 +246,10 @@ def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorPar
         plan = LAYER_PLAN[:4] + (MOE_PLAN if moe else LAYER_PLAN[4:])
         for name, dim in plan:
             if name in params:  # (a MoE layer without shared expert has no shared.*)
-                _shard(params[name], dim, r, t)
-                params[name]._tp_sharded = True
+                _shard(params[name], dim, comm)
         _region_hooks(layer.attention, comm, sp)
         if moe:
-            layer.feed_forward.__class__ = TensorParallelMoE  # same parameters, TP forward
-            layer.feed_forward.comm, layer.feed_forward.sp = comm, sp
+            layer.feed_forward.dispatcher = TensorParallelDispatcher(comm, sp)
         else:
             assert isinstance(layer.feed_forward, SwiGLU)
             _region_hooks(layer.feed_forward, comm, sp)
@@ -275,12 +264,10 @@ def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorPar
     per = padded // t
     start, valid = r * per, max(0, min(per, v - r * per))
     emb = model.tok_embeddings.weight
-    _shard(emb, 0, r, t, padded)
-    emb._tp_sharded = True
+    _shard(emb, 0, comm, padded)
     model.tok_embeddings = VocabParallelEmbedding(emb, start, valid, comm, sp)
     if not cfg.tie_embeddings:
-        _shard(model.output.weight, 0, r, t, padded)
-        model.output.weight._tp_sharded = True
+        _shard(model.output.weight, 0, comm, padded)
     # The head is column parallel over the vocabulary: its input must be whole on every rank.
     model.output.register_forward_pre_hook(
         lambda mod, args: (gather_seq(args[0], comm) if sp else copy_to_tp(args[0], comm),))

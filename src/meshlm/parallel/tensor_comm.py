@@ -18,6 +18,8 @@ outside the attention and MLP blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..distributed.comm import Comm
@@ -69,26 +71,22 @@ def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return out
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
+def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function: ``forward(x, comm)`` forward, ``backward(grad, comm)`` backward."""
+
+    def fwd(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
         ctx.comm = comm
-        return _all_gather_seq(x, comm)
+        return forward(x, comm)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return _reduce_scatter_seq(grad, ctx.comm), None
+    def bwd(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
+        return backward(grad, ctx.comm), None
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
-        ctx.comm = comm
-        return _reduce_scatter_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return _all_gather_seq(grad, ctx.comm), None
+_GatherSeq = _conjugate("_GatherSeq", _all_gather_seq, _reduce_scatter_seq)
+_ScatterSeq = _conjugate("_ScatterSeq", _reduce_scatter_seq, _all_gather_seq)
 
 
 class _GatherSeqTwoWays(torch.autograd.Function):
@@ -133,13 +131,18 @@ def scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     return _ScatterSeq.apply(x, comm)
 
 
+def gather_dim(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
+    """Concatenate every tp rank's shard of ``x`` along ``dim`` (no gradient)."""
+    if comm.size(AXIS) == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()  # (n/t, ...)
+    out = torch.empty((comm.size(AXIS) * moved.shape[0], *moved.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    comm.all_gather(out, moved, AXIS)
+    return out.movedim(0, dim)
+
+
 @torch.no_grad()
 def gather_last(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Concatenate every rank's last-dim shard (e.g. vocab-parallel logits), no gradient."""
-    t = comm.size(AXIS)
-    if t == 1:
-        return x
-    moved = x.movedim(-1, 0).contiguous()  # (V/t, ...)
-    out = torch.empty((t * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, moved, AXIS)
-    return out.movedim(0, -1)
+    """Every rank's last-dim shard (e.g. vocab-parallel logits) concatenated, no gradient."""
+    return gather_dim(x, -1, comm)

@@ -14,6 +14,9 @@ Communication per optimizer step with ``m`` micro-batches per rank (comm log, fp
 Ψ): stage 1 -- reduce-scatter 4Ψ + all-gather 4Ψ; stage 2 -- reduce-scatter 4Ψ per micro-batch
 (``m`` x 4Ψ) + all-gather 4Ψ. Both add one 8-byte all-reduce: the squared gradient norm of
 the shards, for clipping by the global norm.
+Buckets never mix reduction groups (shard spec ``reduce_axis``): each group is sharded over
+its own axis, and each bucket records in its parameters' specs which flat range this rank owns.
+
 Memory per rank (weights + gradients + Adam moments): stage 1 -- 4Ψ + 4Ψ + 8Ψ/n;
 stage 2 -- 4Ψ + 4Ψ/n + 8Ψ/n (plus two transient buckets during backward).
 """
@@ -27,8 +30,9 @@ from torch import nn
 
 from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
-from ..train.optim import canonical_params, set_lr
-from ..train.precision import Precision
+from ..distributed.spec import ParamGroup, attach_specs, norm_axes, reduction_groups, spec_of
+from ..optim import adamw, canonical_params, decayed, set_lr
+from ..precision import Precision
 from .engine import (
     Engine,
     adamw_template,
@@ -39,41 +43,48 @@ from .engine import (
 from .flat import FlatGroup, split_by_size, unique_trainable
 
 
+def flat_groups(model: nn.Module, comm: Comm, bucket_mb: float,
+                groups: list[ParamGroup] | None) -> list[FlatGroup]:
+    """Buckets of at most ``bucket_mb`` per reduction group, sharded over the group's axis."""
+    if groups is None:  # ~ backward order
+        groups = reduction_groups(unique_trainable(list(model.named_parameters()))[::-1])
+    return [FlatGroup([p for _, p in g], [n for n, _ in g], comm.size(group.axis), group.axis)
+            for group in groups for g in split_by_size(group.named, int(bucket_mb * 2**20))]
+
+
 class ShardedAdamW:
     """AdamW over this rank's pieces of a list of flat groups (views of shard tensors)."""
 
     def __init__(self, model: nn.Module, cfg: TrainSection, groups: list[FlatGroup],
                  shard_params: list[torch.Tensor], shard_grads: list[torch.Tensor],
-                 comm: Comm, axis: str) -> None:
-        self.model, self.cfg, self.groups, self.comm, self.axis = model, cfg, groups, comm, axis
-        self.rank = comm.rank(axis)
+                 comm: Comm) -> None:
+        self.model, self.cfg, self.groups, self.comm = model, cfg, groups, comm
+        self.ranks = [comm.rank(g.axis) for g in groups]
         self.shard_params, self.shard_grads = shard_params, shard_grads
-        decay = {id(p): d for _, p, d in canonical_params(model)}
         self.pieces: list[tuple[int, int, int, int, nn.Parameter]] = []  # (g, index, lo, hi, t)
         by_decay: dict[bool, list[nn.Parameter]] = {True: [], False: []}
         for gi, g in enumerate(groups):
-            s0, _ = g.shard_range(self.rank)
-            for pc in g.pieces(self.rank):
+            g.own(self.ranks[gi])
+            s0, _ = g.shard_range(self.ranks[gi])
+            for pc in g.pieces(self.ranks[gi]):
                 t = nn.Parameter(shard_params[gi][pc.lo - s0 : pc.hi - s0])  # shares storage
                 t.grad = shard_grads[gi][pc.lo - s0 : pc.hi - s0]
                 self.pieces.append((gi, pc.index, pc.lo, pc.hi, t))
-                by_decay[decay[id(g.params[pc.index])]].append(t)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": by_decay[True], "weight_decay": cfg.weight_decay},
-             {"params": by_decay[False], "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True,
-        )
+                by_decay[decayed(g.params[pc.index])].append(t)
+        self.optimizer = adamw(by_decay[True], by_decay[False], cfg)
+        self.norm_axes = norm_axes([spec_of(p) for g in groups for p in g.params], comm.mesh)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm over every shard of every rank (dp and tp); scale if above max_norm."""
-        pairs = [(self.groups[gi].params[index], t.grad) for gi, index, _, _, t in self.pieces]
-        return clip_by_global_norm(pairs, max_norm, self.comm, (self.axis, "tp", "pp"))
+        """Global L2 norm over every shard of every rank; scale if above max_norm."""
+        pairs = [(spec_of(self.groups[gi].params[index]), t.grad)
+                 for gi, index, _, _, t in self.pieces]
+        return clip_by_global_norm(pairs, max_norm, self.comm, self.norm_axes)
 
     def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
         # re-point piece grads: stage 1 re-attaches bucket views, the shards stay the same
         for gi, _, lo, hi, t in self.pieces:
-            s0, _ = self.groups[gi].shard_range(self.rank)
+            s0, _ = self.groups[gi].shard_range(self.ranks[gi])
             t.grad = self.shard_grads[gi][lo - s0 : hi - s0]
         self.optimizer.step()
 
@@ -90,22 +101,23 @@ class ShardedAdamW:
             for key in ("exp_avg", "exp_avg_sq"):
                 shard = torch.zeros(g.shard_size, dtype=torch.float32,
                                     device=self.shard_params[gi].device)
-                s0, _ = g.shard_range(self.rank)
+                s0, _ = g.shard_range(self.ranks[gi])
                 for pgi, _, lo, hi, t in self.pieces:
                     st = self.optimizer.state.get(t)
                     if pgi == gi and st:
                         shard[lo - s0 : hi - s0] = st[key]
                         step = st["step"]
                 full = torch.empty(g.padded, dtype=torch.float32, device=shard.device)
-                self.comm.all_gather(full, shard, self.axis)
+                self.comm.all_gather(full, shard, g.axis)
                 fulls[key] = g.views(full)
             for i, name in enumerate(g.names):
                 per_name[name] = {k: fulls[k][i].clone() for k in fulls}
         groups = adamw_template(self.model, self.cfg, lr)
         order = [n for n, _, _ in canonical_params(self.model)]
         state = {}
-        if step is not None:
-            step_val = float(self.comm.max_scalar(float(step), self.axis))
+        # (every rank joins: one with no piece of any parameter has no step of its own)
+        step_val = float(self.comm.max_scalar(float(step) if step is not None else 0.0))
+        if step_val > 0:
             for idx, name in enumerate(order):
                 state[idx] = {"step": torch.tensor(step_val), **per_name[name]}
         return {"state": state, "param_groups": groups}
@@ -130,20 +142,18 @@ class ZeroEngine(Engine):
     """ZeRO stage 1 or 2 over ``axis`` (see module docstring)."""
 
     def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, stage: int,
-                 axis: str = "dp", bucket_mb: float = 25.0) -> None:
+                 bucket_mb: float = 25.0, groups: list[ParamGroup] | None = None) -> None:
         assert stage in (1, 2)
-        self.model, self.cfg, self.comm, self.axis, self.stage = model, cfg, comm, axis, stage
-        self.n, self.rank = comm.size(axis), comm.rank(axis)
-        named = unique_trainable(list(model.named_parameters()))[::-1]  # ~ backward order
-        self.groups = [FlatGroup([p for _, p in g], [n for n, _ in g], self.n)
-                       for g in split_by_size(named, int(bucket_mb * 2**20))]
+        self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
+        attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
+        self.groups = flat_groups(model, comm, bucket_mb, groups)
         self.param_bufs, self.grad_bufs, shard_params, shard_grads = [], [], [], []
         self._where: dict[int, tuple[int, int]] = {}
         for gi, g in enumerate(self.groups):
             buf = g.flatten([p.detach() for p in g.params])
             for p, v in zip(g.params, g.views(buf), strict=True):
                 p.data = v  # parameters become views of the flat buffer
-            s0, s1 = g.shard_range(self.rank)
+            s0, s1 = g.shard_range(comm.rank(g.axis))
             self.param_bufs.append(buf)
             shard_params.append(buf[s0:s1])
             if stage == 1:
@@ -156,7 +166,7 @@ class ZeroEngine(Engine):
                 self._where[id(p)] = (gi, i)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.shard_grads = shard_grads
-        self.opt = ShardedAdamW(model, cfg, self.groups, shard_params, shard_grads, comm, axis)
+        self.opt = ShardedAdamW(model, cfg, self.groups, shard_params, shard_grads, comm)
         self.optimizer = self.opt.optimizer
         self.sync = True
         self.ready = [0] * len(self.groups)
@@ -192,8 +202,9 @@ class ZeroEngine(Engine):
 
     def _launch(self, gi: int, source: torch.Tensor) -> None:
         self.ready[gi] = 0
-        out = torch.empty(self.groups[gi].shard_size, dtype=source.dtype, device=source.device)
-        self.inflight.append((gi, self.comm.reduce_scatter(out, source, self.axis, async_op=True),
+        g = self.groups[gi]
+        out = torch.empty(g.shard_size, dtype=source.dtype, device=source.device)
+        self.inflight.append((gi, self.comm.reduce_scatter(out, source, g.axis, async_op=True),
                               out))
         self.transient[gi] = None
         while self.stage == 2 and len(self.inflight) > 2:  # bound transient memory
@@ -215,9 +226,9 @@ class ZeroEngine(Engine):
                     self._launch(gi, src)
         while self.inflight:
             self._complete(self.inflight.pop(0))
-        if self.n > 1:
-            for g in self.shard_grads:
-                g.div_(self.n)
+        for g, grad in zip(self.groups, self.shard_grads, strict=True):
+            if g.n_shards > 1:
+                grad.div_(g.n_shards)
 
     # -- step --------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -228,9 +239,9 @@ class ZeroEngine(Engine):
         self.opt.step(lr)
         handles = []
         for gi, g in enumerate(self.groups):
-            s0, s1 = g.shard_range(self.rank)
+            s0, s1 = g.shard_range(self.opt.ranks[gi])
             mine = self.param_bufs[gi][s0:s1].clone()  # the input must not alias the output
-            handles.append(self.comm.all_gather(self.param_bufs[gi], mine, self.axis,
+            handles.append(self.comm.all_gather(self.param_bufs[gi], mine, g.axis,
                                                 async_op=True))
         for h in handles:
             h.wait()

@@ -11,6 +11,9 @@ the padded unit); the full parameters exist only while the unit computes:
   gradients are reduce-scattered into the owner's shard (at most two in flight) and the full
   parameters and gradients are freed.
 
+A layer whose parameters belong to several reduction groups (shard spec ``reduce_axis``) is
+split into one unit per group, each sharded and reduced over its own axis.
+
 The root unit is gathered once per micro-batch and kept until its backward ends (it is used at
 both ends of the forward). Evaluation (no grad) frees every unit after its forward.
 
@@ -31,8 +34,10 @@ from torch import nn
 
 from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
-from ..train.optim import canonical_params
-from ..train.precision import Precision
+from ..distributed.spec import ParamGroup, attach_specs, reduction_groups
+from ..models.weights import check_weights
+from ..optim import canonical_params
+from ..precision import Precision
 from .engine import Engine
 from .flat import FlatGroup, unique_trainable
 from .zero import ShardedAdamW
@@ -46,9 +51,11 @@ def _empty_like(p: torch.Tensor) -> torch.Tensor:
 class Unit:
     """One sharded unit: its flat layout, shard, gradient shard and gather state."""
 
-    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], n: int, rank: int) -> None:
-        self.name = name
-        self.group = FlatGroup([p for _, p in named], [nm for nm, _ in named], n)
+    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], axis: str, comm: Comm
+                 ) -> None:
+        self.name, self.axis = name, axis
+        n, rank = comm.size(axis), comm.rank(axis)
+        self.group = FlatGroup([p for _, p in named], [nm for nm, _ in named], n, axis)
         self.shapes = [p.shape for p in self.group.params]
         full = self.group.flatten([p.detach() for p in self.group.params])
         s0, s1 = self.group.shard_range(rank)
@@ -64,14 +71,14 @@ class Unit:
         for p in self.group.params:
             p.data = _empty_like(p)
 
-    def start_gather(self, comm: Comm, axis: str) -> None:
+    def start_gather(self, comm: Comm) -> None:
         if self.full is not None:
             return
         self.full = torch.empty(self.group.padded, dtype=self.shard.dtype, device=self.shard.device)
-        self.handle = comm.all_gather(self.full, self.shard, axis, async_op=True)
+        self.handle = comm.all_gather(self.full, self.shard, self.axis, async_op=True)
 
-    def wait_gathered(self, comm: Comm, axis: str) -> None:
-        self.start_gather(comm, axis)
+    def wait_gathered(self, comm: Comm) -> None:
+        self.start_gather(comm)
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
@@ -79,29 +86,44 @@ class Unit:
                 p.data = v
 
 
-class Zero3Engine(Engine):
-    """Fully sharded data parallelism over ``axis`` (see module docstring)."""
+def _units(name: str, named: list[tuple[str, nn.Parameter]], comm: Comm,
+           groups: dict[int, str] | None) -> list[Unit]:
+    """One unit per reduction group among ``named`` (``groups``: parameter id -> axis)."""
+    if groups is None:
+        split = reduction_groups(named)
+    else:
+        split = {}
+        for n, p in named:
+            split.setdefault(groups[id(p)], ParamGroup(groups[id(p)])).named.append((n, p))
+        split = list(split.values())
+    return [Unit(name, g.named, g.axis, comm) for g in split]
 
-    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, axis: str = "dp",
-                 keep_gathered: bool = False) -> None:
+
+class Zero3Engine(Engine):
+    """Fully sharded data parallelism, each parameter over its group's axis (module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm,
+                 keep_gathered: bool = False, groups: list[ParamGroup] | None = None) -> None:
         """``keep_gathered``: pipeline mode -- parameters are gathered once per step
-        (:meth:`gather_all`) and gradients reduce-scattered once, after the last micro-batch."""
-        self.model, self.cfg, self.comm, self.axis = model, cfg, comm, axis
+        (:meth:`gather_all`) and gradients reduce-scattered once, after the last micro-batch.
+        ``groups``: reduction groups (default: by each parameter's shard spec)."""
+        self.model, self.cfg, self.comm = model, cfg, comm
+        attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
         self.keep = keep_gathered
-        self.n, self.rank = comm.size(axis), comm.rank(axis)
+        axis_of = None if groups is None else {id(p): g.axis for g in groups for _, p in g.named}
         blocks = list(model.layers.items())
         in_block = {id(p) for _, blk in blocks for p in blk.parameters()}
         root = [(n, p) for n, p in unique_trainable(list(model.named_parameters()))
                 if id(p) not in in_block]
-        # (a middle pipeline stage has no root parameters: its root unit is empty)
-        self.root = Unit("root", root, self.n, self.rank)
+        # (a middle pipeline stage has no root parameters: it has no root unit)
+        self.root = _units("root", root, comm, axis_of)
         self.units = [
-            Unit(f"layers.{k}", unique_trainable(
-                [(f"layers.{k}.{n}", p) for n, p in blk.named_parameters()]), self.n, self.rank)
+            _units(f"layers.{k}", unique_trainable(
+                [(f"layers.{k}.{n}", p) for n, p in blk.named_parameters()]), comm, axis_of)
             for k, blk in blocks
         ]
         self._unit_of: dict[int, Unit] = {}
-        for u in [self.root, *self.units]:
+        for u in [*self.root, *(u for us in self.units for u in us)]:
             for p in u.group.params:
                 self._unit_of[id(p)] = u
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -112,42 +134,49 @@ class Zero3Engine(Engine):
             for k, (_, blk) in enumerate(blocks):
                 blk.register_forward_pre_hook(self._make_pre_forward(k))
                 blk.register_forward_hook(self._make_post_forward(k))
-        all_units = [u for u in [self.root, *self.units] if u.group.params]
+        all_units = [u for u in [*self.root, *(u for us in self.units for u in us)]
+                     if u.group.params]
         self.all_units = all_units
         self.opt = ShardedAdamW(model, cfg, [u.group for u in all_units],
                                 [u.shard for u in all_units], [u.grad_shard for u in all_units],
-                                comm, axis)
+                                comm)
         self.optimizer = self.opt.optimizer
+
+    def _gather(self, units: list[Unit], wait: bool) -> None:
+        for u in units:
+            u.wait_gathered(self.comm) if wait else u.start_gather(self.comm)
 
     # -- forward ----------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        self.root.wait_gathered(self.comm, self.axis)
+        self._gather(self.root, wait=True)
         if self.units:
-            self.units[0].start_gather(self.comm, self.axis)  # prefetch the first layer
+            self._gather(self.units[0], wait=False)  # prefetch the first layer
 
     def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():
-            self.root.free()
+            for u in self.root:
+                u.free()
 
     def _make_pre_forward(self, k: int):  # noqa: ANN202
         def hook(module: nn.Module, args: Any) -> None:
-            self.units[k].wait_gathered(self.comm, self.axis)
+            self._gather(self.units[k], wait=True)
             if k + 1 < len(self.units):
-                self.units[k + 1].start_gather(self.comm, self.axis)
+                self._gather(self.units[k + 1], wait=False)
         return hook
 
     def _make_post_forward(self, k: int):  # noqa: ANN202
         def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-            self.units[k].free()
+            for u in self.units[k]:
+                u.free()
             if torch.is_grad_enabled() and out.requires_grad:
                 out.register_hook(lambda grad: self._pre_backward(k))
         return hook
 
     # -- backward ---------------------------------------------------------------------
     def _pre_backward(self, k: int) -> None:
-        self.units[k].wait_gathered(self.comm, self.axis)
+        self._gather(self.units[k], wait=True)
         if k > 0:
-            self.units[k - 1].start_gather(self.comm, self.axis)  # next in backward order
+            self._gather(self.units[k - 1], wait=False)  # next in backward order
 
     # -- pipeline mode: gathered for the whole step --------------------------------------
     def begin_step(self) -> None:
@@ -159,10 +188,8 @@ class Zero3Engine(Engine):
             self.release_all()
 
     def gather_all(self) -> None:
-        for u in self.all_units:
-            u.start_gather(self.comm, self.axis)
-        for u in self.all_units:
-            u.wait_gathered(self.comm, self.axis)
+        self._gather(self.all_units, wait=False)
+        self._gather(self.all_units, wait=True)
 
     def release_all(self) -> None:
         for u in self.all_units:
@@ -177,7 +204,7 @@ class Zero3Engine(Engine):
             for q in u.group.params:
                 q.grad = None
             out = torch.empty_like(u.shard)
-            self.inflight.append((u, self.comm.reduce_scatter(out, flat, self.axis,
+            self.inflight.append((u, self.comm.reduce_scatter(out, flat, u.axis,
                                                               async_op=True), out))
         self.release_all()
 
@@ -193,7 +220,7 @@ class Zero3Engine(Engine):
         for q in unit.group.params:
             q.grad = None
         out = torch.empty_like(unit.shard)
-        self.inflight.append((unit, self.comm.reduce_scatter(out, flat, self.axis, async_op=True),
+        self.inflight.append((unit, self.comm.reduce_scatter(out, flat, unit.axis, async_op=True),
                               out))
         unit.free()
         while len(self.inflight) > 2:
@@ -212,9 +239,9 @@ class Zero3Engine(Engine):
         pending = [u.name for u in self.all_units if u.ready]
         if pending:
             raise RuntimeError(f"ZeRO-3: units {pending} did not receive all their gradients")
-        if self.n > 1:
-            for u in self.all_units:
-                u.grad_shard.div_(self.n)
+        for u in self.all_units:
+            if u.group.n_shards > 1:
+                u.grad_shard.div_(u.group.n_shards)
 
     # -- step ---------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -243,7 +270,7 @@ class Zero3Engine(Engine):
         weights: dict[str, torch.Tensor] = {}
         for u in self.all_units:
             full = torch.empty(u.group.padded, dtype=u.shard.dtype, device=u.shard.device)
-            self.comm.all_gather(full, u.shard, self.axis)
+            self.comm.all_gather(full, u.shard, u.axis)
             for name, v in zip(u.group.names, u.group.views(full), strict=True):
                 weights[name] = v.clone()
         order = [n for n, _, _ in canonical_params(self.model)]
@@ -251,15 +278,10 @@ class Zero3Engine(Engine):
         return weights, self.opt.full_state(self.optimizer.param_groups[0]["lr"])
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
+        check_weights({n: tuple(shape) for u in self.all_units
+                       for n, shape in zip(u.group.names, u.shapes, strict=True)}, weights)
         for u in self.all_units:
-            missing = [n for n in u.group.names if n not in weights]
-            if missing:
-                raise ValueError(f"weights do not match the model: missing {missing[:3]}")
-            for name, shape in zip(u.group.names, u.shapes, strict=True):
-                if tuple(weights[name].shape) != tuple(shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(weights[name].shape)}, "
-                                     f"model {tuple(shape)}")
             full = u.group.flatten([weights[n] for n in u.group.names])
-            s0, s1 = u.group.shard_range(self.rank)
+            s0, s1 = u.group.shard_range(self.comm.rank(u.axis))
             u.shard.copy_(full[s0:s1])
         self.opt.load_full_state(optim)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..distributed.spawn import run_world
 from .hardware import CpuProfile, calibration_path
 
 SIZES = (64 * 1024, 2**20, 16 * 2**20)  # bytes of the full buffer
@@ -168,16 +169,17 @@ def vocab_parallel_ce_cost(rows: int = 4096, vocab: int = 4096) -> float:
     """Seconds per logit of meshlm's vocab-parallel cross-entropy (``parallel/tensor.py``),
     forward + backward, on one rank (its collectives short-circuit; they are timed apart)."""
     from ..distributed.comm import Comm
-    from ..distributed.mesh import Mesh, ParallelDims
-    from ..parallel.tensor import _VocabParallelCE
+    from ..distributed.mesh import Mesh
+    from ..layout import Layout
+    from ..parallel.tensor import vocab_parallel_cross_entropy
 
-    comm = Comm(Mesh(ParallelDims()))
+    comm = Comm(Mesh(Layout()))
     logits = torch.randn(rows, vocab)
     target = torch.randint(0, vocab, (rows,))
 
     def step() -> None:
         x = logits.clone().requires_grad_(True)
-        _VocabParallelCE.apply(x, target, 0, vocab, comm).backward()
+        vocab_parallel_cross_entropy(x, target, 0, vocab, comm).backward()
 
     clone = _median(lambda: logits.clone())
     return max(0.0, _median(step) - clone) / (rows * vocab)
@@ -248,8 +250,6 @@ def collectives(worlds: tuple[int, ...] = WORLDS, reps: int = 15
                 ) -> dict[str, dict[int, tuple[float, float]]]:
     """op -> group size -> (latency s, bytes/s): bandwidth from the 1 -> 16 MiB slope,
     latency from the 64 KiB time."""
-    from ..testing import run_world
-
     fitted: dict[str, dict[int, tuple[float, float]]] = {}
     for n in worlds:
         per_rank = run_world(n, _bench_collectives, SIZES, reps)
@@ -299,8 +299,6 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile
     The machine may be shared: other jobs only ever slow a measurement down, so each rate is
     the best of ``rounds`` rounds (each round a median of many calls).
     """
-    from ..testing import run_world
-
     cores = os.cpu_count() or 1
     saved = torch.get_num_threads()
     peak: dict[str, dict[int, float]] = {"fp32": {}, "bf16": {}}

@@ -1,32 +1,28 @@
-"""``meshlm plan`` and ``parallel.auto``: the planner from the command line and the trainer.
+"""``meshlm plan``, ``parallel.auto`` and ``train --dry-run``: the planner from the command line
+and for the trainer's config.
 
 ``meshlm plan --model PRESET|FILE --gpus N --gpu KIND [--seq-len L] [--global-batch-tokens T]
 [--layout "tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2"]
 [--json]`` prints the fastest layouts that fit (a table), or with ``--layout`` the breakdown
 of that one layout. ``meshlm plan --calibrate`` measures this machine and stores the ``cpu``
-entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``.
+entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``, :func:`config_memory`
+the memory lines of ``meshlm train --dry-run``.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError, validate
+from ..config import Config, ConfigError, training_problems
+from ..layout import Layout
 from .hardware import GIB, Accelerator, get_accelerator
+from .memory import memory
 from .search import Plan, evaluate, search
-from .workload import (
-    LOSSES,
-    Layout,
-    ModelSpec,
-    Workload,
-    layout_problems,
-    load_model_spec,
-    parse_layout,
-)
+from .workload import LOSSES, ModelSpec, Workload, load_model_spec, parse_layout
 
 DEFAULT_BATCH_TOKENS = 2**20  # the Ultra-Scale Playbook's benchmark batch: 1M tokens
 
@@ -87,12 +83,9 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     work = build_workload(spec, hw, args.seq_len, args.global_batch_tokens, args.precision,
                           args.states, args.loss)
     if args.layout:
-        layout = parse_layout(args.layout, args.gpus)
-        problems = layout_problems(layout, work, args.gpus,
-                                   None if hw.is_cpu else hw.gpus_per_node)
-        if problems:
-            raise ConfigError(f"--layout {args.layout!r}: " + "; ".join(problems))
-        plan = evaluate(work, layout, hw, args.gpus)
+        plan = evaluate(work, parse_layout(args.layout, args.gpus), hw, args.gpus)
+        if plan.problems:
+            raise ConfigError(f"--layout {args.layout!r}: " + "; ".join(plan.problems))
         if args.json:
             print(json.dumps({**context(work, hw, args.gpus), **plan.to_dict()}, indent=1))
         else:
@@ -168,7 +161,7 @@ def print_ranking(work: Workload, hw: Accelerator, gpus: int, plans: list[Plan])
 def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
     c, t, m = work.model.config, plan.time, plan.memory
     assert t is not None
-    print(f"{c.name} on {plan.layout.world} x {hw.name}: {plan.layout.describe()}")
+    print(f"{c.name} on {plan.layout.world_size} x {hw.name}: {plan.layout.describe()}")
     print(f"  seq {work.seq_len}, global batch {work.global_batch} seqs "
           f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}, "
           f"{work.loss} loss")
@@ -184,12 +177,13 @@ def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
     if t.comm:
         before = ", ".join(f"{k} {v:.3g} s" for k, v in t.comm.items())
         print(f"communication before overlap: {before}")
-    print(f"tokens/s {t.tokens_per_s:,.0f} ({t.tokens_per_s / plan.layout.world:,.0f} per "
+    print(f"tokens/s {t.tokens_per_s:,.0f} ({t.tokens_per_s / plan.layout.world_size:,.0f} per "
           f"device), MFU {t.mfu:.1%}, HFU {t.hfu:.1%}")
 
 
-# ---------------------------------------------------------------------- parallel.auto
-def _hardware_here() -> Accelerator:
+# ---------------------------------------------------------------------- the trainer's config
+def hardware_here(purpose: str) -> Accelerator:
+    """This machine's accelerator: its GPU's catalogue entry, or the (calibrated) ``cpu``."""
     import torch
 
     if not torch.cuda.is_available():
@@ -203,43 +197,62 @@ def _hardware_here() -> Accelerator:
         return get_accelerator("h100-pcie" if "PCIE" in name else "h100-sxm")
     if "A100" in name:
         return get_accelerator("a100-40gb" if mem < 60 * GIB else "a100-80gb")
-    raise ConfigError(f"parallel.auto: GPU {name!r} is not in the planner's catalogue; set the "
-                      "layout by hand")
+    raise ConfigError(f"{purpose}: GPU {name!r} is not in the planner's catalogue")
 
 
-def auto_layout(cfg: Config, world_size: int) -> dict[str, Any]:
-    """Best layout of ``world_size`` ranks for ``cfg`` among those meshlm's config accepts.
+def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
+    """The planner's question for a training config: its model, sequence, batch and dtype
+    (meshlm keeps fp32 weights, gradients and Adam moments)."""
+    return Workload(ModelSpec(cfg.model_config(vocab_size)), cfg.data.seq_len,
+                    cfg.train.global_batch, dtype=cfg.precision.dtype, states="fp32")
 
-    Returns parallel-section values plus ``micro_batch`` (for ``train.micro_batch``):
-    ``{"dp", "tp", "sp", "pp", "pp_schedule", "pp_virtual", "cp", "ep", "zero",
-    "micro_batch"}``. Every candidate goes through :func:`meshlm.config.validate`, so only
-    what training supports is proposed. Raises ConfigError when nothing fits.
+
+def config_memory(cfg: Config) -> list[str]:
+    """``meshlm train --dry-run``: the planner's memory of the config's layout, per rank."""
+    vocab = cfg.data.vocab_size
+    if cfg.data.tokenizer and Path(cfg.data.tokenizer).expanduser().is_file():
+        from ..data.tokenizer import Tokenizer
+
+        vocab = Tokenizer.load(Path(cfg.data.tokenizer).expanduser()).vocab_size
+    work = config_workload(cfg, vocab)
+    lo = cfg.layout()
+    try:
+        hw = hardware_here("memory estimate")
+    except ConfigError as e:
+        return [f"# memory estimate: {e}"]
+    m = memory(work, lo, hw)
+    rest = m.items["transient"] + m.items["buffers"] + m.items["reserved"]
+    stage = f" (pipeline stage {m.stage}, the most loaded)" if lo.pp > 1 else ""
+    return [
+        f"# memory estimate per rank (planner, {hw.name}): model {work.model.name}, "
+        f"{work.model.num_params() / 1e6:.2f} M parameters, layout {lo.describe()}",
+        f"#   weights + grads + Adam: {_size(m.states)} (16 bytes/parameter before sharding)",
+        f"#   activations (micro-batch {lo.micro_batch} x {work.seq_len}): "
+        f"{_size(m.items['activations'])}",
+        f"#   loss transient + buffers + reserved: {_size(rest)}",
+        f"#   total{stage}: {_size(m.total)} of {_size(m.capacity)} -- "
+        + ("fits" if m.fits else "does NOT fit"),
+    ]
+
+
+def auto_layout(cfg: Config, world_size: int) -> Layout:
+    """Best layout of ``world_size`` ranks for ``cfg`` among those meshlm's trainer runs.
+
+    Every candidate goes through :func:`meshlm.config.training_problems`, so only what
+    training supports is proposed (apply it with ``cfg.set_layout``). Raises ConfigError when
+    nothing fits.
     """
-    spec = ModelSpec(cfg.model_config())
-    hw = _hardware_here()
-    work = Workload(spec, cfg.data.seq_len, cfg.train.global_batch, dtype=cfg.precision.dtype,
-                    states="fp32")
+    work = config_workload(cfg)
+    hw = hardware_here("parallel.auto")
+    model_cfg = work.model.config
 
     def allowed(lo: Layout) -> bool:
-        trial = copy.deepcopy(cfg)
-        for key, value in _as_config(lo).items():
-            section = trial.train if key == "micro_batch" else trial.parallel
-            setattr(section, key, value)
-        try:
-            validate(trial, check_paths=False)
-        except ConfigError:
-            return False
-        return True
+        return not training_problems(cfg, lo, model_cfg)
 
     plans = search(work, world_size, hw, top=1, allowed=allowed, recompute=("none",))
     if not plans:
         raise ConfigError(f"parallel.auto: no layout of {world_size} ranks fits model "
-                          f"{spec.name} (seq {work.seq_len}, global batch {work.global_batch}) "
-                          f"in {_gib(hw.memory)} GiB per device on {hw.name}")
-    return _as_config(plans[0].layout)
-
-
-def _as_config(lo: Layout) -> dict[str, Any]:
-    return {"dp": lo.dp, "tp": lo.tp, "sp": lo.sp, "pp": lo.pp, "pp_schedule": lo.schedule,
-            "pp_virtual": lo.vpp, "cp": lo.cp, "ep": lo.ep, "zero": lo.zero,
-            "micro_batch": lo.mbs}
+                          f"{work.model.name} (seq {work.seq_len}, global batch "
+                          f"{work.global_batch}) in {_gib(hw.memory)} GiB per device on "
+                          f"{hw.name}")
+    return plans[0].layout

@@ -46,8 +46,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..layout import Layout, partition_layers
 from .hardware import Accelerator
-from .workload import Layout, Workload
+from .workload import Workload
 
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 recipes keep 16-bit activations
@@ -96,24 +97,11 @@ class MemoryBreakdown:
 
 
 # ---------------------------------------------------------------------- parameters
-def partition(n_layers: int, n_stages: int) -> list[int]:
-    """Layers per pipeline stage, balanced by count with the remainder going to the middle
-    stages first (the first and last also hold embedding and head) -- the rule of
-    ``parallel/pipeline.partition_layers``."""
-    counts = [n_layers // n_stages] * n_stages
-    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
-    for s in order[: n_layers % n_stages]:
-        counts[s] += 1
-    return counts
-
-
 def stage_layers(n_layers: int, lo: Layout, rank: int) -> list[int]:
     """Layer ids held by pipeline rank ``rank``: its stages ``rank, rank + pp, ...`` of
-    ``pp x vpp`` (Megatron's interleaving; ``vpp = 1`` is one stage per rank)."""
-    counts = partition(n_layers, lo.pp * lo.vpp)
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    return [i for k in range(lo.vpp) for s in [k * lo.pp + rank]
-            for i in range(starts[s], starts[s] + counts[s])]
+    ``pp x pp_virtual`` (Megatron's interleaving), split as the trainer splits them."""
+    stages = partition_layers(n_layers, lo.pp * lo.pp_virtual, lo.pp_layers)
+    return [i for k in range(lo.pp_virtual) for i in stages[k * lo.pp + rank]]
 
 
 def layer_kinds(work: Workload, lo: Layout, stage: int) -> dict[bool, int]:
@@ -186,7 +174,7 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
     """
     c = work.model.config
     t = lo.tp
-    tokens = lo.mbs * work.seq_len / lo.cp  # tokens of one micro-batch on this rank
+    tokens = lo.micro_batch * work.seq_len / lo.cp  # tokens of one micro-batch on this rank
     h, hq, kv, heads = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd, c.n_heads
     f = c.expert_hidden * c.moe_topk + c.moe_shared_experts * c.expert_hidden if moe else (
         c.ffn_hidden)
@@ -231,7 +219,7 @@ def matmul_outputs(work: Workload, lo: Layout) -> list[float]:
 def op_saved(work: Workload, lo: Layout) -> float:
     """Bytes a dense layer keeps per micro-batch under op-level selective recomputation."""
     c = work.model.config
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     a = ACT_BYTES[work.dtype]
     r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
     kept = sum(matmul_outputs(work, lo)[0::2]) * a  # the 1st, 3rd, ... matmul outputs
@@ -249,7 +237,7 @@ def recomputed(items: dict[str, float], work: Workload, lo: Layout, moe: bool = 
         return selective
     if lo.recompute == "op":
         return min(op_saved(work, lo), selective)
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     r = 2 if work.profile == "megatron" else 4
     return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input
 
@@ -262,18 +250,19 @@ def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
     et al. 2022, sec. 4.2.3)."""
     if lo.pp == 1:
         return 1.0
-    if lo.schedule == "afab":
+    if lo.pp_schedule == "afab":
         return float(m)
-    if lo.schedule == "interleaved":
-        chunks = min(m * lo.vpp, 2 * (lo.pp - stage - 1) + (lo.vpp - 1) * lo.pp + 1)
-        return chunks / lo.vpp
+    if lo.pp_schedule == "interleaved":
+        v = lo.pp_virtual
+        chunks = min(m * v, 2 * (lo.pp - stage - 1) + (v - 1) * lo.pp + 1)
+        return chunks / v
     return float(min(m, lo.pp - stage))
 
 
 def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> float:
     """Embedding (first stage) and final norm, head input and logits (last stage)."""
     c = work.model.config
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     out_t = lo.tp if lo.sp else 1
     a = ACT_BYTES[work.dtype]
     total = 8.0 * tokens if first else 0.0  # token ids (int64)
@@ -307,7 +296,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     # backward holds the fp32 gradients of the log-probabilities and of the logits beside the
     # saved log-probabilities (LOSS_WORKING bytes per logit; counted on torch's
     # cross_entropy), and full recomputation rebuilds one layer's activations in backward.
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     loss = LOSS_WORKING * tokens * math.ceil(work.model.config.vocab_size / lo.tp) if (
         stage == lo.pp - 1 and work.loss == "torch") else 0.0
     items["transient"] = max(loss, working if lo.recompute == "full" else 0.0)
@@ -328,6 +317,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
 
 
 def memory(work: Workload, lo: Layout, hw: Accelerator) -> MemoryBreakdown:
-    """Memory of the most loaded pipeline stage (the first or the last)."""
-    stages = {0, lo.pp - 1}
+    """Memory of the most loaded pipeline stage: the first or the last (any stage under an
+    explicit ``pp_layers`` split)."""
+    stages = range(lo.pp) if lo.pp_layers else {0, lo.pp - 1}
     return max((stage_memory(work, lo, hw, s) for s in stages), key=lambda b: b.total)

@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..layout import RECOMPUTE, Layout
 from .hardware import Accelerator
 from .memory import MemoryBreakdown, memory
 from .timing import TimeBreakdown, step_time
-from .workload import RECOMPUTE, Layout, Workload, layout_problems
+from .workload import Workload
 
 
 @dataclass
@@ -64,8 +65,8 @@ class Plan:
 def evaluate(work: Workload, layout: Layout, hw: Accelerator, world: int | None = None,
              strict: bool = False) -> Plan:
     """Memory and time of one layout (time is left out when the layout is invalid)."""
-    problems = layout_problems(layout, work, world, None if hw.is_cpu else hw.gpus_per_node,
-                               strict)
+    problems = layout.problems(work.model.config, work.seq_len, work.global_batch, world,
+                               None if hw.is_cpu else hw.gpus_per_node, strict)
     mem = memory(work, layout, hw) if not problems else _empty_memory(hw)
     t = step_time(work, layout, hw) if not problems else None
     return Plan(layout, mem, t, problems)
@@ -108,8 +109,9 @@ def base_layouts(work: Workload, world: int, hw: Accelerator,
                             for mbs in _divisors(work.global_batch // dp):
                                 if mbs > 128:
                                     break
-                                lo = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, mbs=mbs,
-                                            schedule=schedule, vpp=vpp)
+                                lo = Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, sp=sp,
+                                            pp_schedule=schedule, pp_virtual=vpp,
+                                            micro_batch=mbs)
                                 if allowed is None or allowed(lo):
                                     yield lo
 
@@ -135,7 +137,8 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
                                "tp_overlap": tp_overlap and base.tp > 1})
                 if allowed is not None and not allowed(lo):
                     continue
-                if layout_problems(lo, work, world, gpn, strict=True):
+                if lo.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
+                               strict=True):
                     break
                 mem = memory(work, lo, hw)
                 if mem.fits:
@@ -155,4 +158,5 @@ def _rank_key(p: Plan) -> tuple:
     and context ranks, less tensor parallelism, lower ZeRO stage, no interleaving."""
     lo = p.layout
     return (-round(p.tokens_per_s, -int(math.floor(math.log10(max(p.tokens_per_s, 1e-30)))) + 5),
-            lo.cp, lo.pp, lo.tp, lo.ep, lo.zero, lo.vpp, lo.schedule != "1f1b", lo.sp, -lo.mbs)
+            lo.cp, lo.pp, lo.tp, lo.ep, lo.zero, lo.pp_virtual, lo.pp_schedule != "1f1b", lo.sp,
+            -lo.micro_batch)

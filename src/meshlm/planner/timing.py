@@ -73,6 +73,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..layout import Layout
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
     ACT_BYTES,
@@ -82,7 +83,7 @@ from .memory import (
     stage_layers,
     stage_params,
 )
-from .workload import Layout, Workload
+from .workload import Workload
 
 # bytes moved by memory-bound ops per byte meshlm's block saves, by matmul dtype (counted;
 # module docstring)
@@ -111,15 +112,17 @@ class CommEvent:
 
 @dataclass
 class TimeBreakdown:
+    """One optimizer step: its seconds and their parts, the rates, the communication."""
+
+    step: float = 0.0  # seconds per step, the sum of ``items``
     items: dict[str, float] = field(default_factory=dict)  # seconds per step
-    comm: dict[str, float] = field(default_factory=dict)  # per dimension, before overlap
-    volumes: dict[str, float] = field(default_factory=dict)  # comm-log bytes per "op/axis"
-    micro_batches: int = 1
-    t_micro: float = 0.0
-    step: float = 0.0
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     hfu: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)  # per dimension, before overlap
+    volumes: dict[str, float] = field(default_factory=dict)  # comm-log bytes per "op/axis"
+    micro_batches: int = 1
+    t_micro: float = 0.0  # the slowest stage's micro-batch time
 
 
 # ---------------------------------------------------------------------- collectives
@@ -181,7 +184,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     recomputation."""
     c = work.model.config
     t, a = lo.tp, ACT_BYTES[work.dtype]
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
     g_rate = rates.gemm[work.dtype]
     lin = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
@@ -232,7 +235,7 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
                  last: bool) -> dict[str, float]:
     """Embedding (first stage), LM head and loss (last stage) for one micro-batch."""
     c = work.model.config
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     a = ACT_BYTES[work.dtype]
     v_local = math.ceil(c.vocab_size / lo.tp)
     out: dict[str, float] = {}
@@ -259,7 +262,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     w, g, _ = STATE_BYTES[work.states]
     a = ACT_BYTES[work.dtype]
     m = lo.micro_batches(work.global_batch)
-    tokens = lo.mbs * work.seq_len / lo.cp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
     n_dp = lo.dp * lo.cp
     ev: list[CommEvent] = []
     if n_dp > 1:
@@ -304,8 +307,8 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         # meshlm's executor moves fp32 activations forward and their gradients backward at
         # every stage boundary, one micro-batch at a time (parallel/pipeline.py).
         act = tokens * c.dim * 4 / (lo.tp if lo.sp else 1)
-        last = lo.pp * lo.vpp - 1
-        chunks = [k * lo.pp + stage for k in range(lo.vpp)]
+        last = lo.pp * lo.pp_virtual - 1
+        chunks = [k * lo.pp + stage for k in range(lo.pp_virtual)]
         sends = sum((s < last) + (s > 0) for s in chunks)  # activation out, gradient back
         recvs = sum((s > 0) + (s < last) for s in chunks)
         stride = lo.tp * lo.cp * lo.dp
@@ -349,7 +352,7 @@ def stage_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, sta
 
 def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     """The step time breakdown of ``lo`` (see module docstring)."""
-    world = lo.world
+    world = lo.world_size
     procs = min(world, hw.gpus_per_node)
     threads = threads_per_rank(hw, world)
     # On CPU, ranks beyond the cores time-share them: compute at one rank's own rate, then
@@ -374,7 +377,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         times = {st: sum(v.values()) for st, v in per_stage.items()}
         middle = times[busiest]
         others = sum(times.values()) + (lo.pp - len(times)) * middle - t_mb
-        bubble = others / (3 if lo.schedule == "zb" else lo.vpp)
+        bubble = others / (3 if lo.pp_schedule == "zb" else lo.pp_virtual)
     # A time-shared core runs the other ranks while one waits in the bubble: the bubble only
     # costs what exceeds the extra time the sharing already added.
     out.items["pipeline bubble"] = max(0.0, bubble - (oversub - 1) * m * t_mb)

@@ -1,9 +1,8 @@
 """What the planner is asked about: a model, a batch, a precision (:class:`Workload`) and a layout.
 
-A :class:`Layout` is one point of the 5D space -- ``dp x tp x pp x cp`` ranks (``ep`` carved out
-of ``dp x cp``, Megatron-Core's layout), a ZeRO stage, a micro-batch size, activation
-recomputation, a pipeline schedule and its virtual stages. It is written like
-``tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2``.
+The layout is :class:`meshlm.layout.Layout`, written on the command line as
+``tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2``
+(:func:`parse_layout`).
 
 Parameter and FLOP counts come from :class:`~meshlm.models.config.ModelConfig` (the one source
 the trainer's MFU also uses). :class:`ModelSpec` adds the one thing published GPT-style models
@@ -20,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..layout import SHORT_KEYS, Layout
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
 
-RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 STATES = ("fp32", "mixed")
 PROFILES = ("meshlm", "megatron")
@@ -115,52 +113,14 @@ class Workload:
         return out
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One parallel layout; ``world`` = dp * tp * pp * cp (ep lives inside dp * cp)."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    sp: bool = False
-    zero: int = 0
-    mbs: int = 1
-    recompute: str = "none"
-    schedule: str = "1f1b"
-    vpp: int = 1
-    # Tensor-parallel collectives decomposed and overlapped with their GEMMs (Wang et al. 2022;
-    # Megatron-LM --tp-comm-overlap, torchtitan async TP). meshlm does not do this, so the
-    # search never sets it; it describes published runs that did.
-    tp_overlap: bool = False
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def micro_batches(self, global_batch: int) -> int:
-        """Micro-batches per optimizer step on each pipeline (gradient accumulation)."""
-        return max(1, global_batch // (self.dp * self.mbs))
-
-    def describe(self) -> str:
-        parts = [f"tp={self.tp}"] + (["sp"] if self.sp else []) + (
-            ["tp_overlap"] if self.tp_overlap else [])
-        parts += [f"pp={self.pp}", f"dp={self.dp}"]
-        parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
-        parts += [f"zero={self.zero}", f"mbs={self.mbs}", f"recompute={self.recompute}"]
-        if self.pp > 1:
-            parts.append(f"schedule={self.schedule}")
-            if self.vpp > 1:
-                parts.append(f"vpp={self.vpp}")
-        return ",".join(parts)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-_INT_KEYS = ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "vpp")
-_ALIASES = {"micro_batch": "mbs", "mb": "mbs", "pp_schedule": "schedule", "pp_virtual": "vpp"}
+_TEXT_KEYS = ("dp", "tp", "sp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule", "vpp",
+              "tp_overlap")
+# --layout keys -> Layout fields: the short names, the config's names (micro_batch, pp_schedule,
+# pp_virtual) and "mb"
+_FIELD_OF = {**{k: {v: f for f, v in SHORT_KEYS.items()}.get(k, k) for k in _TEXT_KEYS},
+             **{f: f for f in SHORT_KEYS}, "mb": "micro_batch"}
+_INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "pp_virtual")
+_BOOL_FIELDS = ("sp", "tp_overlap")
 
 
 def parse_layout(text: str, world: int | None = None) -> Layout:
@@ -171,96 +131,32 @@ def parse_layout(text: str, world: int | None = None) -> Layout:
     """
     values: dict[str, Any] = {}
     for raw in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, value = raw.partition("=")
-        key = _ALIASES.get(key.strip(), key.strip())
-        if key in ("sp", "tp_overlap") and not eq:
+        key, eq, value = (part.strip() for part in raw.partition("="))
+        name = _FIELD_OF.get(key)
+        if name is None:
+            raise ConfigError(f"--layout item {raw!r}: unknown key {key!r} (valid: "
+                              f"{', '.join(_TEXT_KEYS)})")
+        if name in _BOOL_FIELDS and not eq:
             value = "true"
-        if key not in {f.name for f in fields(Layout)}:
-            raise ConfigError(f"--layout item {raw!r}: unknown key {key!r} (valid: dp, tp, sp, "
-                              "pp, cp, ep, zero, mbs, recompute, schedule, vpp, tp_overlap)")
-        value = value.strip()
-        if key in _INT_KEYS:
-            if not value.isdigit() or int(value) < (0 if key == "zero" else 1):
+        if name in _INT_FIELDS:
+            if not value.isdigit() or int(value) < (0 if name == "zero" else 1):
                 raise ConfigError(f"--layout item {raw!r}: {key} must be a positive integer")
-            values[key] = int(value)
-        elif key in ("sp", "tp_overlap"):
+            values[name] = int(value)
+        elif name in _BOOL_FIELDS:
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ConfigError(f"--layout item {raw!r}: {key} must be true or false")
-            values[key] = value.lower() in ("true", "1")
+            values[name] = value.lower() in ("true", "1")
         else:
-            values[key] = value
+            values[name] = value
     if "dp" not in values and world is not None:
         inner = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1)
         if world % inner:
             raise ConfigError(f"--layout {text!r}: tp * pp * cp = {inner} does not divide "
                               f"--gpus {world}")
         values["dp"] = world // inner
-    if values.get("vpp", 1) > 1 and "schedule" not in values:
-        values["schedule"] = "interleaved"
+    if values.get("pp_virtual", 1) > 1 and "pp_schedule" not in values:
+        values["pp_schedule"] = "interleaved"
     return Layout(**values)
-
-
-def layout_problems(layout: Layout, work: Workload, world: int | None = None,
-                    gpus_per_node: int | None = None, strict: bool = False) -> list[str]:
-    """Why ``layout`` cannot run ``work`` (empty when it can).
-
-    ``strict`` (the search) also demands an even split of the layers over pipeline stages
-    and a micro-batch count that is a multiple of pp for interleaving (Megatron's rule);
-    a layout given by hand may split layers unevenly (the slowest stage is modelled).
-    """
-    c, out = work.model.config, []
-    lo = layout
-    for key in ("dp", "tp", "pp", "cp", "ep", "mbs", "vpp"):
-        if getattr(lo, key) < 1:
-            out.append(f"{key}={getattr(lo, key)} must be >= 1")
-    if out:
-        return out
-    if world is not None and lo.world != world:
-        out.append(f"dp*tp*pp*cp = {lo.dp}*{lo.tp}*{lo.pp}*{lo.cp} = {lo.world} is not the "
-                   f"{world} GPUs")
-    if lo.zero not in (0, 1, 2, 3):
-        out.append(f"zero={lo.zero} must be 0, 1, 2 or 3")
-    if lo.recompute not in RECOMPUTE:
-        out.append(f"recompute={lo.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if lo.schedule not in SCHEDULES:
-        out.append(f"schedule={lo.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if gpus_per_node and lo.tp > gpus_per_node:
-        out.append(f"tp={lo.tp} exceeds the {gpus_per_node} GPUs of a node")
-    for key in ("n_heads", "n_kv_heads", "ffn_hidden"):
-        if getattr(c, key) % lo.tp:
-            out.append(f"tp={lo.tp} does not divide {key}={getattr(c, key)}")
-    if c.is_moe and c.expert_hidden % lo.tp:
-        out.append(f"tp={lo.tp} does not divide moe_ffn_hidden={c.expert_hidden}")
-    if lo.sp and lo.tp == 1:
-        out.append("sp needs tp > 1")
-    if lo.sp and (work.seq_len // lo.cp) % lo.tp:
-        out.append(f"sp: seq_len/cp = {work.seq_len // lo.cp} is not divisible by tp={lo.tp}")
-    if work.seq_len % (2 * lo.cp) and lo.cp > 1:
-        out.append(f"cp={lo.cp}: seq_len={work.seq_len} is not divisible by 2*cp (zigzag)")
-    if lo.ep > 1 and not c.is_moe:
-        out.append(f"ep={lo.ep} needs a Mixture-of-Experts model")
-    if lo.ep > 1 and ((lo.dp * lo.cp) % lo.ep or c.moe_experts % lo.ep):
-        out.append(f"ep={lo.ep} must divide dp*cp={lo.dp * lo.cp} and the "
-                   f"{c.moe_experts} experts")
-    stages = lo.pp * lo.vpp
-    if stages > c.n_layers:
-        out.append(f"pp*vpp={stages} exceeds the {c.n_layers} layers")
-    if lo.vpp > 1 and lo.schedule != "interleaved":
-        out.append(f"vpp={lo.vpp} needs schedule=interleaved")
-    if lo.schedule == "interleaved" and lo.vpp < 2 and lo.pp > 1:
-        out.append("schedule=interleaved needs vpp >= 2")
-    if work.global_batch % (lo.dp * lo.mbs):
-        out.append(f"global batch {work.global_batch} is not divisible by dp*mbs = "
-                   f"{lo.dp}*{lo.mbs}")
-    m = lo.micro_batches(work.global_batch)
-    if lo.pp > 1 and m < lo.pp:
-        out.append(f"{m} micro-batch(es) per step cannot fill a pipeline of pp={lo.pp} stages")
-    if strict:
-        if c.n_layers % stages:
-            out.append(f"pp*vpp={stages} does not divide the {c.n_layers} layers")
-        if lo.schedule == "interleaved" and m % lo.pp:
-            out.append(f"interleaving needs micro-batches ({m}) divisible by pp={lo.pp}")
-    return out
 
 
 # ---------------------------------------------------------------------- model files

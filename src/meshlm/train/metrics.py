@@ -1,7 +1,7 @@
 """Per-step metrics: ``metrics.jsonl`` in the run directory, optional TensorBoard, memory peak.
 
 One JSON object per line with at least ``step, loss, lr, grad_norm, tokens_per_s, mfu,
-step_time_s, mem_peak_bytes`` and ``val_loss`` on evaluation steps (the DESIGN contract).
+step_time_s, mem_peak_bytes`` and ``val_loss`` on evaluation steps (the README contract).
 Writes are line-buffered and flushed, so a crash loses at most the current line.
 """
 

@@ -48,7 +48,7 @@ def peak_flops(device: torch.device, dtype_name: str, override: float = 0.0) -> 
             if key in name:
                 return table[dtype_name], f"datasheet {key} {dtype_name}"
         raise ValueError(f"unknown GPU {name!r}: set train.peak_flops to its peak FLOP/s")
-    from .precision import DTYPES
+    from ..precision import DTYPES
 
     value = measure_matmul_flops(DTYPES[dtype_name])
     return value, f"measured CPU matmul {dtype_name}, {torch.get_num_threads()} thread(s)"

@@ -9,38 +9,49 @@ Weight decay applies to matrices only (not to norm weights), as in GPT-2/Llama t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ..config import TrainSection
+from .config import TrainSection
 
 
-def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Two groups: decayed matrices (ndim >= 2) and undecayed vectors (norm weights)."""
-    decay, no_decay = [], []
+def decayed(p: torch.Tensor) -> bool:
+    """Weight decay applies to matrices (ndim >= 2), not to norm weights (GPT-2/Llama)."""
+    return p.ndim >= 2
+
+
+def canonical_params(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
+    """(name, parameter, decayed?) in the order of :func:`build_optimizer`'s state dict.
+
+    Decayed parameters first, each once (a tied weight keeps its first name). This order
+    defines the layout-free optimizer checkpoint: every data-parallel engine converts its
+    (possibly sharded) AdamW state to and from it.
+    """
     seen: set[int] = set()
-    for _, p in named:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        (decay if decayed(p) else no_decay).append((name, p, decayed(p)))
+    return decay + no_decay
+
+
+def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainSection
+          ) -> torch.optim.AdamW:
+    """AdamW with two groups, decayed then not (``foreach`` kernels: one launch per group)."""
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True,
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
-    """AdamW over the model's parameters (``foreach`` kernels: one launch per group)."""
-    return torch.optim.AdamW(
-        param_groups(model.named_parameters(), cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        foreach=True,
-    )
+    """AdamW over the model's parameters in :func:`canonical_params` order."""
+    named = canonical_params(model)
+    return adamw([p for _, p, d in named if d], [p for _, p, d in named if not d], cfg)
 
 
 def lr_at(step: int, cfg: TrainSection) -> float:
@@ -55,22 +66,6 @@ def lr_at(step: int, cfg: TrainSection) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def canonical_params(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
-    """(name, parameter, decayed?) in the order of :func:`build_optimizer`'s state dict.
-
-    This order defines the layout-free optimizer checkpoint: every data-parallel engine
-    converts its (possibly sharded) AdamW state to and from it.
-    """
-    seen: set[int] = set()
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append((name, p, p.ndim >= 2))
-    return decay + no_decay
 
 
 def optimizer_state_by_name(model: nn.Module, optim: dict) -> dict[str, dict]:

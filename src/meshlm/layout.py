@@ -1,0 +1,270 @@
+"""The single description of a parallel layout, and the one place its rules live.
+
+A :class:`Layout` is one point of the 5D space: ``pp x dp x cp x tp`` ranks (``ep`` carved out
+of ``dp x cp``, Megatron-Core's layout), sequence parallelism, a ZeRO stage, the pipeline
+schedule with its virtual stages and layer split, the micro-batch size, activation
+recomputation and tensor-parallel overlap. The config (:meth:`meshlm.config.Config.layout`),
+the process mesh (:class:`meshlm.distributed.mesh.Mesh`) and the planner all use it.
+
+:meth:`Layout.problems` checks it against a model, a sequence length, a global batch and a
+world; its messages name the keys the caller speaks of (:data:`CONFIG_KEYS`: the config
+file's ``parallel.tp``, ``model.n_heads``, ...; :data:`SHORT_KEYS`: the planner's ``tp``,
+``n_heads``, ``mbs``, ...). :func:`partition_layers` is the one split of layers into pipeline
+stages, :func:`schedule_problems` the rules of the pipeline schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost: rank = row-major index, tp fastest
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
+
+_MODEL_KEYS = ("n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "moe_ffn_hidden")
+# Layout fields that are keys of the config's [parallel] section (the rest: see CONFIG_KEYS).
+PARALLEL_KEYS = ("pp", "dp", "cp", "tp", "ep", "sp", "zero", "pp_schedule", "pp_virtual",
+                 "pp_layers")
+CONFIG_KEYS: Mapping[str, str] = {
+    **{k: f"parallel.{k}" for k in PARALLEL_KEYS}, "micro_batch": "train.micro_batch",
+    "global_batch": "train.global_batch", "seq_len": "data.seq_len",
+    **{k: f"model.{k}" for k in _MODEL_KEYS},
+}
+SHORT_KEYS: Mapping[str, str] = {"micro_batch": "mbs", "pp_schedule": "schedule",
+                                 "pp_virtual": "vpp"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel layout; ``world_size`` = pp * dp * cp * tp (ep lives inside dp * cp)."""
+
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    sp: bool = False  # sequence parallelism (needs tp > 1)
+    zero: int = 0  # ZeRO stage, 0-3
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1  # virtual stages per pipeline rank (interleaved schedule)
+    pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
+    micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
+    recompute: str = "none"  # activation recomputation, one of RECOMPUTE
+    # Tensor-parallel collectives decomposed and overlapped with their GEMMs (Wang et al. 2022;
+    # Megatron-LM --tp-comm-overlap, torchtitan async TP). meshlm does not do this, so the
+    # search never sets it; it describes published runs that did.
+    tp_overlap: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` on each axis (row-major, tp fastest)."""
+        out, rest = {}, rank
+        for axis in reversed(AXES):
+            size = getattr(self, axis)
+            out[axis] = rest % size
+            rest //= size
+        return {a: out[a] for a in AXES}
+
+    def micro_batches(self, global_batch: int) -> int:
+        """Micro-batches per optimizer step on each pipeline (gradient accumulation)."""
+        return max(1, global_batch // (self.dp * self.micro_batch))
+
+    def describe(self) -> str:
+        """The planner's text, e.g. ``tp=8,sp,pp=4,dp=16,zero=1,mbs=1,recompute=none``."""
+        parts = [f"tp={self.tp}"] + (["sp"] if self.sp else []) + (
+            ["tp_overlap"] if self.tp_overlap else [])
+        parts += [f"pp={self.pp}", f"dp={self.dp}"]
+        parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
+        if self.pp > 1:
+            parts.append(f"schedule={self.pp_schedule}")
+            if self.pp_virtual > 1:
+                parts.append(f"vpp={self.pp_virtual}")
+        return ",".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # ------------------------------------------------------------------ the rules
+    def problems(self, model_cfg: ModelConfig | None = None, seq_len: int | None = None,
+                 global_batch: int | None = None, world: int | None = None,
+                 gpus_per_node: int | None = None, strict: bool = False,
+                 trainer: bool = False, keys: Mapping[str, str] = SHORT_KEYS) -> list[str]:
+        """Why this layout cannot run (empty when it can), one message per broken rule.
+
+        Rules that need an argument left at None are skipped. ``keys`` names the fields in
+        the messages (:data:`CONFIG_KEYS` or :data:`SHORT_KEYS`). ``trainer`` applies the
+        rules of meshlm's own trainer: its interleaved schedule needs a micro-batch count
+        divisible by pp, and it runs pipelines with fewer micro-batches than stages (which the
+        planner refuses otherwise). ``strict`` (the planner's search) also demands an even
+        split of the layers over the stages and Megatron's interleaving rule; a layout given
+        by hand may split layers unevenly (the slowest stage is modelled).
+        """
+        k = _Names(keys)
+        sizes = ("pp", "dp", "cp", "tp", "ep", "pp_virtual", "micro_batch")
+        out = [f"{k(s)}={getattr(self, s)} must be >= 1" for s in sizes if getattr(self, s) < 1]
+        if out:
+            return out
+        if world is not None and self.world_size != world:
+            out.append(f"{k.product(*AXES)} = {self.pp} * {self.dp} * {self.cp} * {self.tp} = "
+                       f"{self.world_size} is not the world of {world} ranks")
+        if self.pp_schedule not in SCHEDULES:
+            out.append(_unknown_schedule(self.pp_schedule, k))
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"{k('zero')}={self.zero} must be 0, 1, 2 or 3")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"{k('recompute')}={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if gpus_per_node and self.tp > gpus_per_node:
+            out.append(f"{k('tp')}={self.tp} exceeds the {gpus_per_node} GPUs of a node")
+        if self.sp and self.tp == 1:
+            out.append(f"{k('sp')}=true needs {k('tp')} > 1")
+        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+            out.append(f"{k('ep')}={self.ep} must divide {k.product('dp', 'cp')} = "
+                       f"{self.dp * self.cp}")
+        if global_batch is not None and global_batch % (self.micro_batch * self.dp):
+            out.append(f"{k('global_batch')}={global_batch} is not divisible by "
+                       f"{k('micro_batch')} * {k('dp')} = {self.micro_batch} * {self.dp} = "
+                       f"{self.micro_batch * self.dp}")
+        if seq_len is not None:
+            out += self._sequence_problems(seq_len, k)
+        if model_cfg is not None:
+            out += self._model_problems(model_cfg, strict, k)
+        if global_batch is not None and self.pp_schedule in SCHEDULES:
+            out += self._pipeline_problems(global_batch, strict, trainer, k)
+        return out
+
+    def _sequence_problems(self, seq_len: int, k: _Names) -> list[str]:
+        out = []
+        local = seq_len // self.cp
+        if self.sp and self.tp > 1 and local % self.tp:
+            shown = (f"{k('seq_len')}={seq_len}" if self.cp == 1
+                     else f"{k('seq_len')} / {k.leaf('cp')} = {local}")
+            out.append(f"{k('sp')}=true: {shown} is not divisible by {k('tp')}={self.tp}")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            out.append(f"{k('cp')}={self.cp}: {k('seq_len')}={seq_len} is not divisible by "
+                       f"2 * {k.leaf('cp')} (zigzag)")
+        return out
+
+    def _model_problems(self, c: ModelConfig, strict: bool, k: _Names) -> list[str]:
+        out = [f"{k('tp')}={self.tp} does not divide {k(key)}={getattr(c, key)}"
+               for key in ("n_heads", "n_kv_heads", "ffn_hidden") if getattr(c, key) % self.tp]
+        if c.is_moe and c.expert_hidden % self.tp:
+            out.append(f"{k('tp')}={self.tp} does not divide the expert width "
+                       f"{k('moe_ffn_hidden')}={c.expert_hidden}")
+        if self.ep > 1 and not c.is_moe:
+            out.append(f"{k('ep')}={self.ep} needs a Mixture-of-Experts model")
+        elif self.ep > 1 and c.moe_experts % self.ep:
+            out.append(f"{k('ep')}={self.ep} does not divide the {c.moe_experts} experts")
+        stages = self.pp * self.pp_virtual
+        if stages > c.n_layers and not self.pp_layers:
+            out.append(f"{k.product('pp', 'pp_virtual')} = {stages} stages exceed "
+                       f"{k('n_layers')}={c.n_layers}")
+        if self.pp_layers:
+            problem = _split_problem(self.pp_layers, c.n_layers, stages, k)
+            if problem:
+                out.append(problem)
+        if strict and c.n_layers % stages:
+            out.append(f"{k.product('pp', 'pp_virtual')} = {stages} stages do not divide "
+                       f"{k('n_layers')}={c.n_layers}")
+        return out
+
+    def _pipeline_problems(self, global_batch: int, strict: bool, trainer: bool, k: _Names
+                           ) -> list[str]:
+        m = self.micro_batches(global_batch)
+        out = []
+        if self.pp > 1 or self.pp_virtual > 1:
+            per_step = (f"micro-batches per step = {k('global_batch')} / "
+                        f"({k('micro_batch')} * {k('dp')})")
+            out += schedule_problems(self.pp_schedule, self.pp, m, self.pp_virtual, k.keys,
+                                     divisible=trainer or strict, counted=per_step)
+        if self.pp > 1 and m < self.pp and not trainer:
+            out.append(f"{m} micro-batch(es) per step cannot fill a pipeline of "
+                       f"{k('pp')}={self.pp} stages")
+        return out
+
+
+class _Names:
+    """How a caller names the fields: ``keys[field]``, the field's own name otherwise."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self.keys = keys
+
+    def __call__(self, name: str) -> str:
+        return self.keys.get(name, name)
+
+    def leaf(self, name: str) -> str:
+        """The name without its section: ``parallel.cp`` -> ``cp``."""
+        return self(name).rpartition(".")[2]
+
+    def product(self, *names: str) -> str:
+        """``parallel.pp * dp * cp * tp``: the first name in full, the others by their leaf."""
+        return " * ".join([self(names[0]), *(self.leaf(n) for n in names[1:])])
+
+
+def _unknown_schedule(schedule: str, k: _Names) -> str:
+    return (f"unknown schedule: {k('pp_schedule')}={schedule!r} is not one of "
+            f"{', '.join(SCHEDULES)}")
+
+
+def schedule_problems(schedule: str, pp: int, m: int, v: int,
+                      keys: Mapping[str, str] = CONFIG_KEYS, divisible: bool = True,
+                      counted: str = "") -> list[str]:
+    """Why ``m`` micro-batches cannot run under ``schedule`` on ``pp`` ranks with ``v`` virtual
+    stages each (empty when they can). ``divisible``: demand ``m % pp == 0`` for interleaving
+    (meshlm's and Megatron's interleaved 1F1B); ``counted`` says how ``m`` was counted."""
+    k = _Names(keys)
+    if schedule not in SCHEDULES:
+        return [_unknown_schedule(schedule, k)]
+    if pp < 1 or m < 1 or v < 1:
+        return [f"{k('pp')}={pp}, micro-batches={m} and {k('pp_virtual')}={v} must be >= 1"]
+    if schedule != "interleaved":
+        return [f"{k('pp_virtual')}={v} needs {k('pp_schedule')}=interleaved"] if v != 1 else []
+    if v < 2:
+        return [f"the interleaved schedule needs {k('pp_virtual')} >= 2"]
+    if divisible and m % pp:
+        return [f"the interleaved schedule needs micro-batches ({m}) divisible by "
+                f"{k('pp')} ({pp})" + (f" ({counted})" if counted else "")]
+    return []
+
+
+def _split_problem(explicit: str, n_layers: int, n_stages: int, k: _Names) -> str | None:
+    """What is wrong with an explicit split of ``n_layers`` layers into ``n_stages`` stages."""
+    items = explicit.split(",")
+    if not all(c.strip().isdigit() and int(c) >= 1 for c in items):
+        return (f"{k('pp_layers')}={explicit!r} must be a comma list of layer counts >= 1, "
+                'e.g. "3,3,2"')
+    if len(items) != n_stages or sum(int(c) for c in items) != n_layers:
+        return (f"{k('pp_layers')}={explicit!r} must list {n_stages} counts summing to "
+                f"{k('n_layers')}={n_layers}")
+    return None
+
+
+def partition_layers(n_layers: int, n_stages: int, explicit: str = "") -> list[list[int]]:
+    """Layer ids of each pipeline stage: an explicit comma list of counts, or balanced by count.
+
+    With a remainder, the extra layers go to the middle stages first, because the first and
+    last stages also hold the embedding and the head. Raises ValueError for a bad split.
+    """
+    if explicit:
+        problem = _split_problem(explicit, n_layers, n_stages, _Names(CONFIG_KEYS))
+        if problem:
+            raise ValueError(problem)
+        counts = [int(c) for c in explicit.split(",")]
+    else:
+        counts = [n_layers // n_stages] * n_stages
+        order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
+        for s in order[: n_layers % n_stages]:
+            counts[s] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out

@@ -1,0 +1,77 @@
+"""The trainer's side of pipeline parallelism: one schedule per step, forward-only passes.
+
+:class:`PipelineRunner` owns the schedule executor of this rank and runs a step's micro-batches
+through it (gradients stay local until the engine reduces them after the last micro-batch;
+the tied embedding's two copies are summed first), a forward-only pass for evaluation and
+sampling, and the measured bubble. Communication: the executor's activations and gradients
+over pp, plus one all-reduce over pp of the loss sum and one of the bubble per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import Config
+from ..distributed.comm import Comm
+from ..parallel.engine import Engine
+from ..parallel.pipeline import PipelineExecutor, PipelineModel
+from ..parallel.tensor import TensorParallel
+from ..precision import Precision
+
+
+class PipelineRunner:
+    """Steps, evaluation passes and sampling passes through this rank's pipeline stages."""
+
+    def __init__(self, cfg: Config, pipe: PipelineModel, engine: Engine, tp: TensorParallel | None,
+                 comm: Comm, loss_fn: Callable, precision: Precision, device: torch.device) -> None:
+        self.pipe, self.engine, self.tp, self.comm = pipe, engine, tp, comm
+        self.dim, self.seq_len, self.loss_fn = pipe.model.cfg.dim, cfg.data.seq_len, loss_fn
+        p = cfg.parallel
+        self.executor = PipelineExecutor(
+            pipe, comm, p.pp_schedule, cfg.grad_accum, p.pp_virtual,
+            self.activation_shape(cfg.train.micro_batch, cfg.data.seq_len),
+            loss_fn, precision.autocast, device)
+        self.bubble = 0.0
+
+    def activation_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
+        """Shape of the activations between stages (sequence-sharded under SP)."""
+        sp = self.tp is not None and self.tp.sp
+        return (batch, seq_len // self.tp.size if sp else seq_len, self.dim)
+
+    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Every micro-batch of a step through the schedule; the mean loss of this pipeline.
+
+        Gradients are left for the engine to reduce (``finish_grads``) after the last one.
+        """
+        self.engine.set_sync(False)
+        self.engine.begin_step()
+        loss_sum = self.executor.run(micro, self.seq_len)  # last stage only
+        self.pipe.sync_tied_grads(self.comm)
+        pp = self.comm.size("pp")
+        loss, bubble = self.comm.reduce_scalars([loss_sum / len(micro), self.executor.bubble()],
+                                                "pp")
+        self.bubble = bubble / pp
+        return loss
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Last-stage output of a forward-only pass (None on the other stages)."""
+        self.engine.begin_step()
+        out = self.executor.forward_only(ids, self.activation_shape(ids.shape[0], ids.shape[1]))
+        self.engine.end_forward_only()
+        return out
+
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        """Mean loss of ``batch`` (B, S + 1) on every rank of the pipeline."""
+        out = self.forward(batch[:, :-1])
+        loss = float(self.loss_fn(out, batch[:, 1:])) if out is not None else 0.0
+        return self.comm.reduce_scalars([loss], "pp")[0]
+
+    def logits(self, ids: torch.Tensor, v_local: int) -> torch.Tensor:
+        """(B, S, V_local) logits of the last stage, broadcast to every stage."""
+        out = self.forward(ids)
+        logits = out.float() if out is not None else torch.empty(
+            ids.shape[0], ids.shape[1], v_local, device=ids.device)
+        self.comm.broadcast(logits, "pp", src=self.comm.size("pp") - 1)
+        return logits
