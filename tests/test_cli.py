@@ -90,9 +90,9 @@ def test_bad_input_gives_one_clear_line(args: list[str], message: str, tmp_path:
 def test_generate_rejects_corrupt_checkpoint(tiny_args: list[str], tmp_path: Path) -> None:
     assert run("train", *tiny_args, "--train.steps=1").returncode == 0
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000001"
-    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
-    out = run("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x")
-    assert out.returncode == 2 and "cannot read" in out.stderr
+    (ckpt / "rank_00000.safetensors").write_bytes(b"not a safetensors file")
+    out = run("generate", "--checkpoint", str(ckpt), "--prompt", "x")
+    assert out.returncode == 2 and "rank_00000.safetensors" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
 
@@ -100,10 +100,10 @@ def test_cli_surface_is_frozen() -> None:
     """Scripts depend on these names; change them on purpose, with this test."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["generate", "info", "plan", "schedule", "train"]
+    assert sorted(sub.choices) == ["convert", "generate", "info", "plan", "schedule", "train"]
     options = {name: sorted(o for a in p._actions for o in a.option_strings)
                for name, p in sub.choices.items()}
-    assert options["train"] == sorted(["--dry-run", "-h", "--help"])
+    assert options["train"] == sorted(["--dry-run", "--max-restarts", "-h", "--help"])
     assert {"--checkpoint", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
             "--seed"} <= set(options["generate"])
     assert {"--seq-len", "--json"} <= set(options["info"])

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from meshlm.config import Config, ConfigError, load_config, to_toml
+from meshlm.config import Config, ConfigError, load_config, to_toml, validate
+from meshlm.models import hf_config
+from meshlm.models.config import ModelConfig
+from meshlm.models.presets import get_preset
 
 
 def test_defaults_are_valid() -> None:
@@ -60,6 +65,11 @@ def test_toml_file_and_round_trip(tmp_path: Path) -> None:
         ("--parallel.pp=2 --parallel.pp_layers=3,,1", "parallel.pp_layers='3,,1' must be a comma"),
         ("--parallel.pp=2 --parallel.pp_layers=4,0", "must be a comma list of layer counts >= 1"),
         ("--parallel.pp=2 --parallel.pp_layers=1,2", "must list 2 counts summing to model.n_layers=4"),
+        ("--run.resume=maybe", "run.resume='maybe': expected one of false, true, auto"),
+        ("--run.resume=true", "run.resume=true needs run.dir"),
+        ("--run.resume=auto", "run.resume=auto needs run.dir"),
+        ("--checkpoint.keep=-1", "checkpoint.keep=-1 must be >= 0"),
+        ("--model.init_from=/no/such/model", "model.init_from='/no/such/model' does not exist"),
     ],
 )
 def test_bad_values_name_the_key(override: str, message: str) -> None:
@@ -113,3 +123,118 @@ def test_every_key_is_documented_in_readme() -> None:
 def test_examples_are_valid(name: str) -> None:
     cfg = load_config(Path(__file__).parents[1] / "examples" / name)
     assert cfg.model_config().num_params() > 0
+
+
+# ---------------------------------------------------------------------- run.resume modes
+@pytest.mark.parametrize("given,mode", [
+    ("true", "true"), ("false", "false"), ("auto", "auto"), ("AUTO", "auto"), ("yes", "true"),
+    ("no", "false"), ("1", "true"), ("0", "false"), (" True ", "true"),
+])
+def test_resume_modes_on_the_command_line(given: str, mode: str) -> None:
+    cfg = load_config(None, ["--run.dir=somewhere", f"--run.resume={given}"])
+    assert cfg.run.resume == mode
+
+
+@pytest.mark.parametrize("given,mode", [
+    ("true", "true"), ("false", "false"), ('"auto"', "auto"), ('"yes"', "true"), ("1", "true"),
+    ("0", "false"),
+])
+def test_resume_modes_in_toml_round_trip(given: str, mode: str, tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'[run]\ndir = "somewhere"\nresume = {given}\n')
+    cfg = load_config(path)
+    assert cfg.run.resume == mode
+    assert f'resume = "{mode}"' in to_toml(cfg)  # written as the mode's string
+    saved = tmp_path / "saved.toml"
+    saved.write_text(to_toml(cfg))
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize("given", ['"sometimes"', "2", "1.5", '""'])
+def test_bad_resume_in_toml(given: str, tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'[run]\ndir = "somewhere"\nresume = {given}\n')
+    with pytest.raises(ConfigError, match=r"run.resume=.*expected one of false, true, auto"):
+        load_config(path)
+
+
+def test_resume_default_and_set_in_code() -> None:
+    cfg = load_config()
+    assert cfg.run.resume == "false"  # a string mode: `if cfg.run.resume:` would be wrong
+    cfg.run.dir, cfg.run.resume = "somewhere", True  # type: ignore[assignment]
+    validate(cfg)
+    assert cfg.run.resume == "true"
+
+
+# ---------------------------------------------------------------------- [checkpoint]
+def test_checkpoint_section() -> None:
+    cfg = load_config()
+    assert cfg.checkpoint.keep == 0
+    cfg = load_config(None, ["--checkpoint.keep=3"])
+    assert cfg.checkpoint.keep == 3
+    assert "[checkpoint]\nkeep = 3" in to_toml(cfg)
+    assert cfg.train.checkpoint_every == 0  # the interval stays a [train] key
+
+
+# ---------------------------------------------------------------------- model.init_from
+def test_init_from_a_checkpoint_dir_keeps_the_preset_shape(tmp_path: Path) -> None:
+    """A meshlm run dir (no config.json): the shape is the preset's; init_from is no override."""
+    cfg = load_config(None, ["--model.preset=tiny", f"--model.init_from={tmp_path}",
+                             "--data.seq_len=32"])
+    assert cfg.model_config() == get_preset("tiny")
+    assert f'init_from = "{tmp_path}"' in to_toml(cfg)
+    # a saved config is read without the path checks (the folder may be gone)
+    assert load_config(None, ["--model.init_from=/gone", "--data.seq_len=32"],
+                       check_paths=False).model.init_from == "/gone"
+
+
+@pytest.fixture()
+def fake_hf(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """``model_config_from_hf`` reading a test shape from config.json (Config.model_config's
+    part is tested here; the real reader's in test_hf_interop)."""
+    calls: list[Any] = []
+
+    def model_config_from_hf(path_or_dict: Any) -> ModelConfig:
+        calls.append(path_or_dict)
+        d = json.loads((Path(path_or_dict) / "config.json").read_text())
+        if "error" in d:
+            raise ValueError(d["error"])
+        return get_preset("tiny").with_(name="hf", n_layers=d["num_hidden_layers"])
+
+    monkeypatch.setattr(hf_config, "model_config_from_hf", model_config_from_hf)
+    return calls
+
+
+def test_init_from_a_hugging_face_folder_gives_the_shape(tmp_path: Path, fake_hf: list[Any]
+                                                         ) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    cfg = load_config(None, [f"--model.init_from={tmp_path}", "--data.seq_len=32"])
+    mc = cfg.model_config()
+    assert (mc.name, mc.n_layers, mc.dim) == ("hf", 3, get_preset("tiny").dim)  # not `small`
+    assert fake_hf and Path(fake_hf[-1]) == tmp_path
+    # explicit overrides still apply on top of the folder's shape
+    cfg = load_config(None, [f"--model.init_from={tmp_path}", "--data.seq_len=32",
+                             "--model.n_layers=1"])
+    assert cfg.model_config().n_layers == 1
+
+
+def test_init_from_an_unsupported_hugging_face_folder(tmp_path: Path, fake_hf: list[Any]
+                                                      ) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"error": "hidden_act='gelu': not silu"}))
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--model.init_from={tmp_path}"])
+    assert str(err.value) == f"model.init_from={str(tmp_path)!r}: hidden_act='gelu': not silu"
+
+
+def test_init_from_a_real_llama_config(tmp_path: Path) -> None:
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+          "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 8,
+          "num_key_value_heads": 4, "intermediate_size": 160, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(None, [f"--model.init_from={tmp_path}", "--data.seq_len=64",
+                             "--model.n_kv_heads=2"])
+    mc = cfg.model_config()
+    assert (mc.n_layers, mc.dim, mc.ffn_hidden, mc.max_seq_len) == (3, 64, 160, 128)
+    assert mc.n_kv_heads == 2  # the override
+    with pytest.raises(ConfigError, match="data.seq_len=256 exceeds model.max_seq_len=128"):
+        load_config(None, [f"--model.init_from={tmp_path}"])

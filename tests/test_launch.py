@@ -11,17 +11,20 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from meshlm.cli import build_parser, main
 from meshlm.launch import (
     WorkerFailure,
     WorldInfo,
     detect_external_world,
     export_env,
     launch_local,
+    restart_message,
 )
 
 
@@ -46,6 +49,22 @@ def _rank1_sigkill_worker() -> None:
 
 def _trivial_worker() -> int:
     return dist.get_rank()
+
+
+def _dies_on_first_attempt_worker() -> tuple[int, float]:
+    """Rank 1 of the first attempt is SIGKILLed after joining; the restarted group completes."""
+    restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if dist.get_rank() == 1 and restarts == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the restarted group's process group works
+    return restarts, t.item()
+
+
+def _rank1_always_raises_worker() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError(f"boom in attempt {os.environ['TORCHELASTIC_RESTART_COUNT']}")
+    dist.barrier()
 
 
 def _torch_log_records(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -159,3 +178,74 @@ def test_detect_no_external_world() -> None:
     assert detect_external_world(_slurm_env("node[01-04]", SLURM_NTASKS="1")) is None
     assert detect_external_world({}) is None
     assert detect_external_world({"SLURM_PROCID": "0"}) is None
+
+
+# --------------------------------------------------------------------------- restarts
+def test_killed_worker_restarts_the_group(capfd: pytest.CaptureFixture[str]) -> None:
+    assert launch_local(2, _dies_on_first_attempt_worker, max_restarts=1) == {
+        0: (1, 2.0), 1: (1, 2.0)}
+    out = capfd.readouterr().out
+    assert out.count("worker group restarted (1 of 1)") == 1, out  # rank 0 only, once
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ  # the parent's env is restored
+
+
+def test_failure_after_the_last_restart() -> None:
+    with pytest.raises(WorkerFailure) as info:
+        launch_local(2, _rank1_always_raises_worker, max_restarts=1)
+    assert info.value.log_dir is not None
+    shutil.rmtree(info.value.log_dir)
+    msg = str(info.value)
+    assert "\n" not in msg
+    # the root cause of the last attempt, and how many restarts were made
+    assert msg.startswith("worker rank 1 failed: ValueError: boom in attempt 1"), msg
+    assert msg.endswith("(the worker group was restarted 1 time)"), msg
+
+
+def test_max_restarts_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+        launch_local(2, _trivial_worker, max_restarts=-1)
+
+
+def test_restart_message() -> None:
+    assert restart_message({}) is None
+    assert restart_message({"TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    assert restart_message({"TORCHELASTIC_RESTART_COUNT": "x"}) is None
+    line = restart_message({"TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    assert line is not None and line.startswith("worker group restarted (2 of 3)")
+
+
+def test_max_restarts_flag() -> None:
+    parser = build_parser()
+    assert parser.parse_known_args(["train"])[0].max_restarts == 0
+    assert parser.parse_known_args(["train", "--max-restarts", "2"])[0].max_restarts == 2
+    assert parser.parse_known_args(["train", "--max-restarts=3"])[0].max_restarts == 3
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5"])
+def test_bad_max_restarts_is_refused_before_anything_starts(
+        value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    try:
+        status = main(["train", f"--max-restarts={value}", "--model.preset=tiny",
+                       f"--run.dir={run_dir}", "--parallel.dp=2"])
+    except SystemExit as e:  # argparse: not an integer
+        status = e.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"--max-restarts={value} must be >= 0" in err if value == "-1" else (
+        "argument --max-restarts: invalid int value" in err), err
+    assert not run_dir.exists()
+
+
+def test_max_restarts_under_torchrun_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    for key, value in {**TORCHRUN_ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MESHLM_WORLD_SOURCE", raising=False)
+    assert main(["train", "--max-restarts=1", "--model.preset=tiny",
+                 f"--run.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshlm: error: --max-restarts restarts the workers meshlm starts "
+                          "itself; this process is one rank of a torchrun world"), err
+    assert "\n" not in err and not (tmp_path / "run").exists()

@@ -1,4 +1,4 @@
-"""Command line: ``meshlm train | info | generate | schedule | plan``.
+"""Command line: ``meshlm train | info | generate | convert | schedule | plan``.
 
 User mistakes (config, data path, checkpoint) end with one ``meshlm: error: ...`` line and
 exit status 2, before any worker starts or any file is written; no traceback.
@@ -36,8 +36,14 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     """Validate everything, then train: in-process, under torchrun/SLURM, or on local workers."""
     from .launch import detect_external_world
 
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0")
     cfg = load_config(args.config, _split_overrides(rest))
     world = detect_external_world()
+    if world is not None and args.max_restarts:
+        raise ConfigError(f"--max-restarts restarts the workers meshlm starts itself; this "
+                          f"process is one rank of a {world.source} world, so let its launcher "
+                          "restart them (e.g. torchrun --max-restarts)")
     if cfg.parallel.auto:
         apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
     resolve_world(cfg, world.world_size if world else None)
@@ -52,22 +58,22 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     if world is not None:  # this process is one rank of a world torchrun/SLURM started
         from .data import build_data
-        from .launch import export_env, init_worker, shutdown_worker
+        from .launch import announce_restart, export_env, init_worker, shutdown_worker
 
         export_env(world)
         # Before the process group exists, so a first, slow tokenization cannot time out the
         # others' collectives; concurrent builds of one cache are safe (atomic renames).
         build_data(cfg.data, log=print if world.rank == 0 else (lambda _m: None))
-        init_worker()
+        announce_restart(init_worker().rank)
         try:
             train(cfg)
         finally:
             shutdown_worker()
-    elif cfg.world_size > 1:  # start the workers here, through torch's elastic agent
+    elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent
         from .launch import launch_local
 
         prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
-        launch_local(cfg.world_size, run_worker, cfg)
+        launch_local(cfg.world_size, run_worker, cfg, max_restarts=args.max_restarts)
     else:
         train(cfg)
     return 0
@@ -143,6 +149,39 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
+    """A meshlm checkpoint -> a Hugging Face folder (LlamaForCausalLM / MixtralForCausalLM),
+    one tensor at a time from the sharded files."""
+    import shutil
+    from pathlib import Path
+
+    from .checkpoint.hf import write_hf
+    from .checkpoint.loading import checkpoint_model_config, resolve_checkpoint
+    from .checkpoint.sharded import ShardedCheckpoint, check_model
+    from .models.llama import build_model
+
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    out = Path(args.to_hf).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--to-hf {str(out)!r} already exists and is not an empty folder")
+    if args.max_shard_mb <= 0:
+        raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be positive")
+    with ShardedCheckpoint(resolve_checkpoint(args.checkpoint)) as ckpt:
+        cfg = checkpoint_model_config(ckpt)
+        check_model(ckpt, {n: tuple(p.shape)
+                           for n, p in build_model(cfg, device="meta").named_parameters()})
+        try:
+            write_hf(out, cfg, ckpt.source("weight"), int(args.max_shard_mb * 2**20))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if (ckpt.directory / "tokenizer.json").is_file():
+            shutil.copyfile(ckpt.directory / "tokenizer.json", out / "tokenizer.json")
+    print(f"wrote {out} ({'Mixtral' if cfg.moe_experts else 'Llama'}ForCausalLM, "
+          f"{cfg.num_params() / 1e6:.1f} M parameters) from {ckpt.directory}")
+    return 0
+
+
 def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
     """Print (and draw) a pipeline schedule, or draw a run's measured timeline."""
     if rest:
@@ -190,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="TOML config file")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved config and the memory estimate")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a worker fails, restart all workers up to N times; they resume "
+                        "from the latest checkpoint (local workers only; default 0)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("info", help="list model presets with parameter and FLOP counts")
@@ -218,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("convert", help="export a checkpoint as a Hugging Face model folder")
+    p.add_argument("checkpoint", help="run dir or checkpoint dir")
+    p.add_argument("--to-hf", required=True, metavar="OUT",
+                   help="new folder: config.json + safetensors (LlamaForCausalLM or "
+                        "MixtralForCausalLM)")
+    p.add_argument("--max-shard-mb", type=float, default=5120,
+                   help="split the weights into files of at most this size (default 5120)")
+    p.set_defaults(func=cmd_convert)
     return parser
 
 

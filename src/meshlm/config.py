@@ -1,12 +1,16 @@
 """Typed run configuration: TOML file + dotted command-line overrides, validated up front.
 
 A config is a set of dataclass sections (``[model]``, ``[data]``, ``[train]``, ``[parallel]``,
-``[precision]``, ``[run]``). Each component receives only its own section. Every value is
-checked against its field's type and range before any worker starts or any file is written;
-a bad value raises :class:`ConfigError` with one line naming the key, the value and what
-would be valid. The ``[parallel]`` keys and ``train.micro_batch`` are read as one
+``[precision]``, ``[checkpoint]``, ``[run]``). Each component receives only its own section.
+Every value is checked against its field's type and range before any worker starts or any file
+is written; a bad value raises :class:`ConfigError` with one line naming the key, the value and
+what would be valid. The ``[parallel]`` keys and ``train.micro_batch`` are read as one
 :class:`~meshlm.layout.Layout` (:meth:`Config.layout`), checked by the layout's own rules.
+``run.resume`` is a mode (``false``, ``true``, ``auto``); booleans are read as the first two.
 The resolved config is written as ``config.toml`` into the run directory.
+
+No communication; reading ``model.init_from``'s ``config.json`` is the only file access besides
+the TOML file and the existence checks of paths.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    """``preset`` plus optional overrides of any :class:`ModelConfig` field."""
+    """``preset`` plus optional overrides of any :class:`ModelConfig` field, and where the
+    initial weights come from (``init_from``; not a shape field)."""
 
     preset: str = "small"
     n_layers: int | None = None
@@ -49,6 +54,13 @@ class ModelSection:
     moe_shared_experts: int | None = None
     moe_first_dense: int | None = None
     moe_aux_loss_coef: float | None = None
+    # A Hugging Face folder (config.json + safetensors: its shape replaces the preset's) or a
+    # meshlm run/checkpoint dir to take the initial weights from; "" -> drawn from train.seed.
+    init_from: str = ""
+
+
+# ModelSection fields that are not ModelConfig overrides.
+_NOT_SHAPE = ("preset", "init_from")
 
 
 @dataclass
@@ -106,9 +118,19 @@ class PrecisionSection:
 
 
 @dataclass
+class CheckpointSection:
+    keep: int = 0  # keep the last K complete checkpoints; 0 -> keep all
+
+
+RESUME_MODES = ("false", "true", "auto")
+
+
+@dataclass
 class RunSection:
     dir: str = ""  # "" -> runs/<preset>-<timestamp>
-    resume: bool = False  # continue from the latest checkpoint in run.dir
+    # "true": continue from the latest checkpoint in run.dir (there must be one); "auto": the
+    # same when there is one, else start fresh; "false": a new run (run.dir must be empty)
+    resume: str = "false"
     sample_tokens: int = 120  # tokens sampled at the end of training (0: none)
     sample_prompt: str = "def "
     tensorboard: bool = False
@@ -121,16 +143,18 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
 
     # -------------------------------------------------------------- derived views
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
-        """The model shape: the preset with every override applied."""
-        base = get_preset(self.model.preset)
+        """The model shape: the preset (or ``model.init_from``'s Hugging Face ``config.json``)
+        with every override applied."""
+        base = self._hf_base() or get_preset(self.model.preset)
         changes = {
             f.name: getattr(self.model, f.name)
             for f in fields(self.model)
-            if f.name != "preset" and getattr(self.model, f.name) is not None
+            if f.name not in _NOT_SHAPE and getattr(self.model, f.name) is not None
         }
         if vocab_size is not None:
             changes["vocab_size"] = vocab_size
@@ -138,6 +162,20 @@ class Config:
             return base.with_(**changes)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def _hf_base(self) -> ModelConfig | None:
+        """The shape of the Hugging Face folder ``model.init_from`` names (None: not one)."""
+        if not self.model.init_from:
+            return None
+        folder = Path(self.model.init_from).expanduser()
+        if not (folder / "config.json").is_file():
+            return None
+        from .models.hf_config import model_config_from_hf
+
+        try:
+            return model_config_from_hf(folder)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"model.init_from={self.model.init_from!r}: {e}") from None
 
     def layout(self) -> Layout:
         """The parallel layout: the ``[parallel]`` keys and ``train.micro_batch`` (dp left at 0,
@@ -221,6 +259,26 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def resume_mode(value: Any, key: str = "run.resume") -> str:
+    """``run.resume`` as one of :data:`RESUME_MODES`; booleans and their spellings are read as
+    ``"true"``/``"false"``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value).strip().lower() if isinstance(value, str | int) else ""
+    if text in ("true", "1", "yes", "on"):
+        return "true"
+    if text in ("false", "0", "no", "off"):
+        return "false"
+    if text == "auto":
+        return "auto"
+    raise ConfigError(f"{key}={value!r}: expected one of {', '.join(RESUME_MODES)} "
+                      "(or a boolean)")
+
+
+# Keys whose values are read by their own function instead of by the field's type.
+_READERS = {"run.resume": resume_mode}
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> None:
     section_name, _, key = dotted.partition(".")
     if section_name not in SECTIONS or not key:
@@ -235,6 +293,9 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
             f"unknown config key {dotted!r} (valid keys in [{section_name}]: "
             f"{', '.join(by_name)})"
         )
+    if dotted in _READERS:
+        setattr(section, key, _READERS[dotted](value, dotted))
+        return
     hints = typing.get_type_hints(type(section))
     setattr(section, key, _convert(dotted, value, hints[key]))
 
@@ -286,6 +347,9 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     t, p, d = cfg.train, cfg.parallel, cfg.data
     _check(cfg.model.preset in PRESETS,
            f"model.preset={cfg.model.preset!r} is not a preset (valid: {', '.join(PRESETS)})")
+    if cfg.model.init_from and check_paths:
+        _check(Path(cfg.model.init_from).expanduser().exists(),
+               f"model.init_from={cfg.model.init_from!r} does not exist")
     mc = cfg.model_config()
     for key in ("steps", "global_batch", "micro_batch"):
         _check(getattr(t, key) > 0, f"train.{key}={getattr(t, key)} must be positive")
@@ -321,8 +385,12 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
            f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0")
     _check(cfg.run.sample_tokens == 0 or bool(cfg.run.sample_prompt),
            "run.sample_prompt must not be empty when run.sample_tokens > 0")
-    if cfg.run.resume:
-        _check(bool(cfg.run.dir), "run.resume=true needs run.dir naming the run to continue")
+    _check(cfg.checkpoint.keep >= 0,
+           f"checkpoint.keep={cfg.checkpoint.keep} must be >= 0 (0 keeps every checkpoint)")
+    cfg.run.resume = resume_mode(cfg.run.resume)  # also when set in code, e.g. to True
+    if cfg.run.resume != "false":
+        _check(bool(cfg.run.dir),
+               f"run.resume={cfg.run.resume} needs run.dir naming the run to continue")
     if cfg.run.tensorboard:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")

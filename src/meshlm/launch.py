@@ -12,9 +12,15 @@ meshlm runs the same training function in three situations:
 turns whichever environment a worker finds into an initialised ``torch.distributed`` process
 group. :func:`launch_local` starts local workers through torch's elastic agent -- the machinery
 behind ``torchrun`` -- so local runs behave like ``torchrun --nproc-per-node=N``: the same
-environment variables, rendezvous and fail-stop behaviour (one failed worker stops the others,
-no restarts). A worker failure comes back as one :class:`WorkerFailure` whose message is a single
-line naming the rank and the root cause; the full report is kept on ``.details``.
+environment variables, rendezvous and fail-stop behaviour (one failed worker stops the others).
+With ``max_restarts`` > 0 the agent then starts the whole worker group again, up to that many
+times; the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0 (meshlm's trainer then resumes from
+the latest checkpoint) and rank 0 prints one line saying so. A failure of the last attempt comes
+back as one :class:`WorkerFailure` whose message is a single line naming the rank and the root
+cause; the full report is kept on ``.details``.
+
+Communication: the agent's rendezvous store and the workers' process group (TCP, gloo/NCCL).
+Memory: one agent in the launching process, and whatever ``fn`` needs in each worker.
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ _MONITOR_INTERVAL_S = 0.05
 
 # How long the agent waits for SIGTERMed workers before SIGKILL (torch's default is 30 s).
 _SHUTDOWN_TIMEOUT_S = 10
+
+# Set by the elastic agent (torchrun's or launch_local's) in every worker it starts.
+_RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
+_MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"
+_UNSHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @dataclass(frozen=True)
@@ -275,6 +286,26 @@ def init_worker(timeout_s: float = 300) -> WorldInfo:
     return info
 
 
+def restart_message(env: Mapping[str, str] = os.environ) -> str | None:
+    """The line rank 0 prints when the elastic agent restarted the worker group (else None)."""
+    try:
+        count = int(env.get(_RESTART_COUNT_VAR, "") or 0)
+    except ValueError:
+        return None
+    if count <= 0:
+        return None
+    limit = env.get(_MAX_RESTARTS_VAR, "?")
+    return (f"worker group restarted ({count} of {limit}) after a worker failure; "
+            "every rank was started again")
+
+
+def announce_restart(rank: int) -> None:
+    """Rank 0 prints :func:`restart_message` when there is one."""
+    message = restart_message()
+    if message is not None and rank == 0:
+        print(message, flush=True)
+
+
 def shutdown_worker() -> None:
     """Destroy the default process group if there is one."""
     if dist.is_available() and dist.is_initialized():
@@ -294,7 +325,7 @@ def _is_secondary(message: str) -> bool:
 def _worker_main(fn: Callable[..., T], timeout_s: float, *args: Any) -> T:
     """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure)."""
     try:
-        init_worker(timeout_s)
+        announce_restart(init_worker(timeout_s).rank)
         return fn(*args)
     except BaseException as exc:
         if isinstance(exc, dist.DistError) or _is_secondary(f"{type(exc).__name__}: {exc}"):
@@ -365,10 +396,19 @@ def _kept_signal_handlers() -> Iterator[None]:
                 signal.signal(s, h)
 
 
+def _last_attempt(log_dir: str) -> int:
+    """The highest ``attempt_<k>`` the agent made logs for in this launch (0 when none)."""
+    attempts = [int(m.group(1)) for path in glob.glob(os.path.join(log_dir, "*", "attempt_*"))
+                if (m := re.fullmatch(r"attempt_(\d+)", os.path.basename(path)))]
+    return max(attempts, default=0)
+
+
 def _error_files(log_dir: str) -> dict[int, tuple[float, dict[str, Any]]]:
-    """Error files written by @record in this launch: local rank -> (mtime, parsed json)."""
+    """Error files written by @record in the last attempt of this launch: local rank -> (mtime,
+    parsed json)."""
     found: dict[int, tuple[float, dict[str, Any]]] = {}
-    for path in glob.glob(os.path.join(log_dir, "*", "attempt_*", "*", "error.json")):
+    attempt = f"attempt_{_last_attempt(log_dir)}"
+    for path in glob.glob(os.path.join(log_dir, "*", attempt, "*", "error.json")):
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -412,13 +452,17 @@ def _summarise(err: Any, log_dir: str) -> tuple[int, str]:
 
 
 def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | None = None,
-                 quiet_ranks: bool = True, timeout_s: float = 300) -> dict[int, T]:
+                 quiet_ranks: bool = True, timeout_s: float = 300, max_restarts: int = 0
+                 ) -> dict[int, T]:
     """Run ``fn(*args)`` in ``nprocs`` local workers after :func:`init_worker`; {rank: result}.
 
     ``fn`` must be a module-level function (workers are spawned and import it by name) and its
     arguments and return value picklable. With ``quiet_ranks`` only rank 0 writes to the console;
     the other ranks' stdout/stderr go to per-rank files that are kept when a worker fails
     (``WorkerFailure.log_dir``). ``timeout_s`` is the collective timeout of the process group.
+    When a worker fails, the group is stopped and, up to ``max_restarts`` times, started again
+    (every rank, ``fn(*args)`` from the beginning); ``fn`` must make a restart useful, e.g. by
+    resuming from a checkpoint.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -426,6 +470,8 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
 
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if "<" in getattr(fn, "__qualname__", "<"):
         # Lambdas and nested functions cannot be pickled by name; fail here, not in the agent.
         raise TypeError(f"launch_local needs a module-level function, got {fn!r}")
@@ -441,17 +487,25 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs,
         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}",
         run_id=run_id or f"meshlm-{uuid.uuid4().hex[:12]}",
-        max_restarts=0,  # fail-stop: a failed worker ends the run, the others are stopped
+        max_restarts=max_restarts,  # a failed worker stops the others; then restart or end
         monitor_interval=_MONITOR_INTERVAL_S, start_method="spawn", logs_specs=logs,
         shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
     )
     # OMP_NUM_THREADS=1: each worker's OpenMP pool would otherwise claim every core.
     env = {"OMP_NUM_THREADS": "1", _SOURCE_VAR: "local"}
+    if max_restarts:
+        # The agent's store, shared with the workers by default, keeps the process group keys
+        # of the failed attempt, and the restarted workers read the dead ranks' addresses
+        # (pytorch/pytorch#135712). Unshared, worker rank 0 hosts a new store each attempt.
+        env[_UNSHARED_STORE_VAR] = "1"
     try:
         with _patched_env(env), _quiet_agent_logs(), _kept_signal_handlers():
             results = elastic_launch(config, _worker_main)(fn, timeout_s, *args)
     except ChildFailedError as err:
         rank, message = _summarise(err, log_dir)
+        if max_restarts:
+            done = _last_attempt(log_dir)
+            message += f" (the worker group was restarted {done} time{'s' * (done != 1)})"
         details = f"{err}\nper-rank logs: {log_dir}"
         raise WorkerFailure(message, rank, details=details, log_dir=log_dir) from None
     except SignalException as err:

@@ -64,9 +64,7 @@ def train_runs(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    """Full weights of the latest checkpoint of a run directory."""
-    from pathlib import Path
+    """Full weights of the latest checkpoint of a run directory (read from its shards)."""
+    from .checkpoint.loading import load_model
 
-    from .checkpoint.state import find_latest, load_state
-
-    return load_state(find_latest(Path(run_dir) / "checkpoints"))["weights"]
+    return {n: p.detach() for n, p in load_model(run_dir).named_parameters()}

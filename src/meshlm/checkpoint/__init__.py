@@ -1,5 +1,7 @@
-"""Checkpoints: whole training state on disk, and loading a plain model back."""
+"""Checkpoints: sharded, layout-free training state on disk, and loading a plain model back."""
 
-from .state import CheckpointError, find_latest, load_state, save_state
+from .sharded import ShardedCheckpoint, validate
+from .state import CheckpointError, find_latest, latest_valid, prune, step_dir
 
-__all__ = ["CheckpointError", "find_latest", "load_state", "save_state"]
+__all__ = ["CheckpointError", "ShardedCheckpoint", "find_latest", "latest_valid", "prune",
+           "step_dir", "validate"]

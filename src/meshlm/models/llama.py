@@ -127,6 +127,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def build_buffers(self, device: torch.device | str) -> None:
+        """The rotary tables on ``device`` (a model built on the meta device has none yet)."""
+        if self.rope_cos.is_meta or self.rope_cos.device != torch.device(device):
+            cos, sin = rope_tables(self.cfg.hd, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
         if s > self.cfg.max_seq_len:

@@ -5,15 +5,25 @@ Order (torchtitan's): tensor/sequence parallel -> pipeline split -> activation r
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
 returned owns gradients and the optimizer.
+
+Shard-only construction: ``model`` may be built on the meta device (shapes only). Tensor
+parallelism and the pipeline split then cut specs and drop modules without touching values,
+and each rank materialises only what it keeps, read from a value ``source`` (the seed's initial
+values, a checkpoint, a Hugging Face folder): its tp slices of its stages' parameters, or under
+ZeRO-3 only its flat shards. Peak while building: this rank's share, plus one global parameter
+for initial values (drawn whole, then cut).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..config import ParallelSection, TrainSection
 from ..distributed.comm import Comm
-from ..distributed.spec import attach_specs
+from ..distributed.source import TensorSource, assign, read_local
+from ..distributed.spec import attach_specs, spec_of
 from ..models.llama import Transformer
 from .data import DDPEngine
 from .engine import Engine, LocalEngine
@@ -32,19 +42,43 @@ class Parallelized:
     pipe: PipelineModel | None  # None at pp = 1
 
 
+def materialize(model: Transformer, source: TensorSource | None, device: torch.device) -> None:
+    """Give every meta parameter its values -- this rank's slice, read from ``source`` -- and
+    build the model's non-persistent buffers on ``device``."""
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.is_meta:
+            continue
+        seen.add(id(p))
+        if source is None:
+            raise ValueError(f"parameter {name} is on the meta device and no value source "
+                             "was given")
+        spec = spec_of(p)
+        assign(p, read_local(source, spec, 0, p.numel(), device).view(spec.shape))
+    model.build_buffers(device)
+
+
 def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
-                train: TrainSection) -> Parallelized:
-    """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp."""
+                train: TrainSection, source: TensorSource | None = None) -> Parallelized:
+    """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp.
+
+    ``source``: values of a model built on the meta device (see module docstring).
+    """
     attach_specs(model, comm.mesh)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)
+    device = comm.mesh.device()
     if parallel.zero == 3:
         # under a pipeline, parameters stay gathered for the step and gradients are reduced
         # once after the last micro-batch (as FSDP2 with pipelining does)
-        engine: Engine = Zero3Engine(model, train, comm, keep_gathered=pipelined)
-    elif parallel.zero in (1, 2):
+        model.build_buffers(device)
+        engine: Engine = Zero3Engine(model, train, comm, keep_gathered=pipelined,
+                                     source=source)
+        return Parallelized(engine, tp, pipe)
+    materialize(model, source, device)
+    if parallel.zero in (1, 2):
         # under a pipeline, gradients are reduced once after the last micro-batch, so ZeRO-2
         # holds them whole during the step like ZeRO-1 (Megatron's distributed optimizer)
         stage = 1 if pipelined else parallel.zero
@@ -56,4 +90,4 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     return Parallelized(engine, tp, pipe)
 
 
-__all__ = ["Engine", "Parallelized", "parallelize"]
+__all__ = ["Engine", "Parallelized", "materialize", "parallelize"]

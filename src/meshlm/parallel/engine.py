@@ -2,9 +2,10 @@
 
 An engine owns the gradients' life cycle and the optimizer: it decides when gradients are
 communicated during backward (``set_sync``), completes the reductions (``finish_grads``), clips
-by the global norm, steps AdamW and clears gradients. It also converts its state to and from
-the layout-free checkpoint format -- the plain model's ``state_dict`` names and the AdamW state
-dict of a one-process run -- so a checkpoint written by any layout loads into any other.
+by the global norm, steps AdamW and clears gradients. For checkpoints it lists what it holds
+(:meth:`Engine.held`: the weights in memory) and what it owns (:meth:`Engine.owned`: ranges of
+parameters whose AdamW moments live here), each as a flat range of a parameter's local tensor
+described by its shard spec -- so a checkpoint written by any layout loads into any other.
 
 :class:`LocalEngine` (one data-parallel rank): no communication; memory 4Ψ weights, 4Ψ
 gradients, 8Ψ Adam moments (fp32).
@@ -12,7 +13,7 @@ gradients, 8Ψ Adam moments (fp32).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,7 +21,6 @@ from torch import nn
 from ..config import TrainSection
 from ..distributed.comm import Comm
 from ..distributed.spec import ShardSpec, attach_specs, norm_axes, spec_of
-from ..models.weights import check_weights
 from ..optim import build_optimizer, canonical_params, set_lr
 from ..precision import Precision
 
@@ -32,6 +32,22 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes([v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
                for s in optimizer.state.values())
+
+
+@dataclass
+class Owned:
+    """The flat range ``[lo, hi)`` of one parameter's local tensor whose optimizer state this
+    rank holds: ``weight`` is a 1-D view of those weights, ``key`` the tensor AdamW steps for it
+    (its state's key in ``optimizer.state``)."""
+
+    spec: ShardSpec
+    lo: int
+    hi: int
+    weight: torch.Tensor
+    key: torch.Tensor
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class Engine:
@@ -66,12 +82,33 @@ class Engine:
         """Bytes this rank holds in parameters, gradients and optimizer states."""
         raise NotImplementedError
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(full weights by name, one-process AdamW state dict) -- on every rank."""
+    # -- checkpoints ------------------------------------------------------------------------
+    def owned(self) -> list[Owned]:
+        """Ranges of parameters whose optimizer state this rank holds (each element of every
+        parameter is owned by exactly one rank per copy)."""
         raise NotImplementedError
 
-    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
-        raise NotImplementedError
+    def held(self) -> list[tuple[ShardSpec, int, int, torch.Tensor]]:
+        """(spec, lo, hi, 1-D view) of every weight range this rank keeps in memory."""
+        return [(o.spec, o.lo, o.hi, o.weight) for o in self.owned()]
+
+    def moments(self, o: Owned) -> dict[str, torch.Tensor] | None:
+        """AdamW moments of an owned range as 1-D tensors (None before the first step)."""
+        state = self.optimizer.state.get(o.key)
+        return {k: state[k].reshape(-1) for k in MOMENTS} if state else None
+
+    def adam_step(self) -> int:
+        """Optimizer steps taken (every parameter's AdamW step count is the same)."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
+
+    def set_moments(self, o: Owned, step: int, values: dict[str, torch.Tensor]) -> None:
+        """Install AdamW state for an owned range (1-D tensors of ``hi - lo`` elements)."""
+        self.optimizer.state[o.key] = {
+            "step": torch.tensor(float(step)),
+            **{k: values[k].to(o.key.device).view(o.key.shape).clone() for k in MOMENTS}}
 
 
 def clip_by_global_norm(pairs: list[tuple[ShardSpec, torch.Tensor]], max_norm: float,
@@ -133,34 +170,5 @@ class LocalEngine(Engine):
             "optim": optimizer_state_bytes(self.optimizer),
         }
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        weights = {n: p.detach() for n, p, _ in canonical_params(self.model)}
-        return weights, self.optimizer.state_dict()
-
-    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
-        load_weights(self.model, weights)
-        self.optimizer.load_state_dict(optim)
-        apply_hyperparameters(self.optimizer, self.cfg)
-
-
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainSection) -> None:
-    """The config's AdamW settings win over a checkpoint's (groups: decayed, not decayed)."""
-    for group, decay in zip(optimizer.param_groups, (cfg.weight_decay, 0.0), strict=False):
-        group.update(weight_decay=decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into a model holding full parameters, checking names and shapes."""
-    params = {n: p for n, p, _ in canonical_params(model)}
-    check_weights({n: tuple(p.shape) for n, p in params.items()}, weights)
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name])
-
-
-def adamw_template(model: nn.Module, cfg: TrainSection, lr: float) -> list[dict[str, Any]]:
-    """param_groups of the one-process AdamW state dict (hyper-parameters + indices)."""
-    groups = build_optimizer(model, cfg).state_dict()["param_groups"]
-    for g in groups:
-        g["lr"] = lr
-    return groups
+    def owned(self) -> list[Owned]:
+        return [Owned(spec_of(p), 0, p.numel(), p.detach().view(-1), p) for p in self.params]

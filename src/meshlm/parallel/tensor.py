@@ -24,7 +24,6 @@ Per micro-batch, the loss adds 3 all-reduces of ``b s`` fp32 values (max, target
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +33,9 @@ from ..distributed.comm import Comm
 from ..distributed.spec import set_spec, spec_of
 from ..models.llama import RMSNorm, Transformer
 from ..models.moe import MoE, SwiGLU
-from ..optim import canonical_params
 from .tensor_comm import (
     AXIS,
     copy_to_tp,
-    gather_dim,
     gather_last,
     gather_seq,
     gather_seq_two_ways,
@@ -169,7 +166,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, st
 
 @dataclass
 class TensorParallel:
-    """What a tensor-parallel model needs beyond its modules: loss, logits, checkpoints."""
+    """What a tensor-parallel model needs beyond its modules: the loss and whole logits."""
 
     comm: Comm
     sp: bool
@@ -188,38 +185,6 @@ class TensorParallel:
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return gather_last(logits, self.comm)[..., : self.vocab_size]
-
-    # -- checkpoints: full tensors <-> this rank's shards (read from the shard specs) ----------
-    def gather_tensor(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        spec = spec_of(p)
-        for axis, dim in spec.shards:
-            if axis == AXIS:  # (padding beyond the global size dropped)
-                return gather_dim(t, dim, self.comm).narrow(dim, 0, spec.global_shape[dim])
-        return t
-
-    def shard_tensor(self, t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
-        return spec_of(p).take(t).contiguous()
-
-    def _map_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
-                   optim: dict[str, Any], fn) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # noqa: ANN001
-        params = {n: p for n, p, _ in canonical_params(model)}
-        order = list(params)
-        new_w = {n: fn(t, params[n]) for n, t in weights.items()}
-        state = {}
-        for i, s in optim.get("state", {}).items():
-            p = params[order[int(i)]]
-            state[i] = {k: (fn(v, p) if k in ("exp_avg", "exp_avg_sq") else v)
-                        for k, v in s.items()}
-        return new_w, {"state": state, "param_groups": optim["param_groups"]}
-
-    def gather_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
-                     optim: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This rank's shards -> the full tensors of a one-process run."""
-        return self._map_state(model, weights, optim, self.gather_tensor)
-
-    def shard_state(self, model: nn.Module, weights: dict[str, torch.Tensor],
-                    optim: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return self._map_state(model, weights, optim, self.shard_tensor)
 
 
 def _region_hooks(module: nn.Module, comm: Comm, sp: bool) -> None:

@@ -23,23 +23,22 @@ stage 2 -- 4Ψ + 4Ψ/n + 8Ψ/n (plus two transient buckets during backward).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
-from ..distributed.spec import ParamGroup, attach_specs, norm_axes, reduction_groups, spec_of
-from ..optim import adamw, canonical_params, decayed, set_lr
-from ..precision import Precision
-from .engine import (
-    Engine,
-    adamw_template,
-    clip_by_global_norm,
-    load_weights,
-    optimizer_state_bytes,
+from ..distributed.spec import (
+    ParamGroup,
+    ShardSpec,
+    attach_specs,
+    norm_axes,
+    reduction_groups,
+    spec_of,
 )
+from ..optim import adamw, decayed, set_lr
+from ..precision import Precision
+from .engine import Engine, Owned, clip_by_global_norm, optimizer_state_bytes
 from .flat import FlatGroup, split_by_size, unique_trainable
 
 
@@ -91,51 +90,14 @@ class ShardedAdamW:
     def state_bytes(self) -> int:
         return optimizer_state_bytes(self.optimizer)
 
-    # -- layout-free checkpoint format -------------------------------------------------
-    def full_state(self, lr: float) -> dict[str, Any]:
-        """The one-process AdamW state dict, gathered from every rank's shards."""
-        per_name: dict[str, dict[str, torch.Tensor]] = {}
-        step = None
-        for gi, g in enumerate(self.groups):
-            fulls = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                shard = torch.zeros(g.shard_size, dtype=torch.float32,
-                                    device=self.shard_params[gi].device)
-                s0, _ = g.shard_range(self.ranks[gi])
-                for pgi, _, lo, hi, t in self.pieces:
-                    st = self.optimizer.state.get(t)
-                    if pgi == gi and st:
-                        shard[lo - s0 : hi - s0] = st[key]
-                        step = st["step"]
-                full = torch.empty(g.padded, dtype=torch.float32, device=shard.device)
-                self.comm.all_gather(full, shard, g.axis)
-                fulls[key] = g.views(full)
-            for i, name in enumerate(g.names):
-                per_name[name] = {k: fulls[k][i].clone() for k in fulls}
-        groups = adamw_template(self.model, self.cfg, lr)
-        order = [n for n, _, _ in canonical_params(self.model)]
-        state = {}
-        # (every rank joins: one with no piece of any parameter has no step of its own)
-        step_val = float(self.comm.max_scalar(float(step) if step is not None else 0.0))
-        if step_val > 0:
-            for idx, name in enumerate(order):
-                state[idx] = {"step": torch.tensor(step_val), **per_name[name]}
-        return {"state": state, "param_groups": groups}
-
-    def load_full_state(self, optim: dict[str, Any]) -> None:
-        order = [n for n, _, _ in canonical_params(self.model)]
-        state = {order[int(i)]: s for i, s in optim["state"].items()}
-        for gi, idx, lo, hi, t in self.pieces:
-            name = self.groups[gi].names[idx]
-            if name not in state:
-                continue
-            a, _ = self.groups[gi].span(idx)
-            s = state[name]
-            self.optimizer.state[t] = {
-                "step": s["step"].clone().float(),
-                "exp_avg": s["exp_avg"].reshape(-1)[lo - a : hi - a].clone(),
-                "exp_avg_sq": s["exp_avg_sq"].reshape(-1)[lo - a : hi - a].clone(),
-            }
+    def owned(self) -> list[Owned]:
+        """Every piece this rank steps, as a flat range of its parameter's local tensor."""
+        out = []
+        for gi, index, lo, hi, t in self.pieces:
+            g = self.groups[gi]
+            a, _ = g.span(index)
+            out.append(Owned(spec_of(g.params[index]), lo - a, hi - a, t.detach(), t))
+        return out
 
 
 class ZeroEngine(Engine):
@@ -267,10 +229,10 @@ class ZeroEngine(Engine):
             "optim": self.opt.state_bytes(),
         }
 
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        weights = {n: p.detach() for n, p, _ in canonical_params(self.model)}
-        return weights, self.opt.full_state(self.optimizer.param_groups[0]["lr"])
+    def owned(self) -> list[Owned]:
+        return self.opt.owned()
 
-    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
-        load_weights(self.model, weights)  # parameters are views: the buffers are filled
-        self.opt.load_full_state(optim)
+    def held(self) -> list[tuple[ShardSpec, int, int, torch.Tensor]]:
+        """Whole (local) parameters: every dp rank keeps them (views of the flat buffers)."""
+        return [(spec_of(p), 0, p.numel(), p.detach().view(-1))
+                for g in self.groups for p in g.params]

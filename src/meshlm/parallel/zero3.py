@@ -23,6 +23,8 @@ Per step, one 8-byte all-reduce of the squared gradient norm (clipping by the gl
 Memory per rank: (4 + 4 + 8) Ψ / n bytes, plus the full parameters of at most two layers and
 the root unit while they compute. Under bf16 autocast, each layer's bf16 weight copies are kept
 for its backward until that backward runs (about 2 Ψ_layers bytes more at the peak).
+Construction from meta parameters (shard-only) holds the shards plus one piece being read (and,
+for initial values, one global parameter: see ``InitSource``); the model is never whole.
 """
 
 from __future__ import annotations
@@ -34,32 +36,42 @@ from torch import nn
 
 from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
-from ..distributed.spec import ParamGroup, attach_specs, reduction_groups
-from ..models.weights import check_weights
-from ..optim import canonical_params
+from ..distributed.source import TensorSource, assign, read_local
+from ..distributed.spec import ParamGroup, attach_specs, reduction_groups, spec_of
 from ..precision import Precision
-from .engine import Engine
+from .engine import Engine, Owned
 from .flat import FlatGroup, unique_trainable
 from .zero import ShardedAdamW
 
 
-def _empty_like(p: torch.Tensor) -> torch.Tensor:
-    """Zero-size stand-in with the same ndim, dtype and device (keeps ndim-based logic working)."""
-    return torch.empty((0,) * p.dim(), dtype=p.dtype, device=p.device)
-
-
 class Unit:
-    """One sharded unit: its flat layout, shard, gradient shard and gather state."""
+    """One sharded unit: its flat layout, shard, gradient shard and gather state.
 
-    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], axis: str, comm: Comm
-                 ) -> None:
+    The shard is filled piece by piece -- from the parameters when they hold values, else
+    (meta parameters: shard-only construction) from ``source`` -- so building a unit never
+    needs its whole parameters.
+    """
+
+    def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], axis: str, comm: Comm,
+                 source: TensorSource | None = None) -> None:
         self.name, self.axis = name, axis
         n, rank = comm.size(axis), comm.rank(axis)
         self.group = FlatGroup([p for _, p in named], [nm for nm, _ in named], n, axis)
         self.shapes = [p.shape for p in self.group.params]
-        full = self.group.flatten([p.detach() for p in self.group.params])
         s0, s1 = self.group.shard_range(rank)
-        self.shard = full[s0:s1].clone()
+        device = comm.mesh.device()
+        self.shard = torch.zeros(s1 - s0, dtype=torch.float32, device=device)
+        for pc in self.group.pieces(rank):
+            p = self.group.params[pc.index]
+            a, _ = self.group.span(pc.index)
+            if p.is_meta:
+                if source is None:
+                    raise ValueError(f"{self.group.names[pc.index]} is on the meta device and "
+                                     "no value source was given")
+                values = read_local(source, spec_of(p), pc.lo - a, pc.hi - a, device)
+            else:
+                values = p.detach().reshape(-1)[pc.lo - a : pc.hi - a]
+            self.shard[pc.lo - s0 : pc.hi - s0] = values
         self.grad_shard = torch.zeros_like(self.shard)
         self.full: torch.Tensor | None = None
         self.handle: Handle | None = None
@@ -68,8 +80,9 @@ class Unit:
 
     def free(self) -> None:
         self.full, self.handle = None, None
-        for p in self.group.params:
-            p.data = _empty_like(p)
+        for p in self.group.params:  # zero-size stand-ins keep ndim-based logic working
+            assign(p, torch.empty((0,) * p.dim(), dtype=self.shard.dtype,
+                                  device=self.shard.device))
 
     def start_gather(self, comm: Comm) -> None:
         if self.full is not None:
@@ -87,7 +100,7 @@ class Unit:
 
 
 def _units(name: str, named: list[tuple[str, nn.Parameter]], comm: Comm,
-           groups: dict[int, str] | None) -> list[Unit]:
+           groups: dict[int, str] | None, source: TensorSource | None) -> list[Unit]:
     """One unit per reduction group among ``named`` (``groups``: parameter id -> axis)."""
     if groups is None:
         split = reduction_groups(named)
@@ -96,17 +109,20 @@ def _units(name: str, named: list[tuple[str, nn.Parameter]], comm: Comm,
         for n, p in named:
             split.setdefault(groups[id(p)], ParamGroup(groups[id(p)])).named.append((n, p))
         split = list(split.values())
-    return [Unit(name, g.named, g.axis, comm) for g in split]
+    return [Unit(name, g.named, g.axis, comm, source) for g in split]
 
 
 class Zero3Engine(Engine):
     """Fully sharded data parallelism, each parameter over its group's axis (module docstring)."""
 
     def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm,
-                 keep_gathered: bool = False, groups: list[ParamGroup] | None = None) -> None:
+                 keep_gathered: bool = False, groups: list[ParamGroup] | None = None,
+                 source: TensorSource | None = None) -> None:
         """``keep_gathered``: pipeline mode -- parameters are gathered once per step
         (:meth:`gather_all`) and gradients reduce-scattered once, after the last micro-batch.
-        ``groups``: reduction groups (default: by each parameter's shard spec)."""
+        ``groups``: reduction groups (default: by each parameter's shard spec).
+        ``source``: values of meta parameters (shard-only construction: each rank reads only
+        its shard's pieces)."""
         self.model, self.cfg, self.comm = model, cfg, comm
         attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
         self.keep = keep_gathered
@@ -116,10 +132,11 @@ class Zero3Engine(Engine):
         root = [(n, p) for n, p in unique_trainable(list(model.named_parameters()))
                 if id(p) not in in_block]
         # (a middle pipeline stage has no root parameters: it has no root unit)
-        self.root = _units("root", root, comm, axis_of)
+        self.root = _units("root", root, comm, axis_of, source)
         self.units = [
             _units(f"layers.{k}", unique_trainable(
-                [(f"layers.{k}.{n}", p) for n, p in blk.named_parameters()]), comm, axis_of)
+                [(f"layers.{k}.{n}", p) for n, p in blk.named_parameters()]), comm, axis_of,
+                source)
             for k, blk in blocks
         ]
         self._unit_of: dict[int, Unit] = {}
@@ -265,23 +282,5 @@ class Zero3Engine(Engine):
             "optim": self.opt.state_bytes(),
         }
 
-    # -- layout-free checkpoint format ----------------------------------------------------
-    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        weights: dict[str, torch.Tensor] = {}
-        for u in self.all_units:
-            full = torch.empty(u.group.padded, dtype=u.shard.dtype, device=u.shard.device)
-            self.comm.all_gather(full, u.shard, u.axis)
-            for name, v in zip(u.group.names, u.group.views(full), strict=True):
-                weights[name] = v.clone()
-        order = [n for n, _, _ in canonical_params(self.model)]
-        weights = {n: weights[n] for n in order}
-        return weights, self.opt.full_state(self.optimizer.param_groups[0]["lr"])
-
-    def load_full_state(self, weights: dict[str, torch.Tensor], optim: dict[str, Any]) -> None:
-        check_weights({n: tuple(shape) for u in self.all_units
-                       for n, shape in zip(u.group.names, u.shapes, strict=True)}, weights)
-        for u in self.all_units:
-            full = u.group.flatten([weights[n] for n in u.group.names])
-            s0, s1 = u.group.shard_range(self.comm.rank(u.axis))
-            u.shard.copy_(full[s0:s1])
-        self.opt.load_full_state(optim)
+    def owned(self) -> list[Owned]:
+        return self.opt.owned()

@@ -22,6 +22,39 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
+class PhasePeaks:
+    """Peak memory of this process per phase (construction, load, steps, save).
+
+    :meth:`measure` reads the peak since the previous call and resets it -- the CUDA
+    allocator's peak on GPU; on Linux the kernel's peak RSS (``VmHWM``, reset through
+    ``/proc/self/clear_refs``). Where that reset is not available the peaks are cumulative.
+    With ``comm`` the largest rank's value is kept (a collective: every rank must call).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phases: dict[str, int] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def measure(self, phase: str, comm: Any = None) -> int:
+        peak = peak_memory_bytes(self.device)
+        if comm is not None and comm.mesh.world_size > 1:
+            peak = int(comm.max_scalar(float(peak)))
+        self.phases[phase] = max(self.phases.get(phase, 0), peak)
+        self.reset()
+        return peak
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file (empty list if it does not exist)."""
     p = Path(path)

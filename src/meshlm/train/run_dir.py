@@ -1,17 +1,29 @@
 """The run directory: chosen once, never overwritten, and the files that describe the run.
 
-``resolve_run_dir`` picks the directory (default ``runs/<preset>-<timestamp>``) and refuses a
-non-empty one unless resuming; ``agree_run_dir`` does that on rank 0 and broadcasts the choice
-(or the error) to every rank, so ranks that parsed the config themselves under torchrun agree
-on one directory. ``write_run_files`` writes ``config.toml``, ``tokenizer.json`` and
-``env.json`` (versions, git commit, layout). Communication: one object broadcast at start-up.
+``resolve_run_dir`` picks the directory (default ``runs/<preset>-<timestamp>``) and checks it
+against ``run.resume``: ``false`` needs an empty (or new) directory; ``true`` needs a complete
+checkpoint in it; ``auto`` resumes when there is one and otherwise starts at step 0, also over
+the files of a run that died before its first checkpoint. Resuming, or starting over such
+files, needs a compatible ``config.toml`` (same model, data, seed and global batch). In a worker
+group that torch's elastic agent restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, under torchrun or
+meshlm's launcher) ``false`` is read as ``auto``, so the new group continues from the latest
+checkpoint of the run the first group started.
+
+``agree_run_dir`` does that on rank 0 and broadcasts the choice (or the error) to every rank, so
+ranks that parsed the config themselves under torchrun agree on one directory and on whether to
+resume. ``write_run_files`` writes ``config.toml``, ``tokenizer.json`` and ``env.json``
+(versions, git commit, layout). Communication: at start-up, one all-reduce (the largest restart
+count) and one object broadcast. Memory: none to speak of; the checks read ``config.toml`` and
+look through ``checkpoints/``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,35 +31,107 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..checkpoint.state import find_latest
+from ..checkpoint import latest_valid
 from ..config import Config, ConfigError, load_config, to_toml
 from ..data.tokenizer import Tokenizer
 from ..distributed.comm import Comm
 
+Log = Callable[[str], None]
 
-def resolve_run_dir(cfg: Config) -> Path:
-    """The run directory; refuses to reuse a non-empty one unless resuming."""
+# Set by torch's elastic agent in every worker: how many times the worker group was restarted.
+RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+
+def restart_count(env: Mapping[str, str] = os.environ) -> int:
+    """How many times the elastic agent restarted this worker group (0: the first start)."""
+    try:
+        return max(0, int(env.get(RESTART_COUNT_VAR, "") or 0))
+    except ValueError:
+        return 0
+
+
+def effective_resume(cfg: Config, log: Log = print, restarts: int | None = None) -> str:
+    """``run.resume`` as this process applies it: ``false`` reads as ``auto`` after a restart
+    (``restarts``: the group's restart count; None -> :func:`restart_count` of this process)."""
+    mode = cfg.run.resume
+    restarts = restart_count() if restarts is None else restarts
+    if mode == "false" and restarts > 0:
+        log(f"run.resume=false read as auto: the worker group was restarted ({restarts}), "
+            "so it continues from the latest checkpoint of the run, if there is one")
+        return "auto"
+    return mode
+
+
+def _latest_checkpoint(run_dir: Path, log: Log) -> Path | None:
+    """The newest complete, valid checkpoint of the run (damaged ones are skipped and logged)."""
+    root = run_dir / "checkpoints"
+    return latest_valid(root, log=log) if root.is_dir() else None
+
+
+def _holds_files(run_dir: Path) -> bool:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.dir={str(run_dir)!r} is a file, not a directory")
+    return run_dir.is_dir() and any(run_dir.iterdir())
+
+
+def plan_run_dir(cfg: Config, log: Log = print, restarts: int | None = None
+                 ) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None to start at step 0); see the module
+    docstring for the rules. Sets ``run.dir`` when it was left empty; raises ConfigError when
+    the directory cannot be used. ``restarts`` as in :func:`effective_resume`."""
+    restarts = restart_count() if restarts is None else restarts
     if not cfg.run.dir:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.run.dir = str(Path("runs") / f"{cfg.model.preset}-{stamp}")
+        if restarts > 0:
+            log(f"run.dir is not set: the restarted worker group starts a new run in {cfg.run.dir}"
+                " (set run.dir to continue the same run after a restart)")
     run_dir = Path(cfg.run.dir).expanduser()
-    if cfg.run.resume:
-        if find_latest(run_dir / "checkpoints") is None:
-            raise ConfigError(f"run.resume=true but {run_dir} holds no checkpoint to resume from")
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(
-            f"run.dir={str(run_dir)!r} already holds files; pass --run.resume=true to continue "
-            "that run or choose another run.dir"
-        )
-    return run_dir
+    mode = effective_resume(cfg, log, restarts)
+    if mode == "false":
+        if _holds_files(run_dir):
+            raise ConfigError(
+                f"run.dir={str(run_dir)!r} already holds files; pass --run.resume=true (or auto) "
+                "to continue that run or choose another run.dir"
+            )
+        return run_dir, None
+    latest = _latest_checkpoint(run_dir, log)
+    if latest is not None:
+        check_resume_compatible(cfg, run_dir)
+        return run_dir, latest
+    if mode == "true":
+        raise ConfigError(f"run.resume=true but {run_dir} holds no complete checkpoint to resume "
+                          "from (run.resume=auto starts at step 0 then)")
+    if _holds_files(run_dir):
+        if not (run_dir / "config.toml").is_file():
+            raise ConfigError(f"run.resume=auto: {run_dir} holds files but no config.toml, so it "
+                              "is not a meshlm run; choose another run.dir")
+        check_resume_compatible(cfg, run_dir)
+        log(f"run.resume=auto: {run_dir} holds no complete checkpoint; starting at step 0")
+    return run_dir, None
+
+
+def resolve_run_dir(cfg: Config, log: Log = print) -> Path:
+    """The run directory, checked against ``run.resume`` (see :func:`plan_run_dir`)."""
+    return plan_run_dir(cfg, log)[0]
 
 
 def check_resume_compatible(cfg: Config, run_dir: Path) -> None:
-    """The saved run must have the same model, data order and batch as the new config."""
-    saved = load_config(run_dir / "config.toml", check_paths=False)
+    """The saved run must have the same model, data order and batch as the new config.
+
+    A directory without ``config.toml`` has nothing to compare with and passes.
+    """
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        return
+    saved = load_config(path, check_paths=False)
     for key in ("model", "data"):
-        if getattr(saved, key) != getattr(cfg, key):
-            raise ConfigError(f"run.resume: [{key}] differs from the saved config of {run_dir}")
+        old, new = getattr(saved, key), getattr(cfg, key)
+        if old != new:
+            diff = [f"{key}.{name}: saved {getattr(old, name)!r}, now {getattr(new, name)!r}"
+                    for name in vars(old) if getattr(old, name) != getattr(new, name)]
+            raise ConfigError(f"run.resume: [{key}] differs from the saved config of {run_dir} "
+                              f"({'; '.join(diff)})")
     for key in ("seed", "global_batch"):
         if getattr(saved.train, key) != getattr(cfg.train, key):
             raise ConfigError(
@@ -75,17 +159,23 @@ def environment() -> dict[str, Any]:
     }
 
 
-def agree_run_dir(cfg: Config, comm: Comm) -> Path:
-    """Rank 0 checks the run dir (and a resumed run's config); every rank gets its path."""
-    error = ""
+def agree_run_dir(cfg: Config, comm: Comm, log: Log = print) -> Path:
+    """Rank 0 checks the run dir and decides whether to resume; every rank gets both.
+
+    Afterwards ``cfg.run.resume`` is the decision on every rank: ``"true"`` when the run
+    continues from the latest checkpoint in ``run.dir``, ``"false"`` when it starts at step 0.
+    The restart count is the largest of all ranks' (on several nodes, only the agent whose
+    workers failed counts a restart; the others restart theirs as a change of membership).
+    """
+    error, mode = "", cfg.run.resume
+    restarts = int(comm.max_scalar(float(restart_count())))
     if comm.mesh.is_logging_rank:
         try:
-            run_dir = resolve_run_dir(cfg)
-            if cfg.run.resume:
-                check_resume_compatible(cfg, run_dir)
+            _, checkpoint = plan_run_dir(cfg, log, restarts)
+            mode = "false" if checkpoint is None else "true"
         except ConfigError as e:
             error = str(e)
-    cfg.run.dir, error = comm.broadcast_object([cfg.run.dir, error])
+    cfg.run.dir, cfg.run.resume, error = comm.broadcast_object([cfg.run.dir, mode, error])
     if error:
         raise ConfigError(error)
     return Path(cfg.run.dir).expanduser()

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,34 +24,34 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..checkpoint.state import (
-    CheckpointError,
-    find_latest,
-    load_state,
+from ..checkpoint.sharded import (
+    ShardedCheckpoint,
+    check_model,
+    load_into,
     restore_rng,
-    save_state,
-    step_dir,
+    save_checkpoint,
 )
+from ..checkpoint.state import CheckpointError, latest_valid
 from ..config import Config, resolve_world, to_toml
 from ..data import DataBundle, build_data
 from ..data.sampler import StepSampler, val_batches
 from ..distributed.comm import Comm, CommLog
+from ..distributed.faults import kill_if_asked
 from ..distributed.mesh import Mesh
+from ..distributed.source import InitSource, TensorSource
 from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..optim import lr_at
 from ..parallel import parallelize
 from ..parallel.engine import Engine
-from ..parallel.state import gather_full_state, load_full_state
 from ..parallel.tensor import TensorParallel
 from ..precision import Precision
-from .metrics import MetricsWriter, peak_memory_bytes
+from .metrics import MetricsWriter, PhasePeaks
 from .peak import peak_flops
 from .pipelined import PipelineRunner
 from .progress import ProgressLine
 from .run_dir import (
     agree_run_dir,
-    check_resume_compatible,
     environment,
     resolve_run_dir,
     write_run_files,
@@ -99,14 +99,10 @@ class Trainer:
         self.main = self.mesh.is_logging_rank
         self.log = log if self.main else _quiet
         self.show_progress = progress and self.main
-        self.run_dir = agree_run_dir(cfg, self.comm)
+        self.run_dir = agree_run_dir(cfg, self.comm, log=self.log)
         self.data = self.build_data()
-        self.model_cfg = cfg.model_config(vocab_size=self.data.tokenizer.vocab_size)
-        self.model: Transformer = build_model(self.model_cfg, cfg.train.seed, self.device)
-        self.engine: Engine
-        self.tp: TensorParallel | None
-        par = parallelize(self.model, self.comm, cfg.parallel, cfg.train)
-        self.engine, self.tp, self.pipe = par.engine, par.tp, par.pipe
+        self.memory = PhasePeaks(self.device)
+        self.build_model()
         self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
         self.precision = Precision(cfg.precision.dtype, self.device.type)
         self.pipeline = (PipelineRunner(cfg, self.pipe, self.engine, self.tp, self.comm,
@@ -123,8 +119,7 @@ class Trainer:
         self.step = 0
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
-        if cfg.run.resume:
-            self.load_checkpoint(find_latest(self.run_dir / "checkpoints"))
+        self.resume()
         self.peak, self.peak_source = peak_flops(
             self.device, cfg.precision.dtype, cfg.train.peak_flops
         )
@@ -144,6 +139,61 @@ class Trainer:
             data = build_data(self.cfg.data, log=_quiet)
         return data
 
+    def build_model(self) -> None:
+        """Shard-only construction: the model on the meta device, parallelised, then each rank
+        materialises only its own shards -- initial values from (seed, name), or the slices
+        of ``model.init_from`` (a Hugging Face folder or a meshlm checkpoint)."""
+        cfg = self.cfg
+        init, vocab = self.open_init_from()
+        self.model_cfg = cfg.model_config(vocab_size=vocab)
+        self.model: Transformer = build_model(self.model_cfg, device="meta")
+        self.param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        source: TensorSource = (init if init is not None else
+                                InitSource(self.model_cfg, cfg.train.seed, self.param_shapes))
+        if isinstance(init, ShardedCheckpoint):
+            check_model(init, self.param_shapes)
+            source = init.source("weight")
+        self.engine: Engine
+        self.tp: TensorParallel | None
+        par = parallelize(self.model, self.comm, cfg.parallel, cfg.train, source=source)
+        self.engine, self.tp, self.pipe = par.engine, par.tp, par.pipe
+        if isinstance(init, ShardedCheckpoint):
+            init.close()
+        del source, init
+        self.memory.measure("construction", self.comm)
+
+    def open_init_from(self) -> tuple[object | None, int]:
+        """(source of ``model.init_from`` or None, vocabulary size of the model)."""
+        path, vocab = self.cfg.model.init_from, self.data.tokenizer.vocab_size
+        if not path:
+            return None, vocab
+        from ..checkpoint.loading import is_hf_folder, resolve_checkpoint
+
+        p = Path(path).expanduser()
+        if is_hf_folder(p):
+            from ..checkpoint.hf import HFSource
+
+            init: object = HFSource(p)
+        else:
+            init = ShardedCheckpoint(resolve_checkpoint(p))
+        size = init.shape("tok_embeddings.weight")[0]
+        if vocab > size:
+            raise CheckpointError(f"model.init_from={path}: its vocabulary has {size} tokens, "
+                                  f"the tokenizer {vocab}")
+        return init, size
+
+    def resume(self) -> None:
+        """Load the latest valid checkpoint when ``agree_run_dir`` decided to resume (it settles
+        ``run.resume`` to "true" or "false" on every rank: auto mode and restarts included)."""
+        if self.cfg.run.resume != "true":
+            return
+        root = self.run_dir / "checkpoints"
+        directory = latest_valid(root, log=_quiet)  # (rank 0 already reported damaged ones)
+        if directory is None:
+            raise CheckpointError(f"run.resume=true: no complete checkpoint in {root}")
+        self.load_checkpoint(directory)
+        self.memory.measure("load", self.comm)
+
     def log_startup(self) -> None:
         mc, c = self.model_cfg, self.cfg
         env = environment()
@@ -157,6 +207,8 @@ class Trainer:
                  f"micro-batch {c.train.micro_batch}, accumulation {c.grad_accum}")
         self.log(f"peak {self.peak / 1e9:.1f} GFLOP/s per rank ({self.peak_source})")
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {self.step}" if self.step else ""))
+        self.log("peak memory of the largest rank: " + ", ".join(
+            f"{k} {v / 2**20:,.0f} MiB" for k, v in self.memory.phases.items()))
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[float, float]:
@@ -212,39 +264,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Gather the layout-free state on every rank; rank 0 writes it."""
-        weights, optim = gather_full_state(self.engine, self.tp, self.pipe, self.comm,
-                                           self.cfg.train)
-        directory = step_dir(self.run_dir / "checkpoints", self.step)
-        if self.main:
-            state = {"step": self.step, "sampler": self.sampler.state_dict(),
-                     "tokens_seen": self.step * self.tokens_per_step,
-                     "layout": self.mesh.describe()}
-            save_state(directory, weights, optim, state,
-                       {"config.toml": to_toml(self.cfg),
-                        "tokenizer.json": self.run_dir / "tokenizer.json"},
-                       self.precision.state_dict())
-        self.comm.barrier()
+        """Every rank writes the shards it owns (no gather); see ``checkpoint.sharded``."""
+        state = {"sampler": self.sampler.state_dict(), "model": asdict(self.model_cfg),
+                 "tokens_seen": self.step * self.tokens_per_step,
+                 "layout": self.mesh.describe(), "scaler": self.precision.state_dict()}
+        directory = save_checkpoint(
+            self.run_dir / "checkpoints", self.step, self.engine, self.comm, state,
+            {"config.toml": to_toml(self.cfg), "tokenizer.json": self.run_dir / "tokenizer.json"},
+            keep=self.cfg.checkpoint.keep)
+        self.memory.measure("save", self.comm)
         return directory
 
-    def load_checkpoint(self, directory: Path | None) -> None:
-        if directory is None:
-            raise CheckpointError(f"no checkpoint in {self.run_dir / 'checkpoints'}")
-        state = load_state(directory)
-        weights, optim = state["weights"], state["optimizer"]
-        try:
-            load_full_state(self.engine, self.tp, self.pipe, self.cfg.train, weights, optim)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint {directory}: {e}") from None
-        self.sampler.load_state_dict(state["trainer"]["sampler"])
-        self.precision.load_state_dict(state["scaler"])
-        restore_rng(state["rng"])
-        self.step = int(state["trainer"]["step"])
+    def load_checkpoint(self, directory: Path) -> None:
+        """This rank's slices of weights and moments, sampler, scaler and RNG states."""
+        with ShardedCheckpoint(directory) as ckpt:
+            check_model(ckpt, self.param_shapes)
+            load_into(ckpt, self.engine, self.device)
+            self.sampler.load_state_dict(ckpt.trainer["sampler"])
+            self.precision.load_state_dict(ckpt.trainer.get("scaler", {}))
+            rng = ckpt.rng(self.mesh.rank)
+            if rng is not None:
+                restore_rng(*rng)
+            self.step = int(ckpt.trainer["step"])
 
     # ------------------------------------------------------------------ loop
     def is_eval_step(self, step: int) -> bool:
         every = self.cfg.train.eval_every
         return every > 0 and (step == 1 or step % every == 0 or step == self.cfg.train.steps)
+
+    def is_save_step(self, step: int) -> bool:
+        every = self.cfg.train.checkpoint_every
+        return bool(every and step % every == 0) or step == self.cfg.train.steps
 
     def record(self, step: int, loss: float, grad_norm: float, dt: float) -> dict[str, Any]:
         tps = self.tokens_per_step / dt
@@ -252,7 +302,7 @@ class Trainer:
         return {
             "step": step, "loss": loss, "lr": lr_at(step, self.cfg.train), "grad_norm": grad_norm,
             "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * self.mesh.world_size),
-            "step_time_s": dt, "mem_peak_bytes": peak_memory_bytes(self.device),
+            "step_time_s": dt, "mem_peak_bytes": self.memory.measure("steps"),
             "tokens_seen": step * self.tokens_per_step,
             "params_bytes": mem["params"], "grads_bytes": mem["grads"], "optim_bytes": mem["optim"],
             "comm_bytes": self.comm.log.bytes_by_op(),
@@ -276,18 +326,24 @@ class Trainer:
                 loss, grad_norm = self.train_step(step)
                 dt = time.perf_counter() - t0
                 self.step = step
+                kill_if_asked("MESHLM_FAULT_KILL_AT_STEP", step, self.mesh.rank,
+                              self.mesh.world_size)  # (tests)
                 rec = self.record(step, loss, grad_norm, dt)
-                if self.mesh.world_size > 1:
+                if self.mesh.world_size > 1:  # the largest rank's peak
                     rec["mem_peak_bytes"] = int(self.comm.max_scalar(rec["mem_peak_bytes"]))
+                if step == start + 1:  # this process's start-up peaks, once
+                    rec.update({f"mem_{k}_bytes": v for k, v in self.memory.phases.items()
+                                if k != "steps"})
                 if self.is_eval_step(step):
                     rec["val_loss"] = result.val_losses[step] = self.evaluate()
+                if self.is_save_step(step):
+                    self.save_checkpoint()
+                    rec["mem_save_bytes"] = self.memory.phases["save"]
                 if writer is not None:
                     writer.write(rec)
                 result.losses[step] = loss
                 recent = (recent + [dt])[-20:]
                 bar.update(rec, eta_s=sum(recent) / len(recent) * (cfg.steps - step))
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
         finally:
             bar.close()
             if writer is not None:
@@ -295,9 +351,6 @@ class Trainer:
         result.final_step = self.step
         if self.pipeline is not None:
             self.write_timeline()
-        every = cfg.checkpoint_every
-        if not (every and self.step % every == 0 and self.step > start):  # (decided alike
-            self.save_checkpoint()  # on every rank: no file-system test)
         return result
 
     def write_timeline(self) -> None:
@@ -320,9 +373,7 @@ class Trainer:
 
 def prepare_launch(cfg: Config, log: Log = print) -> None:
     """Checks done once in the launching process: run dir (never overwritten) and data."""
-    run_dir = resolve_run_dir(cfg)
-    if cfg.run.resume:
-        check_resume_compatible(cfg, run_dir)
+    resolve_run_dir(cfg, log=log)  # (with the resume checks)
     build_data(cfg.data, log=log)  # cached now, so workers only read it
 
 
