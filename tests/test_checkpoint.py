@@ -313,3 +313,19 @@ def test_nothing_is_unpickled(small_run: Path, tiny_args: list[str], tmp_path: P
         assert out.returncode == 0, out.stderr
     load_model(tmp_path / "hf")
     assert not marker.exists()
+
+
+def test_memory_is_reported_per_phase(small_run: Path, tiny_args: list[str]) -> None:
+    from meshlm.train.metrics import read_metrics
+
+    logs: list[str] = []
+    train(load_config(None, tiny_args + ["--train.steps=6", "--train.checkpoint_every=2",
+                                         "--run.resume=true"]), log=logs.append, progress=False)
+    records = {r["step"]: r for r in read_metrics(small_run / "metrics.jsonl")}
+    assert sorted(records) == list(range(1, 7))
+    assert records[1]["mem_construction_bytes"] > 0 and "mem_load_bytes" not in records[1]
+    assert records[5]["mem_construction_bytes"] > 0 and records[5]["mem_load_bytes"] > 0
+    assert {s for s, r in records.items() if "mem_save_bytes" in r} == {2, 4, 6}
+    assert all(r["mem_peak_bytes"] > 0 for r in records.values())
+    assert any(m.startswith("peak memory at construction") for m in logs), logs
+    assert any(m.startswith("peak memory at load") for m in logs), logs

@@ -53,11 +53,13 @@ from ..models.hf_config import (  # noqa: F401 - re-exported
     SINGLE_FILE,
     _architecture,
     _hf_dict,
-    _read_json,
     _rope_theta,
     hf_config_from_model,
     is_hf_folder,
     model_config_from_hf,
+)
+from ..models.hf_config import (
+    _read_json as _read_config_json,
 )
 from .source import TensorSource
 from .state import CheckpointError
@@ -179,6 +181,14 @@ def _box_shape(box: tuple[slice, ...]) -> tuple[int, ...]:
     return tuple(len(range(s.start, s.stop, s.step)) for s in box)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; CheckpointError naming the file otherwise."""
+    try:
+        return _read_config_json(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 class HFSource:
     """TensorSource over an HF folder: meshlm names in, fp32 boxes out (see module docstring).
 
@@ -193,7 +203,10 @@ class HFSource:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path} is not a folder")
         self.hf_config = _read_json(self.path / CONFIG_FILE)
-        self.cfg = cfg if cfg is not None else model_config_from_hf(self.hf_config)
+        try:
+            self.cfg = cfg if cfg is not None else model_config_from_hf(self.hf_config)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path / CONFIG_FILE}: {e}") from None
         self._handles: dict[Path, Any] = {}
         self._file_of, self._hf_shape = self._scan_files()
         self._shapes: dict[str, tuple[int, ...]] = {}

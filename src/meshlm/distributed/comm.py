@@ -149,16 +149,6 @@ class Comm:
             p2p.append(dist.P2POp(fn, t, dist.get_global_rank(group, peer), group=group))
         return dist.batch_isend_irecv(p2p)
 
-    def all_gather_object(self, obj: object, axis: str) -> list:
-        """Every rank's ``obj`` along ``axis``, in axis order (pickled in memory, between ranks;
-        for assembling checkpoints, not for the training step). Logged with purpose "state"."""
-        if self.size(axis) == 1:
-            return [obj]
-        self.log.add("all_gather_object", axis, torch.empty(0), purpose="state")
-        out: list = [None] * self.size(axis)
-        dist.all_gather_object(out, obj, group=self.mesh.group(axis))
-        return out
-
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """``obj`` of world rank ``src`` on every rank (start-up decisions, not training)."""
         if not self.mesh.distributed:

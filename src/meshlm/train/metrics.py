@@ -28,12 +28,14 @@ class PhasePeaks:
     :meth:`measure` reads the peak since the previous call and resets it -- the CUDA
     allocator's peak on GPU; on Linux the kernel's peak RSS (``VmHWM``, reset through
     ``/proc/self/clear_refs``). Where that reset is not available the peaks are cumulative.
-    With ``comm`` the largest rank's value is kept (a collective: every rank must call).
+    With ``comm`` every rank's value is gathered (a collective: every rank must call):
+    ``phases`` keeps the largest, ``per_rank`` all of them.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.phases: dict[str, int] = {}
+        self.per_rank: dict[str, list[int]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -47,12 +49,17 @@ class PhasePeaks:
             pass
 
     def measure(self, phase: str, comm: Any = None) -> int:
-        peak = peak_memory_bytes(self.device)
+        peaks = [peak_memory_bytes(self.device)]
         if comm is not None and comm.mesh.world_size > 1:
-            peak = int(comm.max_scalar(float(peak)))
-        self.phases[phase] = max(self.phases.get(phase, 0), peak)
+            mine = torch.tensor([float(peaks[0])], dtype=torch.float64,
+                                device=comm.mesh.device())
+            every = torch.empty(comm.mesh.world_size, dtype=torch.float64, device=mine.device)
+            comm.all_gather(every, mine, "world")
+            peaks = [int(x) for x in every.tolist()]
+        self.per_rank[phase] = peaks
+        self.phases[phase] = max(self.phases.get(phase, 0), max(peaks))
         self.reset()
-        return peak
+        return max(peaks)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -12,8 +12,10 @@ Memory per rank: weights + gradients + Adam moments = 16 bytes per parameter in 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -207,8 +209,9 @@ class Trainer:
                  f"micro-batch {c.train.micro_batch}, accumulation {c.grad_accum}")
         self.log(f"peak {self.peak / 1e9:.1f} GFLOP/s per rank ({self.peak_source})")
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {self.step}" if self.step else ""))
-        self.log("peak memory of the largest rank: " + ", ".join(
-            f"{k} {v / 2**20:,.0f} MiB" for k, v in self.memory.phases.items()))
+        for phase, peaks in self.memory.per_rank.items():
+            self.log(f"peak memory at {phase}: largest rank {max(peaks) / 2**20:,.0f} MiB "
+                     f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in peaks)} MiB)")
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[float, float]:
@@ -382,8 +385,27 @@ def run_worker(cfg: Config) -> TrainResult:
     return train(cfg)
 
 
+def pin_malloc_mmap_threshold(nbytes: int = 128 * 1024) -> None:
+    """Fix glibc's mmap threshold at ``nbytes`` (no-op off glibc).
+
+    By default glibc raises the threshold after each large free (up to 32 MiB), so per-layer
+    buffers -- ZeRO-3's gathered parameters and gradient flats, activations -- come from the
+    brk heap, whose holes are never returned: the peak RSS then grows step after step (dp=4
+    ZeRO-3, 81 M parameters: 1,824 -> 2,210 MiB over 8 steps, live tensors flat). Fixed, every
+    buffer above ``nbytes`` is mmapped and returned on free: the peak is flat from step 2.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # another C library
+        return
+    libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD (also ends the dynamic adjustment)
+
+
 def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
     """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0."""
+    pin_malloc_mmap_threshold()
     if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
     trainer = Trainer(cfg, log=log, progress=progress)
