@@ -14,6 +14,11 @@ the padded unit); the full parameters exist only while the unit computes:
 A layer whose parameters belong to several reduction groups (shard spec ``reduce_axis``) is
 split into one unit per group, each sharded and reduced over its own axis.
 
+Freeing resizes the storage of the unit's one full buffer to zero (as FSDP2 does) instead of
+dropping the buffer: the weight views autograd saves in forward would otherwise keep every
+freed layer's gathered parameters alive until its backward -- the whole model at the end of
+forward. Re-gathering fills the same storage, so those views see it again in backward.
+
 The root unit is gathered once per micro-batch and kept until its backward ends (it is used at
 both ends of the forward). Evaluation (no grad) frees every unit after its forward.
 
@@ -73,30 +78,39 @@ class Unit:
                 values = p.detach().reshape(-1)[pc.lo - a : pc.hi - a]
             self.shard[pc.lo - s0 : pc.hi - s0] = values
         self.grad_shard = torch.zeros_like(self.shard)
-        self.full: torch.Tensor | None = None
+        # One full buffer per unit, whose *storage* is resized to 0 when freed and back when
+        # gathered (FSDP2's trick): the parameters stay views of it, and so do the weight views
+        # autograd saved in forward -- they see the re-gathered values in backward and do not
+        # keep freed layers alive in between.
+        self.full = torch.empty(self.group.padded, dtype=self.shard.dtype, device=device)
+        self._nbytes = self.full.untyped_storage().nbytes()
+        for p, v in zip(self.group.params, self.group.views(self.full), strict=True):
+            assign(p, v)
         self.handle: Handle | None = None
+        self.gathered = True
         self.ready = 0
         self.free()
 
     def free(self) -> None:
-        self.full, self.handle = None, None
-        for p in self.group.params:  # zero-size stand-ins keep ndim-based logic working
-            assign(p, torch.empty((0,) * p.dim(), dtype=self.shard.dtype,
-                                  device=self.shard.device))
+        if self.handle is not None:  # (never free storage a collective is writing into)
+            self.handle.wait()
+            self.handle = None
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
 
     def start_gather(self, comm: Comm) -> None:
-        if self.full is not None:
+        if self.gathered:
             return
-        self.full = torch.empty(self.group.padded, dtype=self.shard.dtype, device=self.shard.device)
-        self.handle = comm.all_gather(self.full, self.shard, self.axis, async_op=True)
+        self.full.untyped_storage().resize_(self._nbytes)
+        # into .data: filling the buffer must not bump the version counter autograd checks
+        self.handle = comm.all_gather(self.full.data, self.shard, self.axis, async_op=True)
+        self.gathered = True
 
     def wait_gathered(self, comm: Comm) -> None:
         self.start_gather(comm)
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
-            for p, v in zip(self.group.params, self.group.views(self.full), strict=True):
-                p.data = v
 
 
 def _units(name: str, named: list[tuple[str, nn.Parameter]], comm: Comm,
