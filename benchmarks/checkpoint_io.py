@@ -11,7 +11,11 @@ AdamW moments after one optimizer step, and write weights + both moments:
 - torch FSDP2: the model built whole, ``fully_shard`` on every decoder layer then the root,
   ``torch.optim.AdamW``; saved with ``torch.distributed.checkpoint.save`` of
   ``get_state_dict(model, optimizer)`` (each rank writes ``__R_0.distcp``, the coordinator
-  ``.metadata``), loaded with ``dcp.load`` into fresh state dicts + ``set_state_dict``.
+  ``.metadata``), loaded with ``dcp.load`` into fresh state dicts + ``set_state_dict``. DCP's
+  ``FileSystemWriter`` fsyncs every file by default (``sync_files=True``), as meshlm's save
+  does (files, then the directory before its rename); DCP runs twice in its world,
+  alternating: as by default (the like-for-like row the ratios use) and with
+  ``sync_files=False``.
 
 Times are collective: from a barrier to the end of the operation on the slowest rank (a
 barrier after it). Bytes: the file each rank writes. Each world runs ``--reps`` save + load
@@ -47,7 +51,7 @@ MODELS: dict[str, list[str]] = {
     "300M": ["--model.n_layers=24", "--model.dim=1024", "--model.n_heads=16",
              "--model.n_kv_heads=16", "--model.ffn_hidden=2816"],
 }
-IMPLS = ("meshlm-zero3", "torch-fsdp2-dcp")
+REF = "torch-fsdp2-dcp"  # the ratios' reference (fsync, as meshlm)
 
 
 def config(model: str):  # noqa: ANN201
@@ -127,7 +131,7 @@ def meshlm_side(model_name: str, root: Path, reps: int) -> dict[str, Any]:
             "params": mc.num_params()}
 
 
-def torch_side(model_name: str, root: Path, reps: int) -> dict[str, Any]:
+def torch_side(model_name: str, root: Path, reps: int) -> dict[str, dict[str, Any]]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -147,31 +151,36 @@ def torch_side(model_name: str, root: Path, reps: int) -> dict[str, Any]:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    saves, loads, sizes = [], [], []
+    out: dict[str, dict[str, Any]] = {}
     for rep in range(reps):
-        ckpt_dir = root / f"torch-{rep}"
+        for impl, sync in (("torch-fsdp2-dcp", True), ("torch-fsdp2-dcp-nosync", False)):
+            ckpt_dir = root / f"{impl}-{rep}"
 
-        def save(d: Path = ckpt_dir) -> None:
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d))
+            def save(d: Path = ckpt_dir, sync: bool = sync) -> None:
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd},
+                         storage_writer=dcp.FileSystemWriter(str(d), sync_files=sync))
 
-        def load(d: Path = ckpt_dir) -> None:
-            msd, osd = get_state_dict(model, opt)
-            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d))
-            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+            def load(d: Path = ckpt_dir) -> None:
+                msd, osd = get_state_dict(model, opt)
+                dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d))
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
-        saves.append(timed(save))
-        sizes.append(sum(p.stat().st_size for p in ckpt_dir.glob(f"__{rank}_*.distcp")))
-        loads.append(timed(load))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(ckpt_dir)
-    return {"save_s": saves, "load_s": loads, "bytes": sizes[-1], "params": mc.num_params()}
+            r = out.setdefault(impl, {"save_s": [], "load_s": [], "params": mc.num_params()})
+            r["save_s"].append(timed(save))
+            r["bytes"] = sum(p.stat().st_size for p in ckpt_dir.glob(f"__{rank}_*.distcp"))
+            r["load_s"].append(timed(load))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(ckpt_dir)
+    return out
 
 
-def worker(impl: str, model_name: str, root: str, reps: int) -> dict[str, Any]:
-    side = meshlm_side if impl == "meshlm-zero3" else torch_side
-    return side(model_name, Path(root), reps)
+def worker(side: str, model_name: str, root: str, reps: int) -> dict[str, dict[str, Any]]:
+    """{implementation: times and bytes} of one side on this rank."""
+    if side == "meshlm":
+        return {"meshlm-zero3": meshlm_side(model_name, Path(root), reps)}
+    return torch_side(model_name, Path(root), reps)
 
 
 def main() -> None:
@@ -184,18 +193,20 @@ def main() -> None:
     rows = []
     try:
         for model in a.models:
-            for impl in IMPLS:
-                res = run_world(WORLD, worker, impl, model, str(tmp / f"{model}-{impl}"),
+            for side in ("meshlm", "torch"):
+                res = run_world(WORLD, worker, side, model, str(tmp / f"{model}-{side}"),
                                 a.reps, timeout=1800.0)
-                row = {"model": model, "params": res[0]["params"], "impl": impl,
-                       "save_s": statistics.median(res[0]["save_s"]),
-                       "load_s": statistics.median(res[0]["load_s"]),
-                       "save_runs_s": res[0]["save_s"], "load_runs_s": res[0]["load_s"],
-                       "bytes_per_rank": [r["bytes"] for r in res]}
-                rows.append(row)
-                print(f"{model} {impl}: save {row['save_s']:.2f} s, load {row['load_s']:.2f} s, "
-                      f"{max(row['bytes_per_rank']) / MIB:.1f} MiB on the largest rank",
-                      flush=True)
+                for impl in res[0]:
+                    row = {"model": model, "params": res[0][impl]["params"], "impl": impl,
+                           "save_s": statistics.median(res[0][impl]["save_s"]),
+                           "load_s": statistics.median(res[0][impl]["load_s"]),
+                           "save_runs_s": res[0][impl]["save_s"],
+                           "load_runs_s": res[0][impl]["load_s"],
+                           "bytes_per_rank": [r[impl]["bytes"] for r in res]}
+                    rows.append(row)
+                    print(f"{model} {impl}: save {row['save_s']:.2f} s, load "
+                          f"{row['load_s']:.2f} s, {max(row['bytes_per_rank']) / MIB:.1f} MiB "
+                          "on the largest rank", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nworld {WORLD} (gloo, 1 thread/rank), fp32 weights + AdamW moments, median of "
@@ -203,7 +214,7 @@ def main() -> None:
     print("| model | implementation | save (s) | load (s) | bytes per rank (MiB) | "
           "save ratio | load ratio |")
     print("|---|---|---|---|---|---|---|")
-    ref = {r["model"]: r for r in rows if r["impl"] == "torch-fsdp2-dcp"}
+    ref = {r["model"]: r for r in rows if r["impl"] == REF}
     for r in rows:
         t = ref.get(r["model"])
         mine = r["impl"] == "meshlm-zero3" and t is not None
@@ -216,7 +227,7 @@ def main() -> None:
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "world": WORLD, "rows": rows}, indent=1))
-    print(f"ratios: meshlm / torch FSDP2 + DCP; wrote {out}")
+    print(f"ratios: meshlm / {REF} (DCP with fsync, as meshlm's save); wrote {out}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ nothing but ``safe_open(...).get_slice``: any layout, ``meshlm.load_model`` and 
 export read the same files.
 
 Atomic: the directory is written as ``step_NNNNNNN.tmp`` and renamed by rank 0 after a barrier
-that every rank reaches only once its file is on disk; ``checkpoint.keep`` prunes old ones.
+that every rank reaches only once its file is fsynced (rank 0 flushes the rest and the
+directory before the rename, the parent after it); ``checkpoint.keep`` prunes old ones.
 
 Communication: two barriers per save, none per load. Memory: each rank's pieces are copied
 once to CPU while its file is written (its shards, never more); a load reads only the boxes
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 from collections.abc import Callable
@@ -121,7 +123,17 @@ def write_rank_file(directory: Path, rank: int, engine: Engine, mesh: Mesh) -> P
     meta = {"pieces": pieces, "shapes": shapes, "rng": rng_scalars}
     path = directory / rank_file(rank)
     save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta)})
+    _fsync(path)
     return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or directory to disk (a rename is durable only after its contents are)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _file_meta(path: Path) -> dict[str, Any]:
@@ -171,9 +183,14 @@ def save_checkpoint(root: Path, step: int, engine: Engine, comm: Comm,
                 shutil.copyfile(src, tmp / name)
             else:
                 (tmp / name).write_text(src)
+        for f in tmp.iterdir():
+            if not f.name.startswith("rank_"):  # (rank files were flushed by their writers)
+                _fsync(f)
+        _fsync(tmp)
         if final.exists():  # (re-saving a step: the old copy goes only now)
             shutil.rmtree(final)
         tmp.rename(final)
+        _fsync(root)
         prune(root, keep)
     comm.barrier()
     return final

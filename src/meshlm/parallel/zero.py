@@ -5,7 +5,8 @@ owns shard r of every bucket and runs AdamW on that shard only (:class:`ShardedA
 the step, each bucket's parameters are all-gathered from the shards.
 
 - **Stage 1** keeps full gradient buckets; on the last micro-batch each bucket is reduce-scattered
-  as soon as backward finishes it (overlapped, as DDP's all-reduce), into the owner's shard.
+  as soon as backward finishes it (overlapped, as DDP's all-reduce), into the owner's shard;
+  at most two reduce-scatters are in flight (gloo holds a transient of ~1.25x each input).
 - **Stage 2** keeps only the gradient shard: every micro-batch's bucket is copied into a
   transient buffer as its gradients arrive and reduce-scattered at once (at most two buckets
   in flight), and the result is accumulated into the shard.
@@ -134,6 +135,7 @@ class ZeroEngine(Engine):
         self.ready = [0] * len(self.groups)
         self.transient: list[torch.Tensor | None] = [None] * len(self.groups)
         self.inflight: list[tuple[int, Handle, torch.Tensor]] = []
+        self.launched: set[int] = set()  # buckets reduce-scattered since the last finish_grads
         self.zero_grad()
 
     def set_sync(self, sync: bool) -> None:
@@ -169,7 +171,8 @@ class ZeroEngine(Engine):
         self.inflight.append((gi, self.comm.reduce_scatter(out, source, g.axis, async_op=True),
                               out))
         self.transient[gi] = None
-        while self.stage == 2 and len(self.inflight) > 2:  # bound transient memory
+        self.launched.add(gi)
+        while len(self.inflight) > 2:  # bound transient memory (gloo holds ~1.25x the input)
             self._complete(self.inflight.pop(0))
 
     def _complete(self, item: tuple[int, Handle, torch.Tensor]) -> None:
@@ -182,7 +185,7 @@ class ZeroEngine(Engine):
 
     def finish_grads(self) -> None:
         for gi in range(len(self.groups)):
-            if self.ready[gi] or (self.stage == 1 and not any(x[0] == gi for x in self.inflight)):
+            if self.ready[gi] or (self.stage == 1 and gi not in self.launched):
                 src = self.grad_bufs[gi] if self.stage == 1 else self.transient[gi]
                 if src is not None:  # parameters without gradient: reduce what there is
                     self._launch(gi, src)
@@ -191,6 +194,7 @@ class ZeroEngine(Engine):
         for g, grad in zip(self.groups, self.shard_grads, strict=True):
             if g.n_shards > 1:
                 grad.div_(g.n_shards)
+        self.launched = set()
 
     # -- step --------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
