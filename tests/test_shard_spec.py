@@ -34,7 +34,8 @@ def tiling_rank(overrides: list[str]) -> dict:
     from meshlm.config import load_config
     from meshlm.distributed.comm import Comm
     from meshlm.distributed.mesh import Mesh
-    from meshlm.distributed.spec import init_local, spec_of
+    from meshlm.distributed.source import InitSource, read_local
+    from meshlm.distributed.spec import spec_of
     from meshlm.models.llama import build_model
     from meshlm.parallel import parallelize
 
@@ -53,7 +54,8 @@ def tiling_rank(overrides: list[str]) -> dict:
         a, _ = group.span(index)
         assert spec.flat == (lo - a, hi - a), (spec.name, spec.flat, lo - a, hi - a)
         expect = spec.take(reference[spec.name]).reshape(-1)[lo - a: hi - a]
-        init = init_local(spec, mc, cfg.train.seed).reshape(-1)[lo - a: hi - a]
+        init = read_local(InitSource(mc, cfg.train.seed, {spec.name: spec.global_shape}), spec,
+                          lo - a, hi - a)
         canonical = all(mesh.local_rank(x) == 0 for x in spec.replicated)
         # (plain lists: tensors do not survive the queue once the rank process exits)
         out.append({"name": spec.name, "owned": _owned_indices(spec, lo - a, hi - a).tolist(),

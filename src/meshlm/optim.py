@@ -66,17 +66,3 @@ def lr_at(step: int, cfg: TrainSection) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def optimizer_state_by_name(model: nn.Module, optim: dict) -> dict[str, dict]:
-    """{parameter name: AdamW state} of a state dict in :func:`canonical_params` order."""
-    names = [n for n, _, _ in canonical_params(model)]
-    return {names[int(i)]: s for i, s in optim.get("state", {}).items()}
-
-
-def optimizer_state_from_names(model: nn.Module, by_name: dict[str, dict],
-                               param_groups: list[dict]) -> dict:
-    """The AdamW state dict of ``model`` (canonical order) from per-name states."""
-    names = [n for n, _, _ in canonical_params(model)]
-    state = {i: by_name[n] for i, n in enumerate(names) if n in by_name}
-    return {"state": state, "param_groups": param_groups}

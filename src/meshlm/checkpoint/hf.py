@@ -9,7 +9,7 @@ stacked along dim 0 by meshlm (``feed_forward.experts.w1``, 3-D).
 - :func:`model_config_from_hf` / :func:`hf_config_from_model`: config.json <-> ModelConfig,
   refusing (``ValueError`` naming the field) whatever the other side cannot express.
 - :func:`hf_name` / :func:`meshlm_name`: parameter names both ways.
-- :class:`HFSource`: a :class:`~meshlm.checkpoint.source.TensorSource` over an HF folder.
+- :class:`HFSource`: a :class:`~meshlm.distributed.source.TensorSource` over an HF folder.
 - :func:`write_hf`: an HF folder from any TensorSource.
 
 Files written by transformers 5.x: ``save_pretrained`` reverts its in-memory Mixtral layout
@@ -39,6 +39,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..distributed.boxes import Box
+from ..distributed.source import TensorSource
 from ..models.config import ModelConfig
 from ..models.hf_config import (  # noqa: F401 - re-exported
     _ARCH_OF_MODEL_TYPE,
@@ -61,7 +62,6 @@ from ..models.hf_config import (  # noqa: F401 - re-exported
 from ..models.hf_config import (
     _read_json as _read_config_json,
 )
-from .source import TensorSource
 from .state import CheckpointError
 
 _GLOBAL = {

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ..models.config import ModelConfig
-from ..models.llama import initial_value
 from .mesh import Mesh
 
 ATTR = "_meshlm_spec"
@@ -85,12 +83,6 @@ class ShardSpec:
         out = full.new_zeros(self.shape)
         out[self.valid()] = full[self.global_slices()]
         return out
-
-
-def init_local(spec: ShardSpec, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """This rank's slice of the parameter's initial value: the global tensor a one-process
-    run draws from (seed, name), cut by the spec (zero padding)."""
-    return spec.take(initial_value(cfg, spec.name, spec.global_shape, seed))
 
 
 def spec_of(p: torch.Tensor) -> ShardSpec:
