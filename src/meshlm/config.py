@@ -106,6 +106,7 @@ class ParallelSection:
     pp_virtual: int = 1
     pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
     cp: int = 1
+    cp_attention: str = "zigzag"  # zigzag | ring | ulysses (context-parallel attention)
     ep: int = 1
     zero: int = 0
     bucket_mb: float = 25.0  # gradient bucket size of DDP and ZeRO-1/2
@@ -401,14 +402,12 @@ def training_problems(cfg: Config, layout: Layout, model_cfg: ModelConfig | None
                       ) -> list[str]:
     """Why meshlm's trainer cannot run ``layout`` with the rest of ``cfg`` (empty: it can).
 
-    What this version supports (no context or expert parallelism, no fp16 loss scaling with
+    What this version supports (no expert parallelism, no fp16 loss scaling with
     sharded states), then :meth:`Layout.problems` with the trainer's rules, named by config key.
     """
-    unsupported = [f"parallel.{k}={getattr(layout, k)}" for k in ("cp", "ep")
-                   if getattr(layout, k) > 1]
-    if unsupported:
-        return [f"{', '.join(unsupported)}: context and expert parallelism are not available in "
-                "this version (data, tensor/sequence and pipeline parallelism are)"]
+    if layout.ep > 1:
+        return [f"parallel.ep={layout.ep}: expert parallelism is not available in this version "
+                "(data, tensor/sequence, context and pipeline parallelism are)"]
     out = layout.problems(model_cfg or cfg.model_config(), cfg.data.seq_len,
                           cfg.train.global_batch, trainer=True, keys=CONFIG_KEYS)
     if cfg.precision.dtype == "fp16":

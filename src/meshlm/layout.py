@@ -24,12 +24,13 @@ if TYPE_CHECKING:
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost: rank = row-major index, tp fastest
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+CP_MODES = ("zigzag", "ring", "ulysses")  # context-parallel attention (parallel/context.py)
 RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
 
 _MODEL_KEYS = ("n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "moe_ffn_hidden")
 # Layout fields that are keys of the config's [parallel] section (the rest: see CONFIG_KEYS).
 PARALLEL_KEYS = ("pp", "dp", "cp", "tp", "ep", "sp", "zero", "pp_schedule", "pp_virtual",
-                 "pp_layers")
+                 "pp_layers", "cp_attention")
 CONFIG_KEYS: Mapping[str, str] = {
     **{k: f"parallel.{k}" for k in PARALLEL_KEYS}, "micro_batch": "train.micro_batch",
     "global_batch": "train.global_batch", "seq_len": "data.seq_len",
@@ -53,6 +54,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1  # virtual stages per pipeline rank (interleaved schedule)
     pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
+    cp_attention: str = "zigzag"  # one of CP_MODES (used when cp > 1)
     micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
     recompute: str = "none"  # activation recomputation, one of RECOMPUTE
     # Tensor-parallel collectives decomposed and overlapped with their GEMMs (Wang et al. 2022;
@@ -83,6 +85,8 @@ class Layout:
             ["tp_overlap"] if self.tp_overlap else [])
         parts += [f"pp={self.pp}", f"dp={self.dp}"]
         parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        if self.cp > 1 and self.cp_attention != "zigzag":
+            parts.append(f"cp_attention={self.cp_attention}")
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
         if self.pp > 1:
             parts.append(f"schedule={self.pp_schedule}")
@@ -120,6 +124,9 @@ class Layout:
             out.append(_unknown_schedule(self.pp_schedule, k))
         if self.zero not in (0, 1, 2, 3):
             out.append(f"{k('zero')}={self.zero} must be 0, 1, 2 or 3")
+        if self.cp_attention not in CP_MODES:
+            out.append(f"{k('cp_attention')}={self.cp_attention!r} is not one of "
+                       f"{', '.join(CP_MODES)}")
         if self.recompute not in RECOMPUTE:
             out.append(f"{k('recompute')}={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if gpus_per_node and self.tp > gpus_per_node:
@@ -148,14 +155,22 @@ class Layout:
             shown = (f"{k('seq_len')}={seq_len}" if self.cp == 1
                      else f"{k('seq_len')} / {k.leaf('cp')} = {local}")
             out.append(f"{k('sp')}=true: {shown} is not divisible by {k('tp')}={self.tp}")
-        if self.cp > 1 and seq_len % (2 * self.cp):
+        chunks = 2 * self.cp if self.cp_attention == "zigzag" else self.cp
+        if self.cp > 1 and seq_len % chunks:
+            shown = f"2 * {k.leaf('cp')} (zigzag)" if chunks != self.cp else k.leaf("cp")
             out.append(f"{k('cp')}={self.cp}: {k('seq_len')}={seq_len} is not divisible by "
-                       f"2 * {k.leaf('cp')} (zigzag)")
+                       f"{shown}")
         return out
 
     def _model_problems(self, c: ModelConfig, strict: bool, k: _Names) -> list[str]:
         out = [f"{k('tp')}={self.tp} does not divide {k(key)}={getattr(c, key)}"
                for key in ("n_heads", "n_kv_heads", "ffn_hidden") if getattr(c, key) % self.tp]
+        if self.cp > 1 and self.cp_attention == "ulysses" and not out:
+            out += [f"{k('cp_attention')}=ulysses: {k('cp')}={self.cp} does not divide the "
+                    f"{getattr(c, key) // self.tp} {what} of each tp rank ({k(key)}="
+                    f"{getattr(c, key)} / {k.leaf('tp')}={self.tp}); use zigzag or ring"
+                    for key, what in (("n_heads", "query heads"), ("n_kv_heads", "KV heads"))
+                    if (getattr(c, key) // self.tp) % self.cp]
         if c.is_moe and c.expert_hidden % self.tp:
             out.append(f"{k('tp')}={self.tp} does not divide the expert width "
                        f"{k('moe_ffn_hidden')}={c.expert_hidden}")

@@ -4,7 +4,8 @@ The batch of global step k is a pure function of (seed, k): ``global_batch`` win
 ``seq_len + 1`` tokens at offsets drawn from a generator seeded with ``[seed, k]``. So a
 resumed run continues exactly (only the next step number is state), and every parallel
 layout sees the same data: rank r of dp takes the contiguous rows
-``[r * global/dp, (r + 1) * global/dp)`` and splits them into micro-batches in order.
+``[r * global/dp, (r + 1) * global/dp)`` and splits them into micro-batches in order; under
+context parallelism each cp rank reads only the positions of its share of every row.
 
 Memory: drawing offsets costs ``global_batch`` integers; only the rows a rank needs are read
 from the (memory-mapped) token array, ``micro * (seq_len + 1)`` tokens per micro-batch.
@@ -24,6 +25,16 @@ def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> torch.Ten
     """LongTensor [len(offsets), seq_len + 1]; fancy indexing reads just these tokens."""
     idx = offsets[:, None] + np.arange(seq_len + 1, dtype=np.int64)
     return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+
+
+def _shares(tokens: np.ndarray, offsets: np.ndarray, positions: np.ndarray
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) LongTensors [len(offsets), len(positions)] of the windows at
+    ``offsets``, at the given positions only (a context-parallel share: just these tokens
+    and the ones after them are read)."""
+    idx = offsets[:, None] + positions.astype(np.int64)[None, :]
+    return (torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64)),
+            torch.from_numpy(np.asarray(tokens[idx + 1], dtype=np.int64)))
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
@@ -57,11 +68,13 @@ class StepSampler:
         return _windows(self.tokens, self.offsets(step), self.seq_len)
 
     def rank_micro_batches(
-        self, step: int, dp_rank: int, dp_size: int, micro_batch: int
+        self, step: int, dp_rank: int, dp_size: int, micro_batch: int,
+        positions: np.ndarray | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, targets) micro-batches of ``step``, each [micro_batch, seq_len].
 
-        Targets are the inputs shifted left by one token.
+        Targets are the inputs shifted left by one token. ``positions`` (context parallelism):
+        only the tokens at those positions of each sequence, [micro_batch, len(positions)].
         """
         per_rank, rest = divmod(self.global_batch, dp_size)
         if rest or per_rank % micro_batch:
@@ -75,6 +88,9 @@ class StepSampler:
         mine = self.offsets(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         out = []
         for start in range(0, per_rank, micro_batch):
+            if positions is not None:
+                out.append(_shares(self.tokens, mine[start : start + micro_batch], positions))
+                continue
             rows = _windows(self.tokens, mine[start : start + micro_batch], self.seq_len)
             # contiguous: callers may .view() these, and the copy is only micro*seq_len ints.
             out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))

@@ -1,12 +1,13 @@
 """Every collective meshlm issues, over a mesh axis, with an optional communication log.
 
 Collectives are c10d's (gloo on CPU, NCCL on GPU); this module adds nothing to the transport.
-It resolves an axis name ("dp", "tp", "pp", "cp", "world") to the mesh's process group,
+It resolves an axis name ("dp", "tp", "pp", "cp", "dp_cp", "world") to the mesh's process group,
 short-circuits axes of size 1 (no communication at all), and can record each call as
 ``(op, axis, dtype, bytes)`` so tests and the trainer can compare volume with theory.
 
 Byte convention: ``bytes`` is the size of the *full* buffer the collective is about --
-the tensor of an all-reduce, the input of a reduce-scatter, the output of an all-gather --
+the tensor of an all-reduce, the input of a reduce-scatter, the output of an all-gather, the
+input of an all-to-all, the tensor of a send or receive --
 the number the ZeRO paper and the Ultra-Scale Playbook use when they count volume
 (the wire traffic per rank of a ring implementation is ``(n-1)/n`` of it, twice for all-reduce).
 """
@@ -120,6 +121,15 @@ class Comm:
         self.log.add("all_gather", axis, out)
         return _all_gather(
             out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> None:
+        """Block j of ``inp`` (dim 0 split in equal blocks) goes to rank j; ``out``'s block j
+        comes from rank j."""
+        if self.size(axis) == 1:
+            out.copy_(inp)
+            return
+        self.log.add("all_to_all", axis, inp)
+        dist.all_to_all_single(out, inp, group=self.mesh.group(axis))
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
         """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""

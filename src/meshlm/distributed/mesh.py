@@ -6,16 +6,31 @@ built once by ``torch.distributed.device_mesh.init_device_mesh`` and handed arou
 :class:`Mesh` object: no global process groups. Expert parallelism (``ep``) is carved out of the
 dp x cp ranks (Megatron-Core's layout) when it lands.
 
+Composite axes (:data:`COMPOSITE`) join several axes into one group: ``dp_cp`` is every rank
+of this rank's (pp, tp) coordinate, over which the gradients of weights replicated on dp and cp
+are reduced (and ZeRO shards them) when context parallelism is on, as in Megatron-Core. It is
+the dp group itself when cp = 1 (no extra group is made) and the cp group when dp = 1.
+
 A one-process run gets a Mesh with every axis of size 1 and no process groups, so the same
 code path serves the laptop and the cluster.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from ..layout import AXES, CONFIG_KEYS, Layout
+
+# A composite axis -> the axes it joins (its rank: row-major over them, the last fastest).
+COMPOSITE: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
+
+
+def axis_parts(axis: str) -> tuple[str, ...]:
+    """The plain axes an axis name stands for (itself unless composite)."""
+    return COMPOSITE.get(axis, (axis,))
 
 
 class Mesh:
@@ -42,7 +57,24 @@ class Mesh:
                 self._groups[axis] = self.device_mesh.get_group(axis)
             self._groups["world"] = dist.group.WORLD
             self._groups["embed"] = self._embedding_group() if layout.pp > 1 else None
+            self._groups["dp_cp"] = self._data_context_group()
         self.coords = layout.coords(self.rank)
+
+    def _data_context_group(self) -> dist.ProcessGroup | None:
+        """The dp x cp ranks of this rank's (pp, tp) coordinate (the dp or cp group when the
+        other axis has size 1)."""
+        d = self.layout
+        if d.cp == 1 or d.dp == 1:
+            return self._groups["dp" if d.cp == 1 else "cp"]
+        mine = None
+        grid = self.device_mesh.mesh.reshape(d.pp, d.dp * d.cp, d.tp)
+        for pp in range(d.pp):
+            for tp in range(d.tp):
+                ranks = [int(r) for r in grid[pp, :, tp]]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+        return mine
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
         """First and last pipeline stage of this rank's (dp, cp, tp) coordinate.
@@ -62,12 +94,19 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis == "embed":
             return 2 if self._groups.get("embed") is not None else 1
+        if axis in COMPOSITE:
+            return math.prod(getattr(self.layout, a) for a in COMPOSITE[axis])
         return self.world_size if axis == "world" else getattr(self.layout, axis)
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along ``axis``."""
         if axis == "embed":
             return 0 if self.coords["pp"] == 0 else 1
+        if axis in COMPOSITE:
+            rank = 0
+            for a in COMPOSITE[axis]:
+                rank = rank * getattr(self.layout, a) + self.coords[a]
+            return rank
         return self.rank if axis == "world" else self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:

@@ -39,7 +39,7 @@ class ShardSpec:
     shards: tuple[tuple[str, int], ...] = ()  # (axis, dim) pairs that split it
     replicated: tuple[str, ...] = ()  # axes holding identical copies
     tied_axis: str | None = None  # axis whose copies' gradients are summed (tied embeddings)
-    reduce_axis: str = "dp"  # gradients are averaged over this axis (the engine's group)
+    reduce_axis: str = "dp"  # gradients are averaged over this axis (the engine's group; dp_cp)
     flat: tuple[int, int] | None = None  # [lo, hi) of the flattened tensor this rank's optimizer owns
 
     def shard(self, axis: str, dim: int, rank: int, size: int, padded: int | None = None
@@ -106,12 +106,16 @@ def attach_specs(model: nn.Module, mesh: Mesh) -> None:
     """Give every parameter the spec of a whole tensor, replicated on dp, cp and tp.
 
     Names are the one-process model's; a tied parameter gets one spec (its first name).
+    Gradients are averaged over dp, or over dp x cp together (``dp_cp``) when cp > 1: each cp
+    rank's gradient is that of its share of the tokens.
     """
     replicated = tuple(a for a in ("dp", "cp", "tp") if mesh.size(a) > 1)
+    reduce_axis = "dp_cp" if mesh.size("cp") > 1 else "dp"
     for name, p in model.named_parameters():
         if getattr(p, ATTR, None) is None:
             shape = tuple(p.shape)
-            set_spec(p, ShardSpec(name, shape, shape, (0,) * len(shape), replicated=replicated))
+            set_spec(p, ShardSpec(name, shape, shape, (0,) * len(shape), replicated=replicated,
+                                  reduce_axis=reduce_axis))
 
 
 def norm_axes(specs: list[ShardSpec], mesh: Mesh) -> tuple[str, ...]:

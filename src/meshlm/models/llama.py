@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,8 @@ class Attention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of (B, nh, S, hd) queries on (B, nkv, S, hd) keys/values.
 
-        Kept apart so context parallelism can swap in ring attention.
+        Kept apart so context parallelism can swap in ring or all-to-all attention (it sets
+        an instance attribute ``core``).
         """
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
@@ -126,6 +128,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.hd, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Context parallelism sets this: (tokens held, device) -> their global positions, or
+        # None when the tokens are the whole sequence (positions 0 ... n - 1).
+        self.positions: Callable[[int, torch.device], torch.Tensor | None] | None = None
 
     def build_buffers(self, device: torch.device | str) -> None:
         """The rotary tables on ``device`` (a model built on the meta device has none yet)."""
@@ -134,20 +139,34 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        s = input_ids.shape[1]
-        if s > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds max_seq_len {self.cfg.max_seq_len}")
+        s = input_ids.shape[1]  # (a context-parallel share: see ``rope``)
         h = self.tok_embeddings(input_ids)  # (B, S, h)
         return self.head(self.run_layers(h, s))  # (B, S, V)
+
+    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables (cos, sin) of the ``seq_len`` tokens attention sees on this rank:
+        positions 0 ... seq_len - 1, or the global positions of a context-parallel share."""
+        pos = self.positions(seq_len, self.rope_cos.device) if self.positions else None
+        if pos is None:
+            if seq_len > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {seq_len} exceeds max_seq_len "
+                                 f"{self.cfg.max_seq_len}")
+            return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        if int(pos[-1]) >= self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {int(pos[-1]) + 1} (context-parallel share at "
+                             f"positions up to {int(pos[-1])}) exceeds max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        return self.rope_cos[pos], self.rope_sin[pos]
 
     def run_layers(self, h: torch.Tensor, seq_len: int, layer_ids: list[int] | None = None
                    ) -> torch.Tensor:
         """The decoder layers ``layer_ids`` (default: all, in order) on hidden states ``h``.
 
-        ``seq_len`` is the whole sequence's length (``h`` may hold a shard of it): the rotary
-        tables are cut to it. A pipeline stage runs its own layers through this.
+        ``seq_len`` is the number of tokens attention sees on this rank -- the sequence, or a
+        context-parallel share of it (``h`` may hold a sequence-parallel shard of those): the
+        rotary tables are taken at their positions. A pipeline stage runs its layers through this.
         """
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        cos, sin = self.rope(seq_len)
         keys = self.layers.keys() if layer_ids is None else [str(i) for i in layer_ids]
         for key in keys:
             h = self.layers[key](h, cos, sin)

@@ -22,11 +22,16 @@ Memory (one rank, no expert parallelism): ``E * 3 * H * F`` expert weights; acti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+
+# (expert counts) -> (counts summed over the ranks holding shares of the tokens, their number)
+CountReducer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
 
 
 class SwiGLU(nn.Module):
@@ -50,11 +55,20 @@ def route_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return probs, weights, top_idx
 
 
-def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """``E * sum_i f_i * P_i`` (unscaled; see module docstring)."""
+def load_balancing_loss(probs: torch.Tensor, top_idx: torch.Tensor, n_experts: int,
+                        reduce_counts: CountReducer | None = None) -> torch.Tensor:
+    """``E * sum_i f_i * P_i`` (unscaled; see module docstring).
+
+    ``reduce_counts`` (context parallelism) sums the assignment counts over the ranks sharing
+    the sequence and returns how many ranks that is: ``f`` is then the whole sequence's and
+    the mean over those ranks of each one's loss is the whole sequence's loss.
+    """
     t, k = top_idx.shape
-    counts = torch.bincount(top_idx.reshape(-1), minlength=n_experts).to(probs.dtype)
-    f = counts / (t * k)  # fraction of assignments per expert
+    counts = torch.bincount(top_idx.reshape(-1), minlength=n_experts)
+    ranks = 1
+    if reduce_counts is not None:
+        counts, ranks = reduce_counts(counts)
+    f = counts.to(probs.dtype) / (t * k * ranks)  # fraction of assignments per expert
     p = probs.mean(dim=0)  # mean router probability per expert
     return n_experts * (f * p).sum()
 
@@ -103,11 +117,13 @@ class MoE(nn.Module):
         )
         self.last_aux_loss: torch.Tensor | None = None
         self.dispatcher = LocalDispatcher()
+        self.reduce_counts: CountReducer | None = None  # set by context parallelism
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (T, H) -> (weights (T, k), expert ids (T, k)); records the aux loss."""
         probs, weights, top_idx = route_topk(self.router(x), self.topk)
-        self.last_aux_loss = self.coef * load_balancing_loss(probs, top_idx, self.n_experts)
+        self.last_aux_loss = self.coef * load_balancing_loss(probs, top_idx, self.n_experts,
+                                                             self.reduce_counts)
         return weights, top_idx
 
     def combine(self, x: torch.Tensor, weights: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Parallelism applied to a plain model: ``parallelize(model, mesh, comm, config)``.
 
-Order (torchtitan's): tensor/sequence parallel -> pipeline split -> activation recomputation
--> data parallel (DDP or ZeRO-1/2/3). Every parameter first gets a shard spec (the whole tensor,
+Order (torchtitan's): tensor/sequence parallel -> context parallel -> pipeline split ->
+activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1). Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
 returned owns gradients and the optimizer.
@@ -25,6 +25,7 @@ from ..distributed.comm import Comm
 from ..distributed.source import TensorSource, assign, read_local
 from ..distributed.spec import attach_specs, spec_of
 from ..models.llama import Transformer
+from .context import ContextParallel, apply_context_parallel
 from .data import DDPEngine
 from .engine import Engine, LocalEngine
 from .pipeline import PipelineModel
@@ -40,6 +41,7 @@ class Parallelized:
     engine: Engine
     tp: TensorParallel | None  # None at tp = 1
     pipe: PipelineModel | None  # None at pp = 1
+    cp: ContextParallel | None = None  # None at cp = 1
 
 
 def materialize(model: Transformer, source: TensorSource | None, device: torch.device) -> None:
@@ -66,6 +68,8 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     """
     attach_specs(model, comm.mesh)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
+    cp = (apply_context_parallel(model, comm, parallel.cp_attention)
+          if comm.size("cp") > 1 else None)
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)
@@ -76,18 +80,18 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
         model.build_buffers(device)
         engine: Engine = Zero3Engine(model, train, comm, keep_gathered=pipelined,
                                      source=source)
-        return Parallelized(engine, tp, pipe)
+        return Parallelized(engine, tp, pipe, cp)
     materialize(model, source, device)
     if parallel.zero in (1, 2):
         # under a pipeline, gradients are reduced once after the last micro-batch, so ZeRO-2
         # holds them whole during the step like ZeRO-1 (Megatron's distributed optimizer)
         stage = 1 if pipelined else parallel.zero
         engine = ZeroEngine(model, train, comm, stage, parallel.bucket_mb)
-    elif comm.size("dp") > 1:
+    elif comm.size("dp_cp") > 1:
         engine = DDPEngine(model, train, comm, parallel.bucket_mb)
     else:
         engine = LocalEngine(model, train, comm)
-    return Parallelized(engine, tp, pipe)
+    return Parallelized(engine, tp, pipe, cp)
 
 
-__all__ = ["Engine", "Parallelized", "materialize", "parallelize"]
+__all__ = ["ContextParallel", "Engine", "Parallelized", "materialize", "parallelize"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..distributed.mesh import axis_parts
 from ..distributed.spec import spec_of, update_spec
 
 
@@ -36,7 +37,7 @@ class FlatGroup:
     params: list[nn.Parameter]
     names: list[str]
     n_shards: int
-    axis: str = "dp"  # the mesh axis the shards are spread over
+    axis: str = "dp"  # the mesh axis the shards are spread over (dp, or dp_cp)
     offsets: list[int] = field(init=False)
     shapes: list[torch.Size] = field(init=False)  # recorded now: ZeRO-3 later frees the data
     numel: int = field(init=False)  # unpadded
@@ -90,7 +91,7 @@ class FlatGroup:
             mine = (min(max(lo - a, 0), b - a), min(max(hi - a, 0), b - a))
             spec = spec_of(p)
             update_spec(p, flat=mine, replicated=tuple(x for x in spec.replicated
-                                                       if x != self.axis))
+                                                       if x not in axis_parts(self.axis)))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (original shapes) into a flat buffer of this layout."""

@@ -27,16 +27,19 @@ class PipelineRunner:
     def __init__(self, cfg: Config, pipe: PipelineModel, engine: Engine, tp: TensorParallel | None,
                  comm: Comm, loss_fn: Callable, precision: Precision, device: torch.device) -> None:
         self.pipe, self.engine, self.tp, self.comm = pipe, engine, tp, comm
-        self.dim, self.seq_len, self.loss_fn = pipe.model.cfg.dim, cfg.data.seq_len, loss_fn
+        # tokens of a sequence on this rank: its context-parallel share
+        self.seq_len = cfg.data.seq_len // comm.size("cp")
+        self.dim, self.loss_fn = pipe.model.cfg.dim, loss_fn
         p = cfg.parallel
         self.executor = PipelineExecutor(
             pipe, comm, p.pp_schedule, cfg.grad_accum, p.pp_virtual,
-            self.activation_shape(cfg.train.micro_batch, cfg.data.seq_len),
+            self.activation_shape(cfg.train.micro_batch, self.seq_len),
             loss_fn, precision.autocast, device)
         self.bubble = 0.0
 
     def activation_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
-        """Shape of the activations between stages (sequence-sharded under SP)."""
+        """Shape of the activations between stages of ``seq_len`` tokens on this rank (a
+        context-parallel share; sequence-sharded under SP)."""
         sp = self.tp is not None and self.tp.sp
         return (batch, seq_len // self.tp.size if sp else seq_len, self.dim)
 
@@ -62,10 +65,10 @@ class PipelineRunner:
         self.engine.end_forward_only()
         return out
 
-    def eval_loss(self, batch: torch.Tensor) -> float:
-        """Mean loss of ``batch`` (B, S + 1) on every rank of the pipeline."""
-        out = self.forward(batch[:, :-1])
-        loss = float(self.loss_fn(out, batch[:, 1:])) if out is not None else 0.0
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss of (B, S) ``inputs`` and ``targets`` on every rank of the pipeline."""
+        out = self.forward(inputs)
+        loss = float(self.loss_fn(out, targets)) if out is not None else 0.0
         return self.comm.reduce_scalars([loss], "pp")[0]
 
     def logits(self, ids: torch.Tensor, v_local: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..optim import lr_at
 from ..parallel import parallelize
+from ..parallel.context import context_summary
 from ..parallel.engine import Engine
 from ..parallel.tensor import TensorParallel
 from ..precision import Precision
@@ -111,6 +112,9 @@ class Trainer:
                                         self.loss_fn, self.precision, self.device)
                          if self.pipe is not None else None)
         self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        # context parallelism: this rank reads and computes only its share of each sequence
+        self.cp_positions = (self.cp.positions(cfg.data.seq_len) if self.cp is not None
+                             else None)
         self.sampler = StepSampler(
             self.data.train_tokens, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed
         )
@@ -158,7 +162,7 @@ class Trainer:
         self.engine: Engine
         self.tp: TensorParallel | None
         par = parallelize(self.model, self.comm, cfg.parallel, cfg.train, source=source)
-        self.engine, self.tp, self.pipe = par.engine, par.tp, par.pipe
+        self.engine, self.tp, self.pipe, self.cp = par.engine, par.tp, par.pipe, par.cp
         if isinstance(init, ShardedCheckpoint):
             init.close()
         del source, init
@@ -207,6 +211,8 @@ class Trainer:
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}")
         self.log(f"batch: {c.train.global_batch} x {c.data.seq_len} tokens/step, "
                  f"micro-batch {c.train.micro_batch}, accumulation {c.grad_accum}")
+        if self.cp is not None:
+            self.log(context_summary(self.cp.mode, self.cp.size, c.data.seq_len))
         self.log(f"peak {self.peak / 1e9:.1f} GFLOP/s per rank ({self.peak_source})")
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {self.step}" if self.step else ""))
         for phase, peaks in self.memory.per_rank.items():
@@ -220,11 +226,15 @@ class Trainer:
         Returns (global mean loss, global gradient norm).
         """
         cfg = self.cfg.train
-        micro = self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size, cfg.micro_batch)
+        micro = self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size, cfg.micro_batch,
+                                                self.cp_positions)
+        if self.cp is not None:
+            self.cp.reset_tiles()
+        n = self.mesh.size("dp_cp")  # each cp rank's loss is the mean over its equal share
         if self.pipeline is not None:
             loss = self.pipeline.forward_backward(micro)
             grad_norm = self.optimizer_update(step)
-            return self.comm.reduce_scalars([loss], "dp")[0] / self.dp_size, grad_norm
+            return self.comm.reduce_scalars([loss], "dp_cp")[0] / n, grad_norm
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro):
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
@@ -235,8 +245,8 @@ class Trainer:
             self.precision.scale((loss + aux) / len(micro)).backward()
             total += loss.detach()
         grad_norm = self.optimizer_update(step)
-        loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp")[0]
-        return loss_sum / self.dp_size, grad_norm
+        loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp_cp")[0]
+        return loss_sum / n, grad_norm
 
     def optimizer_update(self, step: int) -> float:
         """Reduce gradients, clip by the global norm, AdamW step, clear; returns the norm."""
@@ -250,19 +260,25 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Token-weighted mean loss over the fixed validation batches (every rank runs all)."""
+        """Token-weighted mean loss over the fixed validation batches (every rank runs all;
+        under context parallelism each on its share of every sequence)."""
         self.model.eval()
         total, count = 0.0, 0
         for batch in self.val:
             batch = batch.to(self.device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if self.cp is not None:
+                inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
             if self.pipeline is not None:
-                loss = self.pipeline.eval_loss(batch)
+                loss = self.pipeline.eval_loss(inputs, targets)
             else:
                 with self.precision.autocast():
-                    loss = float(self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:]))
+                    loss = float(self.loss_fn(self.model(inputs), targets))
             total += loss * batch.shape[0]
             count += batch.shape[0]
         self.model.train()
+        if self.cp is not None:  # equal shares: the mean of the cp ranks' means
+            total = self.comm.reduce_scalars([total], "cp")[0] / self.cp.size
         return total / count
 
     # ------------------------------------------------------------------ checkpoints
@@ -312,7 +328,18 @@ class Trainer:
             **({"pp_bubble": self.pipeline.bubble,
                 "pp_peak_live": self.pipeline.executor.peak_live}
                if self.pipeline is not None else {}),
+            **(self.cp_record() if self.cp is not None else {}),
         }
+
+    def cp_record(self) -> dict[str, Any]:
+        """The cp mode and, for the ring modes, the attention tiles (c x c, c = s / (2 cp))
+        each cp rank of this pipeline stage computed this step, in cp-rank order."""
+        rec: dict[str, Any] = {"cp_attention": self.cp.mode}
+        if self.cp.mode != "ulysses":
+            tiles = [0.0] * self.cp.size
+            tiles[self.cp.rank] = float(self.cp.tiles())
+            rec["cp_tiles_per_rank"] = [int(t) for t in self.comm.reduce_scalars(tiles, "cp")]
+        return rec
 
     def fit(self) -> TrainResult:
         cfg = self.cfg.train
@@ -367,7 +394,14 @@ class Trainer:
         (out / f"rank_{self.mesh.rank:04d}.json").write_text(json.dumps(rec))
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """Every rank samples (sharded weights are gathered collectively); all agree."""
+        """Every rank samples (sharded weights are gathered collectively); all agree. Under
+        context parallelism every cp rank runs the whole context alone (weights are whole)."""
+        if self.cp is not None:
+            with self.cp.disabled():
+                return self._sample(prompt, max_new_tokens)
+        return self._sample(prompt, max_new_tokens)
+
+    def _sample(self, prompt: str, max_new_tokens: int) -> str:
         return generate_text(self.model, self.data.tokenizer, prompt, max_new_tokens,
                              seed=self.cfg.train.seed,
                              forward=lambda ids: full_logits(self.model, self.tp, self.pipeline,

@@ -1,0 +1,97 @@
+"""Attention of one query block on one key/value block, with its log-sum-exp, and their merge.
+
+Ring attention (Liu et al. 2023) computes a rank's queries against one key/value block at a
+time. Each block yields a partial output ``o_b`` normalised over its own keys and the row-wise
+log-sum-exp ``l_b`` of its scores; partials combine exactly by the online-softmax rule
+(Milakov & Gimelshein 2018; FlashAttention):
+
+    l = log(exp(l_a) + exp(l_b)),   o = o_a exp(l_a - l) + o_b exp(l_b - l).
+
+Backward of a block needs only the *final* output and log-sum-exp of its query rows:
+``P = exp(q k^T scale - l)`` is then the block's share of the global softmax, and
+``dS = P (dO v^T - rowsum(dO o))`` gives the block's dq, dk, dv.
+
+Two kernels, same maths, grouped-query heads (``nh`` a multiple of ``nkv``) on both:
+
+- ``flash``: ATen's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
+  backward). Scores are never materialised: memory O(block rows x head dim).
+- ``math``: explicit matmuls in fp32; materialises one block of scores per head,
+  (B, nh, s_q, s_k). Used on every other device (GPU-only path: the CUDA flash kernels'
+  log-sum-exp outputs are not wired; untested here) and as a reference on CPU.
+
+``causal`` masks the upper triangle of a square block (queries and keys at the same
+positions). No communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KERNELS = ("flash", "math")
+
+
+def default_kernel(device: torch.device) -> str:
+    return "flash" if device.type == "cpu" else "math"
+
+
+def _grouped(q: torch.Tensor, nkv: int) -> torch.Tensor:
+    """(B, nh, S, d) -> (B, nkv, nh/nkv, S, d): query heads grouped by their KV head."""
+    b, nh, s, d = q.shape
+    return q.reshape(b, nkv, nh // nkv, s, d)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 scores (B, nkv, g, s_q, s_k), causal entries masked to -inf."""
+    s = torch.matmul(_grouped(q.float(), k.shape[1]), k.float().unsqueeze(2).transpose(-1, -2))
+    s.mul_(scale)
+    if causal:
+        n = s.shape[-1]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
+    """(output (B, nh, s_q, d) in q's dtype, log-sum-exp (B, nh, s_q) fp32) of one block."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+        return out, lse.float()
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse)
+    out = torch.matmul(p, v.float().unsqueeze(2))  # (B, nkv, g, s_q, d)
+    return out.flatten(1, 2).to(q.dtype), lse.squeeze(-1).flatten(1, 2)
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, kernel: str = "flash"
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of one block, given the final output and log-sum-exp of its query rows."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+    nkv = k.shape[1]
+    p = torch.exp(_scores(q, k, causal, scale) - _grouped(lse.unsqueeze(-1), nkv))
+    do = _grouped(dout.float(), nkv)
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # (B, nkv, s_k, d)
+    dp = torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2))
+    delta = (do * _grouped(out.float(), nkv)).sum(-1, keepdim=True)
+    ds = p.mul_(dp.sub_(delta)).mul_(scale)
+    dq = torch.matmul(ds, k.float().unsqueeze(2)).flatten(1, 2)
+    dk = torch.matmul(ds.transpose(-1, -2), _grouped(q.float(), nkv)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> None:
+    """Fold one block's (output, log-sum-exp) into the fp32 running ``out``, ``lse`` in place."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)

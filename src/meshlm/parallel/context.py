@@ -1,0 +1,155 @@
+"""Context parallelism: every sequence split over the cp ranks, end to end.
+
+Each cp rank holds a share of every sequence of its micro-batches for *all* the work: the
+embedding, norms, MLPs and the loss run on its tokens only, so activation memory per rank
+falls by cp. Only attention needs the other ranks' tokens; ``parallel.cp_attention`` picks how:
+
+- ``zigzag`` (default): ring attention with load-balanced chunks -- rank r holds chunks r and
+  2 cp - 1 - r of 2 cp (``ring_attention.py``);
+- ``ring``: ring attention with one contiguous chunk per rank (unbalanced under the causal
+  mask: the last rank computes 2 cp + 1 times the first one's tiles);
+- ``ulysses``: all-to-all from sequence shards to head shards and back (``ulysses.py``).
+
+The shares are given by :meth:`ContextParallel.positions`: the global positions of this rank's
+tokens. The sampler reads only those tokens (inputs and targets), the rotary tables are taken
+at those positions, and each rank's loss is the mean over its tokens (all shares are equal, so
+the mean over cp ranks is the sequence mean). Weights are replicated over cp: their gradients
+are averaged over dp x cp together (the ``dp_cp`` axis; ZeRO shards over it), as Megatron-Core
+does, and each rank's gradients include the other ranks' losses through the dK/dV (ring) or
+all-to-all (Ulysses) backward. Mixture-of-Experts layers add their routing counts over cp so the
+load-balancing loss is the whole sequence's.
+
+Communication: see the two attention modules; plus, per MoE layer and micro-batch, one
+all-reduce of the expert counts (``E`` int64) over cp. Memory: activations / cp; the rotary
+tables of the positions in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..distributed.comm import Comm
+from ..models.llama import Transformer
+from ..models.moe import MoE
+from .attention_blocks import default_kernel
+from .ring_attention import Ring, block_plan, ring_attention
+from .ulysses import ulysses_attention
+
+AXIS = "cp"
+CP_MODES = ("zigzag", "ring", "ulysses")
+
+
+def share_positions(seq_len: int, cp: int, rank: int, mode: str) -> np.ndarray:
+    """Global positions (ascending) of cp rank ``rank``'s tokens of a ``seq_len`` sequence."""
+    if mode == "zigzag":
+        c = seq_len // (2 * cp)
+        return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                               np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    n = seq_len // cp
+    return np.arange(rank * n, (rank + 1) * n)
+
+
+class ContextParallel:
+    """This rank's share of every sequence and its attention over the cp group."""
+
+    def __init__(self, comm: Comm, mode: str, kernel: str | None = None) -> None:
+        if mode not in CP_MODES:
+            raise ValueError(f"parallel.cp_attention={mode!r} is not one of {', '.join(CP_MODES)}")
+        self.comm, self.mode = comm, mode
+        self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
+        self.kernel = kernel or default_kernel(comm.mesh.device())
+        self.ring = Ring(comm, mode == "zigzag", self.kernel)
+        self.enabled = True
+        self._positions: dict[tuple[int, str], torch.Tensor] = {}
+
+    # -- shares ------------------------------------------------------------------------------
+    def positions(self, seq_len: int) -> np.ndarray:
+        """Global positions of this rank's tokens of a whole sequence of ``seq_len``."""
+        return share_positions(seq_len, self.size, self.rank, self.mode)
+
+    def local_positions(self, local_len: int, device: torch.device) -> torch.Tensor | None:
+        """Positions of the ``local_len`` tokens this rank holds (None when cp is off: the
+        tokens are then the whole sequence, positions 0 ... local_len - 1)."""
+        if not self.enabled:
+            return None
+        key = (local_len, str(device))
+        if key not in self._positions:
+            pos = self.positions(local_len * self.size)
+            self._positions[key] = torch.from_numpy(pos).to(device)
+        return self._positions[key]
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's share of a whole-sequence tensor (its tokens along ``dim``)."""
+        if not self.enabled or self.size == 1:
+            return x
+        idx = torch.from_numpy(self.positions(x.shape[dim])).to(x.device)
+        return x.index_select(dim, idx)
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Every cp rank runs whole sequences alone (generation: prompts of any length)."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    # -- attention ---------------------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence."""
+        if not self.enabled:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        if self.mode == "ulysses":
+            return ulysses_attention(q, k, v, self.comm)
+        return ring_attention(q, k, v, self.ring)
+
+    def tiles(self) -> int:
+        """c x c attention tiles (c = s / (2 cp)) this rank's ring forwards computed so far."""
+        return self.ring.tiles
+
+    def reset_tiles(self) -> None:
+        self.ring.tiles = 0
+
+    # -- MoE ---------------------------------------------------------------------------------
+    def reduce_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Expert assignment counts summed over cp, and the factor of the token count."""
+        if not self.enabled:
+            return counts, 1
+        counts = counts.clone()
+        self.comm.all_reduce(counts, AXIS)
+        return counts, self.size
+
+
+def apply_context_parallel(model: Transformer, comm: Comm, mode: str,
+                           kernel: str | None = None) -> ContextParallel:
+    """Make ``model`` run on this rank's share of each sequence (see module docstring)."""
+    cp = ContextParallel(comm, mode, kernel)
+    model.positions = cp.local_positions
+    for layer in model.layers.values():
+        layer.attention.core = cp.attention
+        if isinstance(layer.feed_forward, MoE):
+            layer.feed_forward.reduce_counts = cp.reduce_counts
+    return cp
+
+
+def tiles_per_rank(mode: str, cp: int) -> list[int]:
+    """c x c tiles each cp rank computes in one ring attention forward (ring modes)."""
+    zigzag = mode == "zigzag"
+    return [sum(b.tiles for src in range(cp) for b in block_plan(r, src, 2, zigzag))
+            for r in range(cp)]
+
+
+def context_summary(mode: str, cp: int, seq_len: int) -> str:
+    """One start-up log line: the mode, each rank's share and work per attention forward."""
+    line = f"context parallel: cp={cp} {mode}, {seq_len // cp} tokens of each sequence per rank"
+    if mode == "ulysses":
+        return line + " (all-to-all to 1/cp of the heads over the whole sequence)"
+    c = seq_len // (2 * cp)
+    tiles = ", ".join(str(t) for t in tiles_per_rank(mode, cp))
+    return line + f"; attention tiles of {c} x {c} per layer forward, by cp rank: {tiles}"

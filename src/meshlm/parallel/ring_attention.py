@@ -1,0 +1,155 @@
+"""Ring attention over the cp axis (Liu et al. 2023), with zigzag load balancing.
+
+Each cp rank holds the queries, keys and values of its share of the sequence. Queries stay;
+key/value blocks travel around the ring ``r -> r + 1``: at step i rank r holds the K/V of rank
+``r - i``. The next block's send/receive is posted before the current block is computed, so
+the transfer overlaps the compute. Partial outputs merge by their log-sum-exp
+(``attention_blocks.merge``); causal blocks that would be fully masked are skipped.
+
+Shares of a sequence of ``s`` tokens split into ``2 cp`` chunks of ``c = s / (2 cp)``:
+
+- ``ring``: rank r holds the contiguous chunks 2r, 2r + 1. It attends to its own block
+  (causal) and to every earlier rank's (full); later ranks' blocks are masked. Rank r computes
+  ``4 r + 3`` tiles of c x c: the last rank does 2 cp + 1 times the first one's work.
+- ``zigzag`` (Megatron's load-balanced chunks, ring-flash-attention's zigzag): rank r holds
+  chunks r and 2 cp - 1 - r. Own block: causal over both chunks (3 tiles). An earlier rank's
+  block: all queries on its first chunk (2 tiles); a later rank's: the second query chunk on
+  both of its chunks (2 tiles). Every rank computes ``2 cp + 1`` tiles.
+
+Backward runs the ring again: K/V travel ``cp - 1`` hops as in forward; rank r first computes
+its own block's gradients while the first hop is in flight; each foreign block's dK/dV are
+added to a fp32 accumulator that travels with it and reaches its owner after ``cp - 1`` hops.
+
+Communication per attention layer and micro-batch (comm log; ``kv`` = bytes of this rank's
+K and V, ``2 b (nkv/tp) (s/cp) hd`` elements in the activation dtype): forward ``cp - 1``
+sends of ``kv``; backward ``cp - 1`` sends of ``kv`` and ``cp - 1`` sends of the fp32 dK/dV
+accumulator (``kv`` bytes in fp32) -- each matched by a receive of the same size.
+Memory per rank: three K/V blocks (own, current, next) and the fp32 output and
+log-sum-exp of its s/cp queries; backward adds fp32 dq, dK/dV and two accumulators -- all
+O(s/cp), never O(s) and never s x s (the ``flash`` kernel materialises no scores; ``math``
+one block of (s/cp)^2 or (s/cp) x c per head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..distributed.comm import Comm
+from .attention_blocks import block_backward, block_forward, merge
+
+AXIS = "cp"
+ALL = slice(None)
+
+
+@dataclass
+class Block:
+    """Which local query rows attend to which rows of a K/V block, and whether causally."""
+
+    q: slice
+    kv: slice
+    causal: bool
+    tiles: int  # c x c tiles computed (c = s / (2 cp))
+
+
+def block_plan(rank: int, source: int, local: int, zigzag: bool) -> list[Block]:
+    """Blocks rank ``rank`` computes with the K/V of rank ``source`` (``local`` rows each)."""
+    half = local // 2
+    if source == rank:
+        return [Block(ALL, ALL, True, 3)]
+    if not zigzag:
+        return [Block(ALL, ALL, False, 4)] if source < rank else []
+    if source < rank:  # its second chunk lies after both of ours: only its first chunk
+        return [Block(ALL, slice(0, half), False, 2)]
+    return [Block(slice(half, None), ALL, False, 2)]  # only our second chunk sees it
+
+
+class Ring:
+    """This rank's place on the cp ring, the kernel, and the tiles computed (a counter)."""
+
+    def __init__(self, comm: Comm, zigzag: bool, kernel: str) -> None:
+        self.comm, self.zigzag, self.kernel = comm, zigzag, kernel
+        self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
+        self.tiles = 0
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        """Post ``send`` to the next rank and ``recv`` from the previous one; their works."""
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        return self.comm.batch_p2p([("send", send, nxt), ("recv", recv, prev)], AXIS)
+
+    def plan(self, step: int, local: int) -> list[Block]:
+        return block_plan(self.rank, (self.rank - step) % self.size, local, self.zigzag)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
+                ring: Ring) -> torch.Tensor:
+        local = q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        cur = torch.stack([k, v])  # (2, B, nkv, s/cp, hd): one message per hop
+        for step in range(ring.size):
+            works, nxt = [], None
+            if step < ring.size - 1:
+                nxt = torch.empty_like(cur)
+                works = ring.exchange(cur, nxt)
+            for b in ring.plan(step, local):
+                o, lb = block_forward(q[:, :, b.q], cur[0][:, :, b.kv], cur[1][:, :, b.kv],
+                                      b.causal, ring.kernel)
+                merge(out[:, :, b.q], lse[:, :, b.q], o, lb)
+                ring.tiles += b.tiles
+            _wait(works)
+            cur = nxt if nxt is not None else cur
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: Ring = ctx.ring
+        local = q.shape[2]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        cur = torch.stack([k, v])
+        own = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+        acc_works: list = []
+        acc_sent = acc_recv = None
+        for step in range(ring.size):
+            works, nxt = [], None
+            if step < ring.size - 1:
+                nxt = torch.empty_like(cur)
+                works = ring.exchange(cur, nxt)
+            grads = own if step == 0 else torch.zeros_like(own)  # dK/dV of this block's owner
+            for b in ring.plan(step, local):
+                gq, gk, gv = block_backward(dout[:, :, b.q], q[:, :, b.q], cur[0][:, :, b.kv],
+                                            cur[1][:, :, b.kv], out[:, :, b.q], lse[:, :, b.q],
+                                            b.causal, ring.kernel)
+                dq[:, :, b.q] += gq
+                grads[0][:, :, b.kv] += gk
+                grads[1][:, :, b.kv] += gv
+            if step > 0:
+                _wait(acc_works)  # the accumulator of this block's owner, from the last rank
+                if acc_recv is not None:
+                    grads += acc_recv
+                acc_sent, acc_recv = grads, torch.empty_like(grads)
+                acc_works = ring.exchange(acc_sent, acc_recv)
+            _wait(works)
+            cur = nxt if nxt is not None else cur
+        if ring.size > 1:
+            _wait(acc_works)  # our own K/V's gradients, home after cp - 1 hops
+            own += acc_recv
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence's keys
+    and values, which are sharded like the queries over the cp ring."""
+    return _RingAttention.apply(q, k, v, ring)

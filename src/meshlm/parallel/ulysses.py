@@ -1,0 +1,80 @@
+"""All-to-all attention over the cp axis (DeepSpeed-Ulysses, Jacobs et al. 2023).
+
+Each cp rank holds a contiguous chunk of the sequence, every head. Before attention one
+all-to-all per tensor turns (B, H, s/cp, hd) sequence shards into (B, H/cp, s, hd) head shards:
+rank j keeps heads ``[j H/cp, (j + 1) H/cp)`` of the whole sequence (query and KV heads are
+split alike, so grouped-query heads stay with their KV head); attention then runs locally on
+whole sequences, and one all-to-all turns the output back into sequence shards. Backward is
+the same exchanges reversed (an all-to-all's gradient is the inverse all-to-all).
+
+Needs cp to divide the (tensor-parallel local) query and KV head counts. Wins over the ring
+when heads are plentiful and the all-to-all crosses fast links (inside a node): its volume per
+rank falls with cp, the ring's does not; the ring wins when cp exceeds the KV heads, across
+slow links (it hides its sends behind compute), and on memory (no rank holds a whole sequence).
+
+Communication per attention layer and micro-batch (comm log, all-to-all input bytes, ``a``
+bytes per activation element, ``t = b s/cp hd a``): forward q ``nh t`` + k ``nkv t`` + v
+``nkv t`` + output ``nh t``; backward the same four. Memory: the whole sequence of H/cp
+heads for q, k, v and the output: (2 nh + 2 nkv) b s hd / cp elements -- the same as the
+sequence shards of all heads; the local kernel (SDPA) materialises no s x s scores on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed.comm import Comm
+
+AXIS = "cp"
+
+
+def seq_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """(B, H, s/n, hd) sequence shard -> (B, H/n, s, hd) head shard over the cp group."""
+    n = comm.size(AXIS)
+    b, h, s, d = x.shape
+    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # block j -> rank j
+    recv = torch.empty_like(send)  # block j: our heads, sequence chunk j
+    comm.all_to_all(recv, send, AXIS)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """(B, H/n, s, hd) head shard -> (B, H, s/n, hd) sequence shard (inverse of the above)."""
+    n = comm.size(AXIS)
+    b, h, s, d = y.shape
+    send = y.reshape(b, h, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk j -> rank j
+    recv = torch.empty_like(send)  # block j: rank j's heads of our chunk
+    comm.all_to_all(recv, send, AXIS)
+    return recv.transpose(0, 1).reshape(b, n * h, s // n, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
+        ctx.comm = comm
+        return seq_to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return heads_to_seq(grad, ctx.comm), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
+        ctx.comm = comm
+        return heads_to_seq(y, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return seq_to_heads(grad, ctx.comm), None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
+                      ) -> torch.Tensor:
+    """Causal attention of (B, nh, s/cp, hd) queries on keys/values sharded like them."""
+    q, k, v = (_SeqToHeads.apply(t, comm) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return _HeadsToSeq.apply(out, comm)
