@@ -122,10 +122,14 @@ def norm_axes(specs: list[ShardSpec], mesh: Mesh) -> tuple[str, ...]:
     """Mesh axes over which the squared-gradient sums of a global norm must be added.
 
     Every axis of size > 1 except those on which every parameter is replicated (dp under DDP,
-    cp): there each rank already holds the whole sum. Mesh order, so every rank agrees.
+    cp): there each rank already holds the whole sum. Mesh order, so every rank agrees; dp and
+    cp together become their joint axis ``dp_cp`` (one all-reduce instead of two).
     """
-    return tuple(a for a in ("pp", "dp", "cp", "tp") if mesh.size(a) > 1
+    axes = tuple(a for a in ("pp", "dp", "cp", "tp") if mesh.size(a) > 1
                  and not all(a in s.replicated for s in specs))
+    if "dp" in axes and "cp" in axes:
+        axes = tuple("dp_cp" if a == "dp" else a for a in axes if a != "cp")
+    return axes
 
 
 @dataclass

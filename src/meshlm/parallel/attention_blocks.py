@@ -36,6 +36,11 @@ def default_kernel(device: torch.device) -> str:
     return "flash" if device.type == "cpu" else "math"
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a contiguous last dimension (a copy only when it has none)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _grouped(q: torch.Tensor, nkv: int) -> torch.Tensor:
     """(B, nh, S, d) -> (B, nkv, nh/nkv, S, d): query heads grouped by their KV head."""
     b, nh, s, d = q.shape
@@ -57,8 +62,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """(output (B, nh, s_q, d) in q's dtype, log-sum-exp (B, nh, s_q) fp32) of one block."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kernel == "flash":
+        # (strided views are read in place: the kernel takes any strides but the last)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+            _rows(q), _rows(k), _rows(v), 0.0, causal, scale=scale)
         return out, lse.float()
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
@@ -74,8 +80,8 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kernel == "flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-            out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+            _rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), lse.contiguous(), 0.0,
+            causal, scale=scale)
     nkv = k.shape[1]
     p = torch.exp(_scores(q, k, causal, scale) - _grouped(lse.unsqueeze(-1), nkv))
     do = _grouped(dout.float(), nkv)

@@ -22,10 +22,12 @@ added to a fp32 accumulator that travels with it and reaches its owner after ``c
 
 Communication per attention layer and micro-batch (comm log; ``kv`` = bytes of this rank's
 K and V, ``2 b (nkv/tp) (s/cp) hd`` elements in the activation dtype): forward ``cp - 1``
-sends of ``kv``; backward ``cp - 1`` sends of ``kv`` and ``cp - 1`` sends of the fp32 dK/dV
-accumulator (``kv`` bytes in fp32) -- each matched by a receive of the same size.
+sends of ``kv`` (K and V as two messages per hop); backward ``cp - 1`` sends of ``kv`` and
+``cp - 1`` sends of the fp32 dK/dV accumulator (``kv`` bytes in fp32, one message) -- each
+matched by a receive of the same size.
 Memory per rank: three K/V blocks (own, current, next) and the fp32 output and
-log-sum-exp of its s/cp queries; backward adds fp32 dq, dK/dV and two accumulators -- all
+log-sum-exp of its s/cp queries; backward adds fp32 dq, dK/dV and three accumulators (the
+one being filled, the one in flight, the one arriving: the price of overlapping them) -- all
 O(s/cp), never O(s) and never s x s (the ``flash`` kernel materialises no scores; ``math``
 one block of (s/cp)^2 or (s/cp) x c per head).
 """
@@ -73,10 +75,11 @@ class Ring:
         self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.tiles = 0
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+    def exchange(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...]) -> list:
         """Post ``send`` to the next rank and ``recv`` from the previous one; their works."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        return self.comm.batch_p2p([("send", send, nxt), ("recv", recv, prev)], AXIS)
+        ops = [("send", t, nxt) for t in send] + [("recv", t, prev) for t in recv]
+        return self.comm.batch_p2p(ops, AXIS)
 
     def plan(self, step: int, local: int) -> list[Block]:
         return block_plan(self.rank, (self.rank - step) % self.size, local, self.zigzag)
@@ -87,6 +90,17 @@ def _wait(works: list) -> None:
         w.wait()
 
 
+def _accumulate(total: torch.Tensor | None, rows: slice, value: torch.Tensor,
+                full_shape: torch.Size) -> torch.Tensor:
+    """``total[:, :, rows] += value`` in fp32; a block covering every row becomes the total."""
+    if total is None:
+        if rows == ALL:
+            return value.float()  # (no copy in fp32)
+        total = torch.zeros(full_shape, dtype=torch.float32, device=value.device)
+    total[:, :, rows] += value
+    return total
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
@@ -94,11 +108,11 @@ class _RingAttention(torch.autograd.Function):
         local = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        cur = torch.stack([k, v])  # (2, B, nkv, s/cp, hd): one message per hop
+        own = cur = (k.contiguous(), v.contiguous())  # (sent as they are)
         for step in range(ring.size):
             works, nxt = [], None
             if step < ring.size - 1:
-                nxt = torch.empty_like(cur)
+                nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
                 works = ring.exchange(cur, nxt)
             for b in ring.plan(step, local):
                 o, lb = block_forward(q[:, :, b.q], cur[0][:, :, b.kv], cur[1][:, :, b.kv],
@@ -108,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(works)
             cur = nxt if nxt is not None else cur
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, *own, out, lse)
         ctx.ring = ring
         return out
 
@@ -117,36 +131,46 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
         local = q.shape[2]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        cur = torch.stack([k, v])
-        own = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)
+        acc_shape = (2, *k.shape)  # dK and dV of one owner, fp32
+        dq = dk = dv = None
+        cur = (k, v)
+        free: list[torch.Tensor] = []  # accumulators done with, reused
         acc_works: list = []
         acc_sent = acc_recv = None
         for step in range(ring.size):
             works, nxt = [], None
             if step < ring.size - 1:
-                nxt = torch.empty_like(cur)
+                nxt = (torch.empty_like(k), torch.empty_like(v))
                 works = ring.exchange(cur, nxt)
-            grads = own if step == 0 else torch.zeros_like(own)  # dK/dV of this block's owner
+            grads = None
+            if step > 0:  # this block's owner's dK/dV, to travel on
+                grads = free.pop().zero_() if free else torch.zeros(
+                    acc_shape, dtype=torch.float32, device=q.device)
             for b in ring.plan(step, local):
                 gq, gk, gv = block_backward(dout[:, :, b.q], q[:, :, b.q], cur[0][:, :, b.kv],
                                             cur[1][:, :, b.kv], out[:, :, b.q], lse[:, :, b.q],
                                             b.causal, ring.kernel)
-                dq[:, :, b.q] += gq
-                grads[0][:, :, b.kv] += gk
-                grads[1][:, :, b.kv] += gv
-            if step > 0:
+                dq = _accumulate(dq, b.q, gq, q.shape)
+                if grads is None:  # our own block
+                    dk, dv = _accumulate(dk, b.kv, gk, k.shape), _accumulate(dv, b.kv, gv, v.shape)
+                else:
+                    grads[0][:, :, b.kv] += gk
+                    grads[1][:, :, b.kv] += gv
+            if grads is not None:
                 _wait(acc_works)  # the accumulator of this block's owner, from the last rank
                 if acc_recv is not None:
                     grads += acc_recv
-                acc_sent, acc_recv = grads, torch.empty_like(grads)
-                acc_works = ring.exchange(acc_sent, acc_recv)
+                    free += [acc_recv, acc_sent]
+                acc_sent = grads
+                acc_recv = free.pop() if free else torch.empty_like(grads)
+                acc_works = ring.exchange((acc_sent,), (acc_recv,))
             _wait(works)
             cur = nxt if nxt is not None else cur
         if ring.size > 1:
             _wait(acc_works)  # our own K/V's gradients, home after cp - 1 hops
-            own += acc_recv
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
+            dk += acc_recv[0]
+            dv += acc_recv[1]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:

@@ -53,8 +53,12 @@ do it:
   layer's gather never;
 - tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed
   (with ``tp_overlap`` -- async TP, published runs only -- they hide behind the GEMMs);
-- ring attention (cp) passes K/V beside the attention of the previous block: exposed what
-  exceeds the attention compute; expert all-to-alls: exposed;
+- ring attention (cp, ``zigzag``/``ring``) passes K/V beside the attention of the previous
+  block: exposed what exceeds the attention compute; per layer and micro-batch ``cp - 1`` sends
+  of one rank's K/V forward, ``cp - 1`` of K/V and ``cp - 1`` of the fp32 dK/dV backward, each
+  with its receive (``parallel/ring_attention.py``); ``ulysses``: four all-to-alls forward (q,
+  k, v, output) and four backward, exposed (``parallel/ulysses.py``); with cp, weight gradients
+  are reduced over dp x cp (comm-log axis ``dp_cp``); expert all-to-alls: exposed;
 - on CPU (gloo) nothing overlaps: the transport uses the same cores.
 
 **Bubble**: ``(p - 1) / v`` micro-batch times for AFAB, 1F1B and interleaved 1F1B with v
@@ -264,10 +268,11 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     m = lo.micro_batches(work.global_batch)
     tokens = lo.micro_batch * work.seq_len / lo.cp
     n_dp = lo.dp * lo.cp
+    dp_axis = "dp_cp" if lo.cp > 1 else "dp"  # the trainer reduces over dp x cp together
     ev: list[CommEvent] = []
     if n_dp > 1:
         def dp(op: str, nbytes: float, calls: float, overlap: str) -> None:
-            ev.append(CommEvent("dp", op, "dp", nbytes, calls, n_dp, lo.tp, overlap))
+            ev.append(CommEvent("dp", op, dp_axis, nbytes, calls, n_dp, lo.tp, overlap))
 
         grads, weights = p.total * g, p.total * w
         if lo.zero == 0:
@@ -316,15 +321,40 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         ev.append(CommEvent("pp", "recv", "pp", act, recvs * m, 2, stride, "free"))
         ev.append(CommEvent("pp", "all_reduce", "pp", 8, 1, lo.pp, stride, "exposed"))  # clip
     if lo.cp > 1:
-        kv = 2 * tokens * c.n_kv_heads * c.hd / lo.tp * a
-        layers = len(stage_layers(c.n_layers, lo, stage))
-        ev.append(CommEvent("cp", "send", "cp", kv, 3 * (lo.cp - 1) * layers * m, 2, lo.tp,
-                            "attention"))
+        ev += cp_events(work, lo, stage, tokens, m)
     if lo.ep > 1:
         moe_layers = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
         routed = tokens * c.moe_topk * c.dim * a
         ev.append(CommEvent("ep", "all_to_all", "ep", routed, 4 * moe_layers * m, lo.ep, lo.tp,
                             "exposed"))
+    return ev
+
+
+def cp_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
+              ) -> list[CommEvent]:
+    """Context parallelism's messages of one step (``tokens``: one micro-batch's on a rank)."""
+    c = work.model.config
+    a = ACT_BYTES[work.dtype]
+    ids = stage_layers(c.n_layers, lo, stage)
+    layers = len(ids)
+    fwd = 2 if lo.recompute == "full" else 1  # a recomputed forward passes its K/V again
+    ev = []
+    if lo.cp_attention == "ulysses":
+        for heads in (c.n_heads, c.n_kv_heads):  # q and output; k and v
+            nbytes = tokens * heads * c.hd / lo.tp * a
+            ev.append(CommEvent("cp", "all_to_all", "cp", nbytes, 2 * (fwd + 1) * layers * m,
+                                lo.cp, lo.tp, "exposed"))
+    else:
+        kv = 2 * tokens * c.n_kv_heads * c.hd / lo.tp  # elements of one rank's K and V
+        for op, overlap in (("send", "attention"), ("recv", "free")):
+            ev.append(CommEvent("cp", op, "cp", kv * a, (fwd + 1) * (lo.cp - 1) * layers * m,
+                                2, lo.tp, overlap))
+            ev.append(CommEvent("cp", op, "cp", kv * 4, (lo.cp - 1) * layers * m, 2, lo.tp,
+                                overlap))  # the fp32 dK/dV accumulators
+    moe = sum(c.is_moe_layer(i) for i in ids)
+    if moe:  # expert counts summed over cp for the load-balancing loss
+        ev.append(CommEvent("cp", "all_reduce", "cp", 8 * c.moe_experts, moe * m * fwd, lo.cp,
+                            lo.tp, "exposed"))
     return ev
 
 

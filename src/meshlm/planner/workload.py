@@ -114,7 +114,7 @@ class Workload:
 
 
 _TEXT_KEYS = ("dp", "tp", "sp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule", "vpp",
-              "tp_overlap")
+              "tp_overlap", "cp_attention")
 # --layout keys -> Layout fields: the short names, the config's names (micro_batch, pp_schedule,
 # pp_virtual) and "mb"
 _FIELD_OF = {**{k: {v: f for f, v in SHORT_KEYS.items()}.get(k, k) for k in _TEXT_KEYS},
