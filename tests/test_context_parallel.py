@@ -309,7 +309,7 @@ def test_cp_bad_layouts_are_refused_before_training(corpus_dir: Path, cache_dir:
                                                     tmp_path: Path) -> None:
     from meshlm.config import ConfigError
 
-    base = base_args(corpus_dir, cache_dir) + [f"--run.dir={tmp_path / 'r'}"]
+    base = base_args(corpus_dir, cache_dir) + ["--train.micro_batch=8", f"--run.dir={tmp_path / 'r'}"]
     cases = {
         ("--parallel.cp=8", "--parallel.cp_attention=ulysses"):
             "parallel.cp=8 does not divide the 4 KV heads of each tp rank",

@@ -95,8 +95,11 @@ def test_tensor_parallel_matches_single_process(world: int, reference) -> None: 
             runs.append([f"--parallel.tp={world}", f"--parallel.sp={sp}",
                          f"--train.micro_batch={GLOBAL_BATCH // accum}",
                          f"--run.dir={root / f'tp{world}-sp{sp}-accum{accum}'}"])
-    if world == 4:  # dp x tp with the zero stages that shard within the dp group
-        for zero in (1, 3):
+    if world == 4:  # dp x tp: DDP (tp shards replicated over dp: clipping counts them once)
+        runs.append(["--parallel.tp=2", "--parallel.dp=2", "--parallel.zero=0",
+                     "--parallel.sp=false", "--train.micro_batch=4",
+                     f"--run.dir={root / 'dp2-tp2-zero0-spfalse'}"])
+        for zero in (1, 3):  # and the zero stages that shard within the dp group
             for sp in ("false", "true"):
                 runs.append(["--parallel.tp=2", "--parallel.dp=2", f"--parallel.zero={zero}",
                              f"--parallel.sp={sp}", "--train.micro_batch=4",

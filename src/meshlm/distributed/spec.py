@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from .mesh import Mesh
+from .mesh import Mesh, axis_parts
 
 ATTR = "_meshlm_spec"
 
@@ -60,9 +60,12 @@ class ShardSpec:
                        shards=(*self.shards, (axis, dim)),
                        replicated=tuple(a for a in self.replicated if a != axis))
 
-    def norm_weight(self, mesh: Mesh) -> float:
-        """Share of this copy in a global norm: 1 / number of identical copies."""
-        return 1.0 / math.prod(mesh.size(a) for a in self.replicated)
+    def norm_weight(self, mesh: Mesh, axes: tuple[str, ...] | None = None) -> float:
+        """Share of this copy in a global norm: 1 / number of identical copies -- counting only
+        copies on ``axes`` (those the squared sums are added over; default: every axis)."""
+        over = None if axes is None else {x for a in axes for x in axis_parts(a)}
+        return 1.0 / math.prod(mesh.size(a) for a in self.replicated
+                               if over is None or a in over)
 
     def valid(self) -> tuple[slice, ...]:
         """Slices of the local tensor that lie inside the global one (padding excluded)."""

@@ -116,13 +116,15 @@ def clip_by_global_norm(pairs: list[tuple[ShardSpec, torch.Tensor]], max_norm: f
     """L2 norm of every gradient (shard) in the world, each element once; scale if above max.
 
     ``pairs`` are (spec, gradient) with the gradient possibly a shard or a flat piece of the
-    parameter's; a copy replicated on an axis counts 1/copies (see ``ShardSpec``), so the
-    squared sums need adding only over ``axes`` (:func:`~meshlm.distributed.spec.norm_axes`).
+    parameter's; a copy replicated on an axis the sums are added over counts 1/copies (see
+    ``ShardSpec.norm_weight``), so the squared sums need adding only over ``axes``
+    (:func:`~meshlm.distributed.spec.norm_axes`): on the other axes every rank holds them whole
+    (a tensor-parallel shard under DDP is replicated over dp, which is not among the axes).
     """
     device = pairs[0][1].device if pairs else comm.mesh.device()
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for spec, g in pairs:
-        sq += g.double().pow(2).sum() * spec.norm_weight(comm.mesh)
+        sq += g.double().pow(2).sum() * spec.norm_weight(comm.mesh, axes)
     for axis in axes:
         comm.all_reduce(sq, axis)
     norm = float(sq.sqrt())
