@@ -171,7 +171,8 @@ def base_args(corpus: Path, cache: Path) -> list[str]:
         "--model.preset=tiny", "--model.n_layers=4", f"--data.path={corpus}",
         f"--data.cache_dir={cache}", f"--data.vocab_size={VOCAB}", f"--data.seq_len={SEQ}",
         f"--train.steps={STEPS}", f"--train.global_batch={GLOBAL_BATCH}",
-        "--train.warmup_steps=2", "--train.eval_every=0", "--run.sample_tokens=0",
+        "--train.warmup_steps=2", f"--train.eval_every={STEPS}", "--train.eval_batches=2",
+        "--run.sample_tokens=0",
         "--train.peak_flops=1e10", "--train.grad_clip=0.5", "--train.eps=1e-5",
         f"--train.checkpoint_every={HALF}",
     ]
@@ -186,9 +187,13 @@ def cut_copy(src: Path, dst: Path) -> None:
 
 
 def train_all(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]:
-    """World body: train ``base + run`` for each run (resumes included); their losses."""
-    return [train(load_config(None, base + r), log=lambda _m: None, progress=False).losses
-            for r in runs]
+    """World body: train ``base + run`` for each run (resumes included); their losses (and
+    the sample text at key -1 when one was asked for)."""
+    out = []
+    for r in runs:
+        res = train(load_config(None, base + r), log=lambda _m: None, progress=False)
+        out.append({**res.losses, **({-1: res.sample} if res.sample else {})})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -197,18 +202,23 @@ def references(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempP
     root = tmp_path_factory.mktemp("cp")
     base = base_args(corpus_dir, cache_dir)
     out = {}
-    for name, extra in (("dense", []), ("moe", ["--model.preset=tiny-moe"])):
+    for name, extra in (("dense", ["--run.sample_tokens=8"]), ("moe", ["--model.preset=tiny-moe"])):
         run_dir = root / f"reference-{name}"
-        losses = train(load_config(None, base + extra + ["--train.micro_batch=8",
-                                                         f"--run.dir={run_dir}"]),
-                       log=lambda _m: None, progress=False).losses
-        norms = [r["grad_norm"] for r in read_metrics(run_dir / "metrics.jsonl")]
-        out[name] = (losses, final_weights(run_dir), norms)
+        res = train(load_config(None, base + extra + ["--train.micro_batch=8",
+                                                      f"--run.dir={run_dir}"]),
+                    log=lambda _m: None, progress=False)
+        records = read_metrics(run_dir / "metrics.jsonl")
+        norms = [r["grad_norm"] for r in records]
+        assert res.sample or name == "moe"
+        out[name] = (res.losses, final_weights(run_dir), norms, records[-1]["val_loss"],
+                     res.sample)
     return base, root, out
 
 
-def check_parity(run_dir: Path, losses: dict[int, float], reference: tuple) -> None:
-    ref_losses, ref_weights, ref_norms = reference
+def check_parity(run_dir: Path, losses: dict, reference: tuple) -> None:
+    ref_losses, ref_weights, ref_norms, ref_val, ref_sample = reference
+    if -1 in losses:  # whole sequences sampled by every cp rank alone: the same text
+        assert losses.pop(-1) == ref_sample, run_dir.name
     for step, loss in losses.items():
         assert abs(loss - ref_losses[step]) / ref_losses[step] < 1e-5, (run_dir.name, step)
     worst, name = max_relative_difference(final_weights(run_dir), ref_weights)
@@ -218,6 +228,7 @@ def check_parity(run_dir: Path, losses: dict[int, float], reference: tuple) -> N
     for rec in records:
         ref = ref_norms[rec["step"] - 1]
         assert abs(rec["grad_norm"] - ref) / ref < 1e-5, (run_dir.name, rec["step"])
+    assert abs(records[-1]["val_loss"] - ref_val) / ref_val < 1e-5, run_dir.name  # (cp shards)
 
 
 def _dir(args: list[str]) -> Path:
@@ -229,6 +240,7 @@ def test_cp2_each_mode_moe_and_resume_from_one_process(references) -> None:  # n
     runs = [["--parallel.cp=2", f"--parallel.cp_attention={mode}", f"--train.micro_batch={mb}",
              f"--run.dir={root / f'cp2-{mode}'}"]
             for mode, mb in (("zigzag", 8), ("ring", 4), ("ulysses", 8))]
+    runs[0].append("--run.sample_tokens=8")
     runs.append(["--model.preset=tiny-moe", "--parallel.cp=2", "--train.micro_batch=8",
                  f"--run.dir={root / 'cp2-moe'}"])
     # a checkpoint written by one process resumes on cp = 2
