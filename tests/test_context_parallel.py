@@ -5,9 +5,9 @@ Attention alone: each mode's forward and backward on cp shards equal one process
 under zigzag only) and the communication log against the modules' docstring formulas; peak
 memory of one attention layer at a long sequence falls with cp.
 
-Training: losses, gradient norms and final weights of cp = 2 and cp = 4 in each mode, and of
-cp = 2 with tp = 2 (+sp), with dp = 2 (zero 1 and 3), with pp = 2 (1f1b and interleaved) and
-with a Mixture-of-Experts model, equal the one-process run; a checkpoint saved at cp = 4 resumes
+Training: losses, gradient norms, validation loss, sample and final weights of cp = 2 and cp = 4
+in each mode, and of cp = 2 with tp = 2 (+sp), with dp = 2 (zero 1, 2 and 3), with pp = 2 (1f1b,
+zb and interleaved) and with a Mixture-of-Experts model, equal the one-process run; a checkpoint saved at cp = 4 resumes
 at cp = 1 and one saved at cp = 1 resumes at cp = 2; the planner's cp volumes equal the log.
 
 AdamW's ``eps`` is 1e-5 here (default 1e-8). Context parallelism splits every weight gradient's
@@ -274,6 +274,11 @@ def test_cp4_modes_and_compositions(references) -> None:  # noqa: ANN001
          f"--run.dir={root / 'cp2-dp2-zero3'}"],
         ["--parallel.cp=2", "--parallel.pp=2", "--train.micro_batch=2",
          f"--run.dir={root / 'cp2-pp2-1f1b'}"],
+        ["--parallel.cp=2", "--parallel.dp=2", "--parallel.zero=2", "--train.micro_batch=2",
+         "--parallel.cp_attention=ring", f"--run.dir={root / 'cp2-dp2-zero2'}"],
+        ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zb",
+         "--parallel.cp_attention=ulysses", "--train.micro_batch=2",
+         f"--run.dir={root / 'cp2-pp2-zb'}"],
         ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
          "--parallel.pp_virtual=2", "--parallel.cp_attention=ring", "--train.micro_batch=2",
          f"--run.dir={root / 'cp2-pp2-interleaved'}"],
