@@ -64,6 +64,8 @@ class ShardSpec:
         """Share of this copy in a global norm: 1 / number of identical copies -- counting only
         copies on ``axes`` (those the squared sums are added over; default: every axis)."""
         over = None if axes is None else {x for a in axes for x in axis_parts(a)}
+        if over is not None and "pp" in over:
+            over.add("embed")  # the tied embedding's copies sit on two pp ranks
         return 1.0 / math.prod(mesh.size(a) for a in self.replicated
                                if over is None or a in over)
 
