@@ -17,18 +17,22 @@ draws the same random token ids (same seed) and keeps its share with ``cp.shard`
   all-to-all input bytes (ulysses), against the formulas of ``ring_attention.py`` and
   ``ulysses.py``, and the gradient all-reduce over ``dp_cp`` (= cp here);
 - a parity check: the first step's loss (the mean of the cp ranks' losses) and global gradient
-  norm vs the one-process run on the same weights and tokens.
+  norm vs the one-process run on the same weights and tokens;
+- the machine's other load: CPU time the machine spent busy (``/proc/stat``) minus the ranks'
+  own, over the wall time of the run, in cores; rows above 0.2 are flagged (a shared box).
 
 Then the longest sequence whose step fits a per-rank memory budget (``--budget-mib`` of peak
 growth, largest rank), per cp in ``--budget-modes``: a line through the two longest measured
-points predicts it on a 1k grid; the prediction is then run (one step), and the
-sequence is moved by 1k until the largest one that fits and the next one that does not have
-both been run (capped at ``--budget-max``).
+points predicts it on a 1k grid; the prediction is then run (warm-up + 1 step: AdamW's moments
+exist from the second step on, and raise its peak), and the sequence is moved by 1k until the
+largest one that fits and the next one that does not have both been run (capped at
+``--budget-max``).
 
 torch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``)
 is tried in the cp = 2 world on the same model (its SDPA patched in, the same zigzag / head-tail
-shares and rotary positions, meshlm's DDP engine for the gradients): measured like the others
-if it runs; otherwise its error is recorded.
+shares and rotary positions, meshlm's DDP engine for the gradients), with SDPA's default backend
+choice and then forced to the math backend: measured like the others if it runs; otherwise
+the errors are recorded.
 
     OMP_NUM_THREADS=1 python benchmarks/context_parallel.py [--quick] [--steps 3]
         [--seqs 1024 2048 ...] [--cps 1 2 4] [--budget-mib 256]
@@ -38,6 +42,7 @@ if it runs; otherwise its error is recorded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -54,11 +59,24 @@ from meshlm.testing import run_world
 MIB = 2**20
 MODES = ("zigzag", "ring", "ulysses")
 SEED = 1234
+OTHER_LOAD = 0.2  # cores busy outside the benchmark above which a row's timing is flagged
 MODEL = {"name": "cp-bench", "vocab_size": 512, "dim": 128, "n_layers": 2, "n_heads": 8,
          "n_kv_heads": 4, "ffn_hidden": 352, "max_seq_len": 65536}
 
 
 # ------------------------------------------------------------------------- one rank's work
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, ``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def rss_bytes() -> int:
     import resource
 
@@ -97,7 +115,7 @@ class Rank:
         self.comm.log.records.clear()
         return [float(x) for x in every.tolist()]
 
-    def build(self, mode: str, torch_cp: bool = False):  # noqa: ANN201
+    def build(self, mode: str, torch_cp: str = ""):  # noqa: ANN201
         """A fresh model parallelised over cp in ``mode`` (under ``torch_cp``: meshlm's
         shares, positions and DDP engine, attention back to plain SDPA for torch's CP)."""
         from meshlm.config import ParallelSection, TrainSection
@@ -112,14 +130,18 @@ class Rank:
                 del layer.attention.core  # the class's SDPA, which torch's CP patches
         return model, par
 
-    def run(self, seq: int, mode: str, steps: int, torch_cp: bool = False) -> dict[str, Any]:
-        """Warm-up + ``steps`` timed steps of ``seq`` tokens; this rank's measurements."""
+    def run(self, seq: int, mode: str, steps: int, torch_cp: str = "") -> dict[str, Any]:
+        """Warm-up + ``steps`` timed steps of ``seq`` tokens; this rank's measurements.
+        ``torch_cp``: "" (meshlm), or torch's context_parallel with SDPA's "default" backend
+        choice or forced to "math"."""
         model, par = self.build(mode, torch_cp)
         engine, cpar = par.engine, par.cp
         cp_mesh = self.mesh.device_mesh["cp"] if torch_cp else None
         base = rss_bytes()
         self.peaks.reset()
         times, losses, norms, comm = [], [], [], {}
+        self.comm.barrier()
+        cpu0, busy0, wall0 = own_cpu_s(), machine_busy_s(), time.perf_counter()
         for step in range(steps + 1):
             g = torch.Generator().manual_seed(SEED * 1000 + step)  # same ids on every rank
             ids = torch.randint(0, self.model_cfg.vocab_size, (1, seq + 1), generator=g)
@@ -131,10 +153,14 @@ class Rank:
             t0 = time.perf_counter()
             if torch_cp:
                 from torch.distributed.tensor.experimental import context_parallel
+                from torch.nn.attention import SDPBackend, sdpa_kernel
 
+                backend = (sdpa_kernel(SDPBackend.MATH) if torch_cp == "math"
+                           else contextlib.nullcontext())
                 # torch shards the whole-sequence buffers itself (head-tail = zigzag shares)
-                with context_parallel(cp_mesh, buffers=[inputs, targets], buffer_seq_dims=[1, 1],
-                                      no_restore_buffers={inputs, targets}):
+                with backend, context_parallel(cp_mesh, buffers=[inputs, targets],
+                                               buffer_seq_dims=[1, 1],
+                                               no_restore_buffers={inputs, targets}):
                     loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
                     loss.backward()
             else:
@@ -156,6 +182,8 @@ class Rank:
         del model, par, engine, cpar
         return {"seq": seq, "mode": mode if self.cp > 1 else "-", "times": times[1:],
                 "warmup_s": times[0], "growth": grown, "base_rss": base,
+                "cpu_s": own_cpu_s() - cpu0, "machine_busy_s": machine_busy_s() - busy0,
+                "wall_s": time.perf_counter() - wall0,
                 "loss1": losses[0], "grad_norm1": norms[0], "comm": comm}
 
 
@@ -164,6 +192,9 @@ def collect(rank: Rank, r: dict[str, Any]) -> dict[str, Any]:
     r["growth_ranks"] = rank.gather(r["growth"])
     r["step_time_ranks"] = [rank.gather(t) for t in r["times"]]
     r["loss1_ranks"] = rank.gather(r["loss1"])
+    # cores kept busy by anything but this world's ranks during the run (a shared machine)
+    others = r["machine_busy_s"] - sum(rank.gather(r["cpu_s"]))
+    r["other_load"] = rank.world_max(others / r["wall_s"])
     return r
 
 
@@ -179,7 +210,8 @@ def budget_search(rank: Rank, mode: str, rows: list[dict[str, Any]], budget: int
 
     def growth(seq: int) -> float:  # largest rank's growth at ``seq`` (measured once)
         if seq not in tried:
-            tried[seq] = max(collect(rank, rank.run(seq, mode, 0))["growth_ranks"])
+            # two steps: AdamW's moments exist from the second step on (they raise its peak)
+            tried[seq] = max(collect(rank, rank.run(seq, mode, 1))["growth_ranks"])
         return tried[seq]
 
     seq = pred
@@ -201,18 +233,21 @@ def budget_search(rank: Rank, mode: str, rows: list[dict[str, Any]], budget: int
 
 
 def torch_cp_probe(rank: Rank, seq: int, steps: int) -> dict[str, Any]:
-    """torch's context_parallel on the same model: measured if it runs, else its error."""
-    try:
-        r = rank.run(seq, "zigzag", steps, torch_cp=True)
-        ok = 1.0
-    except Exception as e:  # every rank fails at the same op (before any collective)
-        r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
-             "traceback": traceback.format_exc()[-2500:]}
-        ok = 0.0
-    if rank.world_max(1.0 - ok) > 0:  # some rank failed: report the failure everywhere
-        return {"ran": False, **({k: v for k, v in r.items() if k in ("error", "traceback")}
-                                 or {"error": "failed on another rank"})}
-    return {"ran": True, **collect(rank, r)}
+    """torch's context_parallel on the same model, with SDPA's default backend choice, then
+    forced to the math backend: measured with the first that runs, else both errors."""
+    errors = {}
+    for backend in ("default", "math"):
+        try:
+            r = rank.run(seq, "zigzag", steps, torch_cp=backend)
+            ok = 1.0
+        except Exception as e:  # every rank fails at the same op (before any collective)
+            r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+                 "traceback": traceback.format_exc()[-2500:]}
+            ok = 0.0
+        if rank.world_max(1.0 - ok) == 0:
+            return {"ran": True, "backend": backend, "errors": errors, **collect(rank, r)}
+        errors[backend] = r if not ok else {"error": "failed on another rank"}
+    return {"ran": False, "errors": errors}
 
 
 def world(cp: int, plan: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +308,8 @@ def summarize(cp: int, r: dict[str, Any], ref: dict[str, Any] | None) -> dict[st
            "growth_max": max(r["growth_ranks"]), "growth_ranks": r["growth_ranks"],
            "cp_bytes": cp_bytes, "cp_bytes_expected": expected_cp_bytes(r["mode"], cp, r["seq"]),
            "grad_allreduce_bytes": comm.get("all_reduce/dp_cp", 0), "comm": comm,
-           "loss1": statistics.fmean(r["loss1_ranks"]), "grad_norm1": r["grad_norm1"]}
+           "loss1": statistics.fmean(r["loss1_ranks"]), "grad_norm1": r["grad_norm1"],
+           "other_load": r["other_load"]}
     if ref is not None:
         out["speedup"] = ref["step_time_s"] / step
         out["memory_ratio"] = out["growth_max"] / ref["growth_max"]
@@ -301,7 +337,8 @@ def print_tables(rows: list[dict[str, Any]], budgets: list[dict[str, Any]],
               f"{r['tokens_per_s']:,.0f} | {sp} | {mib(r['growth_max'])} | {ranks} | {mr} | "
               f"{mib(r['cp_bytes'])} | {ok if r['cp'] > 1 else '-'} | "
               f"{mib(r['grad_allreduce_bytes'])} |")
-    cols = sorted({(r["cp"], r["mode"]) for r in rows})
+    order = {m: i for i, m in enumerate(("-", *MODES))}
+    cols = sorted({(r["cp"], r["mode"]) for r in rows}, key=lambda c: (c[0], order[c[1]]))
     seqs = sorted({r["seq"] for r in rows})
     by = {(r["cp"], r["mode"], r["seq"]): r for r in rows}
     head = " | ".join("cp=1" if cp == 1 else f"cp={cp} {m}" for cp, m in cols)
@@ -317,6 +354,11 @@ def print_tables(rows: list[dict[str, Any]], budgets: list[dict[str, Any]],
             print(f"| {s} | " + " | ".join(cells) + " |")
     worst = max((max(r.get("loss1_rel_diff", 0), r.get("grad_norm1_rel_diff", 0)) for r in rows),
                 default=0.0)
+    busy = [f"cp={r['cp']} {r['mode']} {r['seq']}: {r['other_load']:.2f}" for r in rows
+            if r["other_load"] > OTHER_LOAD]
+    print(f"\nother load on the machine during a run (cores busy outside this benchmark's ranks):"
+          f" largest {max(r['other_load'] for r in rows):.2f}"
+          + (f"; above {OTHER_LOAD} (timings not clean): {', '.join(busy)}" if busy else ""))
     print(f"\nparity with cp=1 (first step's loss and gradient norm, same weights and tokens): "
           f"largest relative difference {worst:.1e}")
     if budgets:
@@ -332,9 +374,12 @@ def print_tables(rows: list[dict[str, Any]], budgets: list[dict[str, Any]],
                   f"{b['fit']['bytes_per_token'] * 1024 / MIB:.1f} |")
     if probe is not None:
         if probe["ran"]:
-            print(f"\ntorch context_parallel: ran; {probe}")
+            print(f"\ntorch context_parallel (cp=2, SDPA {probe['backend']}), seq {probe['seq']}: "
+                  f"step {probe['step_time_s']:.3f} s, {probe['tokens_per_s']:,.0f} tokens/s, "
+                  f"peak growth {mib(probe['growth_max'])} MiB (largest rank)")
         else:
-            print(f"\ntorch context_parallel (cp=2, CPU, gloo): did not run: {probe['error']}")
+            print("\ntorch context_parallel (cp=2, CPU, gloo) did not run:\n" + "\n".join(
+                f"- SDPA backend {b}: {e['error']}" for b, e in probe["errors"].items()))
 
 
 def main() -> None:
@@ -377,7 +422,8 @@ def main() -> None:
     budgets = [b for cp in a.cps for b in raw[cp]["budgets"]]
     probe = next((raw[cp]["torch_cp"] for cp in a.cps if raw[cp]["torch_cp"] is not None), None)
     if probe is not None and probe["ran"]:
-        probe = {"ran": True, **summarize(2, probe, ref.get(probe["seq"]))}
+        probe = {"ran": True, "backend": probe["backend"],
+                 **summarize(2, probe, ref.get(probe["seq"]))}
     print_tables(rows, budgets, probe, plan["budget"])
     wall = time.perf_counter() - t0
     out = Path(a.out)
