@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import time
 import traceback
@@ -65,6 +66,13 @@ MODEL = {"name": "cp-bench", "vocab_size": 512, "dim": 128, "n_layers": 2, "n_he
 
 
 # ------------------------------------------------------------------------- one rank's work
+
+def _portable(text: str) -> str:
+    """A traceback with the repository and site-packages prefixes cut from its paths."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    text = text.replace(root, "")
+    return re.sub(r'"[^"]*/site-packages/', '"', text)
+
 def machine_busy_s() -> float:
     """CPU seconds the whole machine has spent busy (all cores, ``/proc/stat``)."""
     with open("/proc/stat") as f:
@@ -242,7 +250,8 @@ def torch_cp_probe(rank: Rank, seq: int, steps: int) -> dict[str, Any]:
             ok = 1.0
         except Exception as e:  # every rank fails at the same op (before any collective)
             r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
-                 "traceback": traceback.format_exc()[-2500:]}
+                 # (paths shown relative to the installation: nothing of this machine)
+                 "traceback": _portable(traceback.format_exc()[-2500:])}
             ok = 0.0
         if rank.world_max(1.0 - ok) == 0:
             return {"ran": True, "backend": backend, "errors": errors, **collect(rank, r)}

@@ -49,32 +49,23 @@ def heads_to_seq(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, n * h, s // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls; its gradient is the other one."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
-        ctx.comm = comm
-        return seq_to_heads(x, comm)
+    def forward(ctx, x: torch.Tensor, comm: Comm, to_heads: bool) -> torch.Tensor:  # noqa: ANN001
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return (seq_to_heads if to_heads else heads_to_seq)(x, comm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return heads_to_seq(grad, ctx.comm), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
-        ctx.comm = comm
-        return heads_to_seq(y, comm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return seq_to_heads(grad, ctx.comm), None
+        return (heads_to_seq if ctx.to_heads else seq_to_heads)(grad, ctx.comm), None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
                       ) -> torch.Tensor:
     """Causal attention of (B, nh, s/cp, hd) queries on keys/values sharded like them."""
-    q, k, v = (_SeqToHeads.apply(t, comm) for t in (q, k, v))
+    q, k, v = (_Exchange.apply(t, comm, True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                          enable_gqa=q.shape[1] != k.shape[1])
-    return _HeadsToSeq.apply(out, comm)
+    return _Exchange.apply(out, comm, False)
