@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.comm import Comm
+from ..layout import CP_MODES
 from ..models.llama import Transformer
 from ..models.moe import MoE
 from .attention_blocks import default_kernel
@@ -41,7 +42,6 @@ from .ring_attention import Ring, block_plan, ring_attention
 from .ulysses import ulysses_attention
 
 AXIS = "cp"
-CP_MODES = ("zigzag", "ring", "ulysses")
 
 
 def share_positions(seq_len: int, cp: int, rank: int, mode: str) -> np.ndarray:
