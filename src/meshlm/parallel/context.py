@@ -37,7 +37,7 @@ from ..distributed.comm import Comm
 from ..layout import CP_MODES
 from ..models.llama import Transformer
 from ..models.moe import MoE
-from .attention_blocks import default_kernel
+from .attention_blocks import KERNELS, default_kernel
 from .ring_attention import Ring, block_plan, ring_attention
 from .ulysses import ulysses_attention
 
@@ -63,6 +63,8 @@ class ContextParallel:
         self.comm, self.mode = comm, mode
         self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.kernel = kernel or default_kernel(comm.mesh.device())
+        if self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
         self.ring = Ring(comm, mode == "zigzag", self.kernel)
         self.enabled = True
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
