@@ -326,8 +326,10 @@ def test_rank_slices_union_is_global_batch(dp: int, micro: int) -> None:
     for step in (0, 5):
         full = s.global_batch_at(step)
         inputs, targets = [], []
-        for rank in range(dp):
-            for x, y in s.rank_micro_batches(step, rank, dp, micro):
+        per_rank = [s.rank_micro_batches(step, rank, dp, micro) for rank in range(dp)]
+        for i in range(8 // (dp * micro)):  # global micro-batch i: micro-batch i of each rank
+            for rank in range(dp):
+                x, y = per_rank[rank][i]
                 assert x.shape == y.shape == (micro, 16)
                 assert torch.equal(y[:, :-1], x[:, 1:])  # targets = inputs shifted by one
                 inputs.append(x)

@@ -54,6 +54,9 @@ class ModelSection:
     moe_shared_experts: int | None = None
     moe_first_dense: int | None = None
     moe_aux_loss_coef: float | None = None
+    moe_balance: str | None = None  # aux | seq_aux | bias
+    moe_bias_rate: float | None = None
+    moe_capacity: float | None = None  # 0: dropless
     # A Hugging Face folder (config.json + safetensors: its shape replaces the preset's) or a
     # meshlm run/checkpoint dir to take the initial weights from; "" -> drawn from train.seed.
     init_from: str = ""
@@ -402,12 +405,8 @@ def training_problems(cfg: Config, layout: Layout, model_cfg: ModelConfig | None
                       ) -> list[str]:
     """Why meshlm's trainer cannot run ``layout`` with the rest of ``cfg`` (empty: it can).
 
-    What this version supports (no expert parallelism, no fp16 loss scaling with
-    sharded states), then :meth:`Layout.problems` with the trainer's rules, named by config key.
+    What this version supports (no fp16 loss scaling with sharded states), then :meth:`Layout.problems` with the trainer's rules, named by config key.
     """
-    if layout.ep > 1:
-        return [f"parallel.ep={layout.ep}: expert parallelism is not available in this version "
-                "(data, tensor/sequence, context and pipeline parallelism are)"]
     out = layout.problems(model_cfg or cfg.model_config(), cfg.data.seq_len,
                           cfg.train.global_batch, trainer=True, keys=CONFIG_KEYS)
     if cfg.precision.dtype == "fp16":

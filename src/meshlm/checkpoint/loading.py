@@ -86,4 +86,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Transfor
         cfg = checkpoint_model_config(ckpt)
         expected = {n: tuple(q.shape) for n, q in build_model(cfg, device="meta").named_parameters()}
         check_model(ckpt, expected)
-        return model_from_source(cfg, ckpt.source("weight"), device).eval()
+        model = model_from_source(cfg, ckpt.source("weight"), device).eval()
+        model.set_expert_biases(ckpt.trainer.get("moe_bias"))  # auxiliary-loss-free routing
+        return model

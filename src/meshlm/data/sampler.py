@@ -75,6 +75,9 @@ class StepSampler:
 
         Targets are the inputs shifted left by one token. ``positions`` (context parallelism):
         only the tokens at those positions of each sequence, [micro_batch, len(positions)].
+        Micro-batch i of rank r holds sequences ``[(i dp + r) m, (i dp + r + 1) m)`` of the
+        global batch: micro-batch i of all ranks together is the same *global micro-batch*
+        (``dp * m`` consecutive sequences) in every layout, which MoE balancing statistics use.
         """
         per_rank, rest = divmod(self.global_batch, dp_size)
         if rest or per_rank % micro_batch:
@@ -85,7 +88,8 @@ class StepSampler:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside [0, {dp_size})")
         self.next_step = step + 1
-        mine = self.offsets(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        blocks = self.offsets(step).reshape(per_rank // micro_batch, dp_size, micro_batch)
+        mine = blocks[:, dp_rank].reshape(-1)
         out = []
         for start in range(0, per_rank, micro_batch):
             if positions is not None:

@@ -1,7 +1,7 @@
 """Every collective meshlm issues, over a mesh axis, with an optional communication log.
 
 Collectives are c10d's (gloo on CPU, NCCL on GPU); this module adds nothing to the transport.
-It resolves an axis name ("dp", "tp", "pp", "cp", "dp_cp", "world") to the mesh's process group,
+It resolves an axis name ("dp", "tp", "pp", "cp", "dp_cp", "ep", "edp", "world") to the mesh's process group,
 short-circuits axes of size 1 (no communication at all), and can record each call as
 ``(op, axis, dtype, bytes)`` so tests and the trainer can compare volume with theory.
 
@@ -94,11 +94,11 @@ class Comm:
         return self.mesh.local_rank(axis)
 
     def all_reduce(self, t: torch.Tensor, axis: str, op: str = "sum",
-                   async_op: bool = False) -> Handle:
+                   async_op: bool = False, purpose: str = "train") -> Handle:
         """In-place reduction of ``t`` over ``axis`` (``op``: sum or max)."""
         if self.size(axis) == 1:
             return _Done()
-        self.log.add("all_reduce", axis, t)
+        self.log.add("all_reduce", axis, t, purpose)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return dist.all_reduce(t, red, group=self.mesh.group(axis), async_op=async_op) or _Done()
 
@@ -122,14 +122,16 @@ class Comm:
         return _all_gather(
             out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> None:
-        """Block j of ``inp`` (dim 0 split in equal blocks) goes to rank j; ``out``'s block j
-        comes from rank j."""
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
+                   out_splits: list[int] | None = None, in_splits: list[int] | None = None
+                   ) -> None:
+        """Block j of ``inp`` (dim 0 split in equal blocks, or ``in_splits`` rows) goes to rank
+        j; ``out``'s block j (equal, or ``out_splits`` rows) comes from rank j."""
         if self.size(axis) == 1:
             out.copy_(inp)
             return
         self.log.add("all_to_all", axis, inp)
-        dist.all_to_all_single(out, inp, group=self.mesh.group(axis))
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.mesh.group(axis))
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
         """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""

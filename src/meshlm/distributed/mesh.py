@@ -4,7 +4,11 @@ Rank r sits at coordinates ``(pp, dp, cp, tp)`` of a row-major grid, so tp neigh
 consecutive ranks (the fastest links, inside a node) and pp is the outermost axis. Groups are
 built once by ``torch.distributed.device_mesh.init_device_mesh`` and handed around in one
 :class:`Mesh` object: no global process groups. Expert parallelism (``ep``) is carved out of the
-dp x cp ranks (Megatron-Core's layout) when it lands.
+dp x cp ranks (Megatron-Core's layout): the ``ep`` group is ``ep`` consecutive ranks of
+the ``dp_cp`` group (index ``i`` of dp_cp sits at ep rank ``i % ep``), and the expert-data-parallel
+group ``edp`` joins the ranks with the same ep rank (the ``dp_cp / ep`` copies of each expert).
+Expert gradients are summed over ``edp`` and divided by the whole dp x cp size
+(:meth:`Mesh.grad_divisor`): each copy's gradient already sums the tokens of its ``ep`` peers.
 
 Composite axes (:data:`COMPOSITE`) join several axes into one group: ``dp_cp`` is every rank
 of this rank's (pp, tp) coordinate, over which the gradients of weights replicated on dp and cp
@@ -26,6 +30,8 @@ from ..layout import AXES, CONFIG_KEYS, Layout
 
 # A composite axis -> the axes it joins (its rank: row-major over them, the last fastest).
 COMPOSITE: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
+# Sub-axes of dp_cp (expert parallelism): the ep peers and the expert-data-parallel copies.
+EXPERT_AXES = ("ep", "edp")
 
 
 def axis_parts(axis: str) -> tuple[str, ...]:
@@ -58,6 +64,7 @@ class Mesh:
             self._groups["world"] = dist.group.WORLD
             self._groups["embed"] = self._embedding_group() if layout.pp > 1 else None
             self._groups["dp_cp"] = self._data_context_group()
+            self._groups.update(self._expert_groups())
         self.coords = layout.coords(self.rank)
 
     def _data_context_group(self) -> dist.ProcessGroup | None:
@@ -74,6 +81,29 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
+        return mine
+
+    def _expert_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """This rank's ``ep`` group (``ep`` consecutive dp_cp ranks) and ``edp`` group (the
+        dp_cp ranks with its ep rank); None for a group of one rank."""
+        d = self.layout
+        n, ep = d.dp * d.cp, d.ep
+        if ep == 1:
+            return {"ep": None, "edp": self._groups["dp_cp"]}
+        if ep == n:
+            return {"ep": self._groups["dp_cp"], "edp": None}
+        mine: dict[str, dist.ProcessGroup | None] = {}
+        grid = self.device_mesh.mesh.reshape(d.pp, n, d.tp)
+        for pp in range(d.pp):
+            for tp in range(d.tp):
+                column = [int(r) for r in grid[pp, :, tp]]
+                sets = {"ep": [column[i:i + ep] for i in range(0, n, ep)],
+                        "edp": [column[j::ep] for j in range(ep)]}
+                for axis, rank_sets in sets.items():
+                    for ranks in rank_sets:
+                        group = dist.new_group(ranks)
+                        if self.rank in ranks:
+                            mine[axis] = group
         return mine
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
@@ -96,6 +126,8 @@ class Mesh:
             return 2 if self._groups.get("embed") is not None else 1
         if axis in COMPOSITE:
             return math.prod(getattr(self.layout, a) for a in COMPOSITE[axis])
+        if axis == "edp":
+            return self.layout.dp * self.layout.cp // self.layout.ep
         return self.world_size if axis == "world" else getattr(self.layout, axis)
 
     def local_rank(self, axis: str) -> int:
@@ -107,7 +139,15 @@ class Mesh:
             for a in COMPOSITE[axis]:
                 rank = rank * getattr(self.layout, a) + self.coords[a]
             return rank
+        if axis in EXPERT_AXES:
+            i = self.local_rank("dp_cp")
+            return i % self.layout.ep if axis == "ep" else i // self.layout.ep
         return self.rank if axis == "world" else self.coords[axis]
+
+    def grad_divisor(self, axis: str) -> int:
+        """What gradients summed over ``axis`` are divided by to become the global mean:
+        the axis size, except for expert weights (``edp``): the whole dp x cp size."""
+        return self.size("dp_cp") if axis == "edp" else self.size(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """Process group of ``axis`` (None on a one-process run)."""

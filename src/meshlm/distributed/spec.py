@@ -66,6 +66,8 @@ class ShardSpec:
         over = None if axes is None else {x for a in axes for x in axis_parts(a)}
         if over is not None and "pp" in over:
             over.add("embed")  # the tied embedding's copies sit on two pp ranks
+        if over is not None and over & {"dp", "cp"}:
+            over.add("edp")  # an expert's copies sit on the dp x cp ranks of one ep rank
         return 1.0 / math.prod(mesh.size(a) for a in self.replicated
                                if over is None or a in over)
 

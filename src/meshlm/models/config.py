@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+MOE_BALANCE = ("aux", "seq_aux", "bias")  # load-balancing methods (models/moe.py)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -41,6 +43,12 @@ class ModelConfig:
     moe_shared_experts: int = 0  # shared experts, each of width moe_ffn_hidden
     moe_first_dense: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3: 3)
     moe_aux_loss_coef: float = 0.01
+    # load balancing: "aux" (Switch loss on each global micro-batch's statistics), "seq_aux"
+    # (the same per sequence, DeepSeek-V3), "bias" (auxiliary-loss-free: a per-expert bias on
+    # the top-k selection, moved by moe_bias_rate against each step's load error)
+    moe_balance: str = "aux"
+    moe_bias_rate: float = 0.001
+    moe_capacity: float = 0.0  # capacity factor (0: dropless); per sequence, tokens past it drop
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -69,6 +77,13 @@ class ModelConfig:
             out.append(
                 f"model.moe_topk={self.moe_topk} must lie in [1, moe_experts={self.moe_experts}]"
             )
+        if self.moe_balance not in MOE_BALANCE:
+            out.append(f"model.moe_balance={self.moe_balance!r} is not one of "
+                       f"{', '.join(MOE_BALANCE)}")
+        if self.moe_capacity < 0:
+            out.append(f"model.moe_capacity={self.moe_capacity} must be >= 0 (0: dropless)")
+        if self.moe_bias_rate < 0:
+            out.append(f"model.moe_bias_rate={self.moe_bias_rate} must be >= 0")
         if self.moe_first_dense > self.n_layers:
             out.append(f"model.moe_first_dense={self.moe_first_dense} exceeds n_layers")
         return out

@@ -133,10 +133,14 @@ class Transformer(nn.Module):
         self.positions: Callable[[int, torch.device], torch.Tensor | None] | None = None
 
     def build_buffers(self, device: torch.device | str) -> None:
-        """The rotary tables on ``device`` (a model built on the meta device has none yet)."""
+        """The rotary tables (and MoE selection biases) on ``device`` (a model built on the meta
+        device has none yet)."""
         if self.rope_cos.is_meta or self.rope_cos.device != torch.device(device):
             cos, sin = rope_tables(self.cfg.hd, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for layer in self.layers.values():
+            if isinstance(layer.feed_forward, MoE):
+                layer.feed_forward.build_buffers(device)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]  # (a context-parallel share: see ``rope``)
@@ -184,6 +188,16 @@ class Transformer(nn.Module):
                   if isinstance(ff := self.layers[k].feed_forward, MoE)]
         losses = [x for x in losses if x is not None]
         return torch.stack(losses).sum() if losses else 0.0
+
+    def set_expert_biases(self, table: list[list[float]] | None) -> None:
+        """Auxiliary-loss-free selection biases per layer (a checkpoint's ``moe_bias``) into
+        the MoE layers this model holds; None leaves them as they are."""
+        if table is None:
+            return
+        for key, layer in self.layers.items():
+            ff = layer.feed_forward
+            if isinstance(ff, MoE) and ff.expert_bias is not None:
+                ff.expert_bias.copy_(torch.tensor(table[int(key)], dtype=torch.float32))
 
     def num_params(self) -> int:
         """Unique parameters (a tied head counts once)."""

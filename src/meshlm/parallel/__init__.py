@@ -1,7 +1,7 @@
 """Parallelism applied to a plain model: ``parallelize(model, mesh, comm, config)``.
 
-Order (torchtitan's): tensor/sequence parallel -> context parallel -> pipeline split ->
-activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1). Every parameter first gets a shard spec (the whole tensor,
+Order (torchtitan's): tensor/sequence parallel -> context parallel -> expert parallel ->
+pipeline split -> activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1). Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
 returned owns gradients and the optimizer.
@@ -28,6 +28,7 @@ from ..models.llama import Transformer
 from .context import ContextParallel, apply_context_parallel
 from .data import DDPEngine
 from .engine import Engine, LocalEngine
+from .expert import apply_expert_parallel, attach_count_reducers
 from .pipeline import PipelineModel
 from .tensor import TensorParallel, apply_tensor_parallel
 from .zero import ZeroEngine
@@ -70,6 +71,10 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
     cp = (apply_context_parallel(model, comm, parallel.cp_attention)
           if comm.size("cp") > 1 else None)
+    if comm.size("ep") > 1:
+        apply_expert_parallel(model, comm)
+    if model.cfg.is_moe:
+        attach_count_reducers(model, comm)
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)

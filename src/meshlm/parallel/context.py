@@ -17,10 +17,9 @@ the mean over cp ranks is the sequence mean). Weights are replicated over cp: th
 are averaged over dp x cp together (the ``dp_cp`` axis; ZeRO shards over it), as Megatron-Core
 does, and each rank's gradients include the other ranks' losses through the dK/dV (ring) or
 all-to-all (Ulysses) backward. Mixture-of-Experts layers add their routing counts over cp so the
-load-balancing loss is the whole sequence's.
+load-balancing loss is the whole sequence's (``expert.attach_count_reducers``).
 
-Communication: see the two attention modules; plus, per MoE layer and micro-batch, one
-all-reduce of the expert counts (``E`` int64) over cp. Memory: activations / cp; the rotary
+Communication: see the two attention modules. Memory: activations / cp; the rotary
 tables of the positions in use.
 """
 
@@ -36,7 +35,6 @@ import torch.nn.functional as F
 from ..distributed.comm import Comm
 from ..layout import CP_MODES
 from ..models.llama import Transformer
-from ..models.moe import MoE
 from .attention_blocks import KERNELS, default_kernel
 from .ring_attention import Ring, block_plan, ring_attention
 from .ulysses import ulysses_attention
@@ -118,15 +116,6 @@ class ContextParallel:
     def reset_tiles(self) -> None:
         self.ring.tiles = 0
 
-    # -- MoE ---------------------------------------------------------------------------------
-    def reduce_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Expert assignment counts summed over cp, and the factor of the token count."""
-        if not self.enabled:
-            return counts, 1
-        counts = counts.clone()
-        self.comm.all_reduce(counts, AXIS)
-        return counts, self.size
-
 
 def apply_context_parallel(model: Transformer, comm: Comm, mode: str,
                            kernel: str | None = None) -> ContextParallel:
@@ -135,8 +124,6 @@ def apply_context_parallel(model: Transformer, comm: Comm, mode: str,
     model.positions = cp.local_positions
     for layer in model.layers.values():
         layer.attention.core = cp.attention
-        if isinstance(layer.feed_forward, MoE):
-            layer.feed_forward.reduce_counts = cp.reduce_counts
     return cp
 
 

@@ -88,8 +88,8 @@ class DDPEngine(LocalEngine):
                 b.handle = self.comm.all_reduce(b.grad, b.axis, async_op=True)
         for b in self.buckets:
             b.handle.wait()
-            if self.comm.size(b.axis) > 1:
-                b.grad.div_(self.comm.size(b.axis))
+            if self.comm.mesh.grad_divisor(b.axis) > 1:
+                b.grad.div_(self.comm.mesh.grad_divisor(b.axis))
             b.handle, b.ready = None, 0
 
     def zero_grad(self) -> None:

@@ -116,9 +116,9 @@ class TensorParallelDispatcher:
             x_sharded, x_replicated = gather_seq_two_ways(x, self.comm)  # (B, S, h) each
         else:
             x_sharded, x_replicated = copy_to_tp(x, self.comm), x
-        weights, top_idx = moe.route(x_replicated.reshape(-1, h))
+        weights, top_idx = moe.route(x_replicated.reshape(-1, h), b)
         weights = copy_to_tp(weights, self.comm)
-        y = moe.combine(x_sharded.reshape(-1, h), weights, top_idx).view(b, -1, h)  # partial
+        y = moe.combine(x_sharded.reshape(-1, h), weights, top_idx, b).view(b, -1, h)  # partial
         return scatter_seq(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
 
 

@@ -192,8 +192,8 @@ class ZeroEngine(Engine):
         while self.inflight:
             self._complete(self.inflight.pop(0))
         for g, grad in zip(self.groups, self.shard_grads, strict=True):
-            if g.n_shards > 1:
-                grad.div_(g.n_shards)
+            if self.comm.mesh.grad_divisor(g.axis) > 1:
+                grad.div_(self.comm.mesh.grad_divisor(g.axis))
         self.launched = set()
 
     # -- step --------------------------------------------------------------------------

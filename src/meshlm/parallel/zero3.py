@@ -271,8 +271,8 @@ class Zero3Engine(Engine):
         if pending:
             raise RuntimeError(f"ZeRO-3: units {pending} did not receive all their gradients")
         for u in self.all_units:
-            if u.group.n_shards > 1:
-                u.grad_shard.div_(u.group.n_shards)
+            if self.comm.mesh.grad_divisor(u.axis) > 1:
+                u.grad_shard.div_(self.comm.mesh.grad_divisor(u.axis))
 
     # -- step ---------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -47,9 +47,10 @@ from ..optim import lr_at
 from ..parallel import parallelize
 from ..parallel.context import context_summary
 from ..parallel.engine import Engine
+from ..parallel.expert import moe_layers, router_step, router_summary, router_text
 from ..parallel.tensor import TensorParallel
 from ..precision import Precision
-from .metrics import MetricsWriter, PhasePeaks
+from .metrics import MetricsWriter, PhasePeaks, read_metrics
 from .peak import peak_flops
 from .pipelined import PipelineRunner
 from .progress import ProgressLine
@@ -123,6 +124,7 @@ class Trainer:
             cfg.train.eval_batches
         )
         self.step = 0
+        self.router: dict[str, Any] = {}  # the last step's routing per MoE layer
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.data.seq_len)
         self.resume()
@@ -213,6 +215,13 @@ class Trainer:
                  f"micro-batch {c.train.micro_batch}, accumulation {c.grad_accum}")
         if self.cp is not None:
             self.log(context_summary(self.cp.mode, self.cp.size, c.data.seq_len))
+        if mc.is_moe:
+            ep = self.mesh.size("ep")
+            self.log(f"experts: {mc.moe_experts} per MoE layer, top-{mc.moe_topk}, "
+                     + (f"{mc.moe_experts // ep} per rank (ep={ep}), " if ep > 1 else "")
+                     + f"balance {mc.moe_balance}, "
+                     + (f"capacity factor {mc.moe_capacity:g}" if mc.moe_capacity
+                        else "dropless"))
         self.log(f"peak {self.peak / 1e9:.1f} GFLOP/s per rank ({self.peak_source})")
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {self.step}" if self.step else ""))
         for phase, peaks in self.memory.per_rank.items():
@@ -256,6 +265,9 @@ class Trainer:
         grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         self.engine.step(lr_at(step, cfg), self.precision)
         self.engine.zero_grad()
+        if self.model_cfg.is_moe:  # the step's routing: statistics and the balancing bias
+            self.router = router_step(self.model, self.comm, self.model_cfg.n_layers,
+                                      self.model_cfg.moe_experts)
         return grad_norm
 
     @torch.no_grad()
@@ -286,13 +298,26 @@ class Trainer:
         """Every rank writes the shards it owns (no gather); see ``checkpoint.sharded``."""
         state = {"sampler": self.sampler.state_dict(), "model": asdict(self.model_cfg),
                  "tokens_seen": self.step * self.tokens_per_step,
-                 "layout": self.mesh.describe(), "scaler": self.precision.state_dict()}
+                 "layout": self.mesh.describe(), "scaler": self.precision.state_dict(),
+                 **({"moe_bias": self.expert_biases()} if self.model_cfg.moe_balance == "bias"
+                    and self.model_cfg.is_moe else {})}
         directory = save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.engine, self.comm, state,
             {"config.toml": to_toml(self.cfg), "tokenizer.json": self.run_dir / "tokenizer.json"},
             keep=self.cfg.checkpoint.keep)
         self.memory.measure("save", self.comm)
         return directory
+
+    def expert_biases(self) -> list[list[float]]:
+        """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
+        layers summed over pp (one tiny all-reduce), so every rank has them all."""
+        mc = self.model_cfg
+        table = torch.zeros(mc.n_layers, mc.moe_experts, dtype=torch.float64,
+                            device=self.device)
+        for i, moe in moe_layers(self.model).items():
+            table[i] = moe.expert_bias.double()
+        self.comm.all_reduce(table, "pp", purpose="state")
+        return table.cpu().tolist()
 
     def load_checkpoint(self, directory: Path) -> None:
         """This rank's slices of weights and moments, sampler, scaler and RNG states."""
@@ -301,6 +326,7 @@ class Trainer:
             load_into(ckpt, self.engine, self.device)
             self.sampler.load_state_dict(ckpt.trainer["sampler"])
             self.precision.load_state_dict(ckpt.trainer.get("scaler", {}))
+            self.model.set_expert_biases(ckpt.trainer.get("moe_bias"))
             rng = ckpt.rng(self.mesh.rank)
             if rng is not None:
                 restore_rng(*rng)
@@ -329,6 +355,7 @@ class Trainer:
                 "pp_peak_live": self.pipeline.executor.peak_live}
                if self.pipeline is not None else {}),
             **(self.cp_record() if self.cp is not None else {}),
+            **({"router": self.router} if self.router else {}),
         }
 
     def cp_record(self) -> dict[str, Any]:
@@ -450,6 +477,10 @@ def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
         log(f"validation loss: {result.val_losses[first]:.4f} (step {first}) -> "
             f"{result.val_losses[last]:.4f} (step {last})")
     log(f"checkpoint: {trainer.run_dir / 'checkpoints' / f'step_{trainer.step:07d}'}")
+    if trainer.main and trainer.model_cfg.is_moe and (trainer.run_dir / "metrics.jsonl").exists():
+        summary = router_summary(read_metrics(trainer.run_dir / "metrics.jsonl"))
+        if summary:
+            log("router:\n" + router_text(summary))
     if cfg.run.sample_tokens:
         result.sample = trainer.sample(cfg.run.sample_prompt, cfg.run.sample_tokens)
         log("sample:\n" + result.sample)

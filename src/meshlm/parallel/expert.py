@@ -1,0 +1,207 @@
+"""Expert parallelism: each MoE layer's experts split over the ``ep`` ranks, tokens sent to them.
+
+The ``ep`` group is ``ep`` consecutive ranks of the dp x cp group (Megatron-Core's layout; see
+``distributed/mesh.py``). Rank j of it keeps experts ``[j E/ep, (j + 1) E/ep)`` of every MoE
+layer (``w1``, ``w3``, ``w2`` cut on dim 0: shard spec ``("ep", 0)``); their gradients are summed
+over the expert-data-parallel group ``edp`` (the ranks holding the same experts) and divided by
+dp x cp, everything else is reduced over dp x cp as before -- so DDP and ZeRO-1/2/3 shard and
+reduce each kind over its own group with no expert code. Under tensor parallelism every tp rank
+keeps its width slice of its ep rank's experts and exchanges with the ep peers of its tp rank.
+
+Per MoE layer and micro-batch (:class:`ExpertExchange`), after routing on this rank's tokens:
+
+1. the copies per expert are all-gathered over ep (``ep * E`` int64: the split sizes);
+2. dispatch: ``all_to_all_single`` sends each token copy (sorted by expert, hence by owner) to
+   the rank owning its expert -- dropless, variable splits;
+3. the received copies are regrouped by local expert and run (one matmul chain per expert,
+   one batched matmul for all when capacity slots make them equal);
+4. combine: a second all-to-all returns the outputs in the order they were sent; the layer then
+   weights them by the router and sums them per token as without ep.
+
+Backward mirrors it: two all-to-alls of the same sizes in reverse. Bytes per micro-batch and
+layer: forward ``T k H`` (this rank's copies) + ``R H`` (the copies it received), each in the
+activation dtype; backward the same; ``sum over ep ranks of R = sum of T k``. With a capacity
+factor the splits are fixed (``E/ep * B * C`` rows to every peer) and step 1 is skipped.
+
+Memory per rank: expert weights, gradients and optimizer states / ep; activations of the copies
+it computes (``T k`` on average).
+
+Also here: the routing-count reducers of the balancing losses (:func:`attach_count_reducers`)
+and the end-of-step router statistics, which also drive the auxiliary-loss-free bias
+(:func:`router_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..distributed.comm import Comm
+from ..distributed.spec import set_spec, spec_of
+from ..models.llama import Transformer
+from ..models.moe import MoE
+
+AXIS = "ep"
+EXPERT_PARAMS = ("w1", "w3", "w2")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to peers with given splits; the gradient goes back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm, out_splits: list[int],  # noqa: ANN001
+                in_splits: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), AXIS, out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        out = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        ctx.comm.all_to_all(out, grad.contiguous(), AXIS, ctx.in_splits, ctx.out_splits)
+        return out, None, None, None
+
+
+class ExpertExchange:
+    """Send sorted token copies to their experts' ranks, run the local experts, send back."""
+
+    def __init__(self, comm: Comm, n_experts: int) -> None:
+        self.comm = comm
+        self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
+        self.local = n_experts // self.size
+
+    def split_table(self, counts: list[int], fixed: bool, device: torch.device) -> torch.Tensor:
+        """(ep, E) copies each ep rank sends to each expert (fixed: all alike, no exchange)."""
+        mine = torch.tensor(counts, dtype=torch.long, device=device)
+        if fixed:
+            return mine.expand(self.size, -1)
+        table = torch.empty(self.size * len(counts), dtype=torch.long, device=device)
+        self.comm.all_gather(table, mine, AXIS)
+        return table.view(self.size, len(counts))
+
+    def __call__(self, moe: MoE, x_sorted: torch.Tensor, counts: list[int],
+                 fixed: bool) -> torch.Tensor:
+        n, lo = self.local, self.rank * self.local
+        table = self.split_table(counts, fixed, x_sorted.device)
+        in_splits = table[self.rank].view(self.size, n).sum(dim=1).tolist()  # to each peer
+        from_peer = table[:, lo : lo + n]  # (ep, n): copies for my experts, per source
+        out_splits = from_peer.sum(dim=1).tolist()
+        received = _AllToAll.apply(x_sorted, self.comm, out_splits, in_splits)
+        # received rows: source-major, then local expert; the experts want expert-major
+        expert_of = torch.arange(n, device=x_sorted.device).repeat(self.size)
+        expert_of = expert_of.repeat_interleave(from_peer.reshape(-1))
+        order = torch.argsort(expert_of, stable=True)
+        out = moe.experts(received[order], from_peer.sum(dim=0).tolist())
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return _AllToAll.apply(out[back], self.comm, in_splits, out_splits)
+
+
+def apply_expert_parallel(model: Transformer, comm: Comm) -> None:
+    """Keep this ep rank's experts of every MoE layer and route their tokens (module doc)."""
+    ep, rank = comm.size(AXIS), comm.rank(AXIS)
+    for layer in model.layers.values():
+        moe = layer.feed_forward
+        if not isinstance(moe, MoE):
+            continue
+        if moe.n_experts % ep:
+            raise ValueError(f"parallel.ep={ep} does not divide the {moe.n_experts} experts")
+        for name in EXPERT_PARAMS:
+            p = getattr(moe.experts, name)
+            spec = spec_of(p).shard(AXIS, 0, rank, ep)
+            p.data = spec.take(p.data).contiguous()
+            kept = tuple(a for a in spec.replicated if a not in ("dp", "cp"))
+            set_spec(p, replace(spec, reduce_axis="edp",
+                                replicated=(*kept, "edp") if comm.size("edp") > 1 else kept))
+        moe.exchange = ExpertExchange(comm, moe.n_experts)
+
+
+# ---------------------------------------------------------------------- routing statistics
+def attach_count_reducers(model: Transformer, comm: Comm) -> None:
+    """Balancing losses over more than this rank's tokens: ``aux`` counts summed over the
+    global micro-batch (dp x cp), ``seq_aux`` each sequence's counts over its cp shares.
+    (Only training forwards reduce: evaluation and generation compute no aux loss.)"""
+    data, cp = comm.size("dp_cp"), comm.size("cp")
+
+    def over(axis: str, size: int):  # noqa: ANN202
+        def reduce(counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+            counts = counts.clone()
+            comm.all_reduce(counts, axis)
+            return counts, size
+        return reduce
+
+    for layer in model.layers.values():
+        if isinstance(moe := layer.feed_forward, MoE):
+            moe.reduce_counts = over("dp_cp", data) if data > 1 else None
+            moe.reduce_seq_counts = over("cp", cp) if cp > 1 else None
+
+
+def moe_layers(model: Transformer) -> dict[int, MoE]:
+    """This rank's MoE layers by global layer index."""
+    return {int(k): layer.feed_forward for k, layer in model.layers.items()
+            if isinstance(layer.feed_forward, MoE)}
+
+
+def router_step(model: Transformer, comm: Comm, n_layers: int, n_experts: int
+                ) -> dict[str, Any]:
+    """End of a step: each MoE layer's load over the global batch, its auxiliary-loss-free
+    bias update, and the statistics for ``metrics.jsonl`` (every rank gets every layer's).
+
+    One all-reduce of ``n_layers x (E + 3)`` float64 over dp x cp (the global batch of this
+    stage's layers), one over pp (the other stages' layers); logged as metrics traffic.
+    """
+    layers = moe_layers(model)
+    table = torch.zeros(n_layers, n_experts + 3, dtype=torch.float64)
+    for i, moe in layers.items():
+        st = moe.stats
+        if st.load is not None:
+            table[i, :n_experts] = st.load.cpu()
+        table[i, n_experts:] = torch.tensor([st.dropped, st.aux, st.micro_batches])
+        st.reset()
+    table = table.to(comm.mesh.device())
+    comm.all_reduce(table, "dp_cp", purpose="metrics")
+    for i, moe in layers.items():
+        moe.update_bias(table[i, :n_experts])
+    comm.all_reduce(table, "pp", purpose="metrics")
+    table = table.cpu()
+    out: dict[str, Any] = {}
+    for i in range(n_layers):
+        load = table[i, :n_experts]
+        if table[i, -1] == 0:  # not an MoE layer
+            continue
+        mean = float(load.mean())
+        out[str(i)] = {
+            "tokens_per_expert": [int(x) for x in load.tolist()],
+            "max_over_mean": float(load.max()) / mean if mean else 0.0,
+            "dropped": int(table[i, n_experts]),
+            "aux_loss": float(table[i, n_experts + 1]) / float(table[i, -1]),
+        }
+    return out
+
+
+def router_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per MoE layer over a run's metrics records: mean and last max/mean load, dropped
+    fraction and mean aux loss (the rows a report prints)."""
+    out: dict[str, dict[str, float]] = {}
+    rows = [r["router"] for r in records if "router" in r]
+    for layer in (rows[0] if rows else {}):
+        series = [r[layer] for r in rows if layer in r]
+        copies = sum(sum(s["tokens_per_expert"]) for s in series)
+        out[layer] = {
+            "max_over_mean_mean": sum(s["max_over_mean"] for s in series) / len(series),
+            "max_over_mean_last": series[-1]["max_over_mean"],
+            "dropped_fraction": sum(s["dropped"] for s in series) / copies if copies else 0.0,
+            "aux_loss_mean": sum(s["aux_loss"] for s in series) / len(series),
+        }
+    return out
+
+
+def router_text(summary: dict[str, dict[str, float]]) -> str:
+    """One line per MoE layer of :func:`router_summary`."""
+    return "\n".join(
+        f"layer {k}: max/mean load {v['max_over_mean_mean']:.2f} (last {v['max_over_mean_last']:.2f}),"
+        f" dropped {100 * v['dropped_fraction']:.1f}%, aux loss {v['aux_loss_mean']:.4g}"
+        for k, v in summary.items())
