@@ -170,7 +170,7 @@ class GroupedExperts(nn.Module):
         Equal counts (capacity slots): one batched matmul per projection for all experts.
         """
         if len(set(counts)) == 1:
-            x = x_sorted.view(len(counts), counts[0], -1)  # (E, n, H)
+            x = x_sorted.view(len(counts), counts[0], x_sorted.shape[-1])  # (E, n, H)
             hidden = F.silu(torch.bmm(x, self.w1.transpose(1, 2))) * torch.bmm(
                 x, self.w3.transpose(1, 2))
             return torch.bmm(hidden, self.w2.transpose(1, 2)).reshape(x_sorted.shape)

@@ -112,7 +112,8 @@ def apply_expert_parallel(model: Transformer, comm: Comm) -> None:
         for name in EXPERT_PARAMS:
             p = getattr(moe.experts, name)
             spec = spec_of(p).shard(AXIS, 0, rank, ep)
-            p.data = spec.take(p.data).contiguous()
+            per = moe.n_experts // ep  # (dim 0 is whole here: tp cuts the width)
+            p.data = p.data.narrow(0, rank * per, per).contiguous()
             kept = tuple(a for a in spec.replicated if a not in ("dp", "cp"))
             set_spec(p, replace(spec, reduce_axis="edp",
                                 replicated=(*kept, "edp") if comm.size("edp") > 1 else kept))
@@ -135,7 +136,8 @@ def attach_count_reducers(model: Transformer, comm: Comm) -> None:
 
     for layer in model.layers.values():
         if isinstance(moe := layer.feed_forward, MoE):
-            moe.reduce_counts = over("dp_cp", data) if data > 1 else None
+            moe.reduce_counts = (over("dp_cp" if cp > 1 else "dp", data) if data > 1
+                                 else None)
             moe.reduce_seq_counts = over("cp", cp) if cp > 1 else None
 
 

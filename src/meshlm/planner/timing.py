@@ -270,11 +270,22 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     n_dp = lo.dp * lo.cp
     dp_axis = "dp_cp" if lo.cp > 1 else "dp"  # the trainer reduces over dp x cp together
     ev: list[CommEvent] = []
-    if n_dp > 1:
-        def dp(op: str, nbytes: float, calls: float, overlap: str) -> None:
-            ev.append(CommEvent("dp", op, dp_axis, nbytes, calls, n_dp, lo.tp, overlap))
+    # expert parallelism: expert weights are reduced over their copies (edp), the rest over dp
+    n_edp = n_dp // lo.ep
+    expert = p.expert if lo.ep > 1 else 0.0
+    groups = [(dp_axis, n_dp, p.total - expert, p.dense + p.expert - expert - p.root_unit)]
+    if expert and n_edp > 1:
+        groups.append(("edp", n_edp, expert, expert))
+    for axis, n, params, layer_params in groups:
+        if n == 1:
+            continue
 
-        grads, weights = p.total * g, p.total * w
+        def dp(op: str, nbytes: float, calls: float, overlap: str, axis: str = axis,
+               n: int = n) -> None:
+            stride = lo.tp * (lo.ep if axis == "edp" else 1)  # an expert's copies: every ep-th
+            ev.append(CommEvent("dp", op, axis, nbytes, calls, n, stride, overlap))
+
+        grads, weights = params * g, params * w
         if lo.zero == 0:
             dp("all_reduce", grads, 1, "last_backward")
         elif lo.zero in (1, 2):
@@ -282,11 +293,11 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
                "last_backward" if lo.zero == 1 else "each_backward")
             dp("all_gather", weights, 1, "exposed")
         else:
-            gathered = (2 * (p.dense + p.expert - p.root_unit) + p.root_unit) * w
-            dp("all_gather", gathered, m, "zero3")
+            root = p.root_unit if axis == dp_axis else 0.0
+            dp("all_gather", (2 * layer_params + root) * w, m, "zero3")
             dp("reduce_scatter", grads, m, "zero3")
-        if lo.zero:
-            dp("all_reduce", 8, 1, "exposed")  # squared gradient norm for clipping
+    if n_dp > 1 and (lo.zero or lo.ep > 1):  # some gradients differ over dp: norm summed
+        ev.append(CommEvent("dp", "all_reduce", dp_axis, 8, 1, n_dp, lo.tp, "exposed"))  # clip
     if lo.tp > 1:
         act = tokens * c.dim * (4 if work.dtype == "fp32" else a)
 
@@ -322,11 +333,34 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         ev.append(CommEvent("pp", "all_reduce", "pp", 8, 1, lo.pp, stride, "exposed"))  # clip
     if lo.cp > 1:
         ev += cp_events(work, lo, stage, tokens, m)
-    if lo.ep > 1:
-        moe_layers = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
+    ev += moe_events(work, lo, stage, tokens, m)
+    return ev
+
+
+def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
+               ) -> list[CommEvent]:
+    """Expert parallelism's all-to-alls and the balancing losses' count reductions of one
+    step (``tokens``: one micro-batch's on a rank; a balanced router)."""
+    c = work.model.config
+    moe = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
+    if not moe:
+        return []
+    a = ACT_BYTES[work.dtype]
+    fwd = 2 if lo.recompute == "full" else 1
+    ev = []
+    if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
         routed = tokens * c.moe_topk * c.dim * a
-        ev.append(CommEvent("ep", "all_to_all", "ep", routed, 4 * moe_layers * m, lo.ep, lo.tp,
-                            "exposed"))
+        ev.append(CommEvent("ep", "all_to_all", "ep", routed, 2 * (fwd + 1) * moe * m, lo.ep,
+                            lo.tp, "exposed"))
+        if not c.moe_capacity:  # dropless: split sizes first (int64 per rank and expert)
+            ev.append(CommEvent("ep", "all_gather", "ep", 8 * lo.ep * c.moe_experts,
+                                fwd * moe * m, lo.ep, lo.tp, "exposed"))
+    if c.moe_aux_loss_coef and c.moe_balance == "aux" and lo.dp * lo.cp > 1:
+        ev.append(CommEvent("dp", "all_reduce", "dp_cp" if lo.cp > 1 else "dp",
+                            8 * c.moe_experts, fwd * moe * m, lo.dp * lo.cp, lo.tp, "exposed"))
+    if c.moe_aux_loss_coef and c.moe_balance == "seq_aux" and lo.cp > 1:
+        ev.append(CommEvent("cp", "all_reduce", "cp", 8 * c.moe_experts * lo.micro_batch,
+                            fwd * moe * m, lo.cp, lo.tp, "exposed"))
     return ev
 
 
@@ -351,10 +385,6 @@ def cp_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
                                 2, lo.tp, overlap))
             ev.append(CommEvent("cp", op, "cp", kv * 4, (lo.cp - 1) * layers * m, 2, lo.tp,
                                 overlap))  # the fp32 dK/dV accumulators
-    moe = sum(c.is_moe_layer(i) for i in ids)
-    if moe:  # expert counts summed over cp for the load-balancing loss
-        ev.append(CommEvent("cp", "all_reduce", "cp", 8 * c.moe_experts, moe * m * fwd, lo.cp,
-                            lo.tp, "exposed"))
     return ev
 
 
