@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from meshlm.config import load_config
+from meshlm.parallel.expert import router_summary
 from meshlm.testing import final_weights, max_relative_difference, run_world
 from meshlm.train.metrics import read_metrics
 from meshlm.train.trainer import train
@@ -227,13 +228,14 @@ def _dir(args: list[str]) -> Path:
 
 
 def _key(args: list[str]) -> tuple:
-    """The reference a run compares with: (balance, shared experts, global micro-batch, init)."""
+    """The reference a run compares with: (balance, shared experts, global micro-batch, init,
+    capacity factor)."""
     opts = dict(a[2:].split("=", 1) for a in args)
     balance = opts.get("model.moe_balance", "aux")
     shared = opts.get("model.moe_shared_experts", "1")
     dp = int(opts.get("parallel.dp", 1))  # (cp ranks share sequences: no more of them)
     micro = int(opts.get("train.micro_batch", GLOBAL_BATCH)) * dp if balance == "aux" else 8
-    return balance, shared, micro, opts.get("model.init_from", "")
+    return balance, shared, micro, opts.get("model.init_from", ""), opts.get("model.moe_capacity", "0")
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +244,14 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def reference(base: list[str], key: tuple, root: Path) -> tuple:
-    balance, shared, micro, init = key
-    run_dir = root / f"ref-{balance}-{shared}-{micro}-{Path(init).name or 'seed'}"
+    balance, shared, micro, init, capacity = key
+    run_dir = root / f"ref-{balance}-{shared}-{micro}-{Path(init).name or 'seed'}-c{capacity}"
     if not run_dir.exists():
         args = [f"--model.moe_balance={balance}", f"--model.moe_shared_experts={shared}",
                 f"--train.micro_batch={micro}", f"--run.dir={run_dir}"]
         if init:
             args.append(f"--model.init_from={init}")
+        args.append(f"--model.moe_capacity={capacity}")
         train(load_config(None, base + args), log=lambda _m: None, progress=False)
     records = read_metrics(run_dir / "metrics.jsonl")
     return ({r["step"]: r["loss"] for r in records}, final_weights(run_dir),
@@ -296,7 +299,14 @@ def test_ep_world_of_two(corpus_dir: Path, cache_dir: Path, root: Path) -> None:
         runs.append(["--parallel.dp=2", "--parallel.ep=2", "--train.micro_batch=4",
                      f"--model.init_from={root / f'init-{case}'}",
                      f"--run.dir={root / f'ep2-init-{case}'}"])
+    runs.append(["--parallel.dp=2", "--parallel.ep=2", "--train.micro_batch=4",
+                 "--model.moe_capacity=1.0", f"--run.dir={root / 'ep2-capacity'}"])
     run_layouts(2, base, root, runs)
+    capped = read_metrics(root / "ep2-capacity" / "metrics.jsonl")
+    assert all(sum(st["dropped"] for st in r["router"].values()) > 0 for r in capped)
+    summary = router_summary(capped)
+    assert set(summary) == {"0", "1"} and all(0 < v["dropped_fraction"] < 0.5
+                                              for v in summary.values())
     one_rank = read_metrics(root / "ep2-init-one_rank" / "metrics.jsonl")[0]["router"]
     for st in one_rank.values():  # step 1: every copy on experts 0 and 1
         assert sum(st["tokens_per_expert"][2:]) == 0
@@ -324,7 +334,7 @@ def test_ep_world_of_four(corpus_dir: Path, cache_dir: Path, root: Path) -> None
     run_layouts(4, base, root, runs)
     # the expert weights at ep = 4 are a quarter of the whole per rank, the others whole
     rec = read_metrics(root / "ep4-aux" / "metrics.jsonl")[0]
-    one = read_metrics(next(root.glob("ref-aux-0-8-seed")) / "metrics.jsonl")[0]
+    one = read_metrics(root / "ref-aux-0-8-seed-c0" / "metrics.jsonl")[0]
     cfg = load_config(None, base + ["--train.micro_batch=1"]).model_config(vocab_size=VOCAB)
     expert = cfg.n_moe_layers * E * 3 * H * cfg.expert_hidden * 4
     assert one["params_bytes"] - rec["params_bytes"] == expert * 3 // 4
@@ -347,11 +357,11 @@ def test_ep_checkpoint_reshards(corpus_dir: Path, cache_dir: Path, root: Path) -
         "--parallel.dp=2", "--parallel.ep=2", "--train.micro_batch=4", *resumed,
         f"--run.dir={root / 'to-ep2'}"]])[0][0]
     assert sorted(losses) == [4, 5]
-    check_parity(root / "to-ep2", losses, reference(base, ("bias", "0", 8, ""), root))
+    check_parity(root / "to-ep2", losses, reference(base, ("bias", "0", 8, "", "0"), root))
     losses = train(load_config(None, base + ["--train.micro_batch=8", *resumed,
                                              f"--run.dir={root / 'to-one'}"]),
                    log=lambda _m: None, progress=False).losses
-    check_parity(root / "to-one", losses, reference(base, ("bias", "0", 8, ""), root))
+    check_parity(root / "to-one", losses, reference(base, ("bias", "0", 8, "", "0"), root))
 
 
 def test_bias_balancing_evens_a_skewed_router(corpus_dir: Path, cache_dir: Path,

@@ -174,9 +174,9 @@ def test_replicated_weights_identical_and_sp_saves_activations(reference) -> Non
 def test_moe_tensor_parallel_matches_single_process(reference, tmp_path: Path) -> None:  # noqa: ANN001
     """Experts sharded on their hidden width, router replicated: same losses and weights.
 
-    The load-balancing loss is computed per micro-batch (as in Megatron-Core), so a layout with
-    the reference's micro-batch keeps it on; the dp x tp layout (another micro-batch split)
-    compares with the loss term off.
+    The load-balancing loss counts over the global micro-batch (micro-batch i of every dp
+    rank), so the dp x tp layout with half the micro-batch per rank matches it too; the runs
+    without the loss term check the rest alone.
     """
     base = reference[0] + ["--model.preset=tiny-moe"]
     refs = {}
@@ -193,6 +193,9 @@ def test_moe_tensor_parallel_matches_single_process(reference, tmp_path: Path) -
     runs.append(["--parallel.tp=2", "--parallel.dp=2", "--parallel.zero=3", "--parallel.sp=true",
                  "--train.micro_batch=4", "--model.moe_aux_loss_coef=0",
                  f"--run.dir={tmp_path / 'dp2-tp2-zero3'}"])
+    runs.append(["--parallel.tp=2", "--parallel.dp=2", "--parallel.zero=1", "--parallel.sp=true",
+                 "--train.micro_batch=4", "--model.moe_aux_loss_coef=0.01",
+                 f"--run.dir={tmp_path / 'dp2-tp2-zero1-aux'}"])
     results = run_world(4, train_runs, base, runs)[0]
     for args, losses in zip(runs, results, strict=True):
         ref_losses, ref_weights = refs[args[-2].split("=")[1]]
