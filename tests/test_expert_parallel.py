@@ -315,7 +315,8 @@ def test_ep_world_of_two(corpus_dir: Path, cache_dir: Path, root: Path) -> None:
 
 
 def test_ep_world_of_four(corpus_dir: Path, cache_dir: Path, root: Path) -> None:
-    """ep = 4; ep = 2 with dp = 4 and zero 1/2/3, with tp = 2 (+sp), with pp = 2."""
+    """ep = 4; ep = 2 with dp = 4 and zero 1/2/3, with tp = 2 (+sp), with pp = 2 (1f1b, afab,
+    zb)."""
     base = base_args(corpus_dir, cache_dir)
     runs = []
     for i, balance in enumerate(MODES):
@@ -331,6 +332,10 @@ def test_ep_world_of_four(corpus_dir: Path, cache_dir: Path, root: Path) -> None
             ["--parallel.dp=2", "--parallel.ep=2", "--parallel.pp=2", "--train.micro_batch=2",
              *mode, f"--run.dir={root / f'ep2-pp2-{balance}'}"],
         ]
+    for schedule in ("afab", "zb"):  # (1f1b above; interleaved needs more layers than 2)
+        runs.append(["--parallel.dp=2", "--parallel.ep=2", "--parallel.pp=2",
+                     f"--parallel.pp_schedule={schedule}", "--train.micro_batch=2",
+                     f"--run.dir={root / f'ep2-pp2-{schedule}'}"])
     run_layouts(4, base, root, runs)
     # the expert weights at ep = 4 are a quarter of the whole per rank, the others whole
     rec = read_metrics(root / "ep4-aux" / "metrics.jsonl")[0]

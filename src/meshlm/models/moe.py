@@ -141,10 +141,10 @@ class RouterStats:
 
     load: torch.Tensor | None = None  # (E,) copies routed to each expert (kept or dropped)
     dropped: float = 0.0  # copies past an expert's capacity
-    aux: float = 0.0  # sum over micro-batches of the aux loss (coef included)
+    aux: torch.Tensor | float = 0.0  # sum over micro-batches of the aux loss (coef included)
     micro_batches: int = 0
 
-    def add(self, counts: torch.Tensor, dropped: float, aux: float) -> None:
+    def add(self, counts: torch.Tensor, dropped: float, aux: torch.Tensor | float) -> None:
         counts = counts.detach().double()
         self.load = counts if self.load is None else self.load + counts
         self.dropped += dropped
@@ -262,8 +262,8 @@ class MoE(nn.Module):
             out = self._run(x[token_of], counts_t.tolist(), fixed=False)  # (T*k, H)
             gate = weights.reshape(-1)[kept]
             dropped = 0
-        if self.tracking:
-            aux = float(self.last_aux_loss.detach()) if self.last_aux_loss is not None else 0.0
+        if self.tracking:  # (no device sync: tensors until the step's end)
+            aux = self.last_aux_loss.detach() if self.last_aux_loss is not None else 0.0
             self.stats.add(counts_t, float(dropped), aux)
         y = torch.zeros_like(x).index_add_(
             0, token_of, (out * gate.unsqueeze(-1).to(out.dtype)).to(x.dtype))

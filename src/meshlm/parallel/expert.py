@@ -161,7 +161,7 @@ def router_step(model: Transformer, comm: Comm, n_layers: int, n_experts: int
         st = moe.stats
         if st.load is not None:
             table[i, :n_experts] = st.load.cpu()
-        table[i, n_experts:] = torch.tensor([st.dropped, st.aux, st.micro_batches])
+        table[i, n_experts:] = torch.tensor([st.dropped, float(st.aux), st.micro_batches])
         st.reset()
     table = table.to(comm.mesh.device())
     comm.all_reduce(table, "dp_cp", purpose="metrics")
