@@ -97,6 +97,11 @@ class TrainSection:
     log_every: int = 10
     checkpoint_every: int = 0  # 0 -> only at the end
     peak_flops: float = 0.0  # per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)
+    # activation recomputation: none | selective (attention core) | op (every other matmul
+    # output kept) | full (whole decoder layers); see parallel/recompute.py
+    recompute: str = "none"
+    loss: str = "torch"  # torch (whole logits) | chunked (LM head + loss over token chunks)
+    loss_chunk: int = 1024  # tokens per chunk of the chunked loss
 
 
 @dataclass
@@ -112,6 +117,8 @@ class ParallelSection:
     cp_attention: str = "zigzag"  # zigzag | ring | ulysses (context-parallel attention)
     ep: int = 1
     zero: int = 0
+    offload: str = "none"  # optimizer states: none | cpu (host memory, GPU runs) | disk (memmap)
+    offload_dir: str = ""  # where offload=disk keeps them; "" -> <run.dir>/offload
     bucket_mb: float = 25.0  # gradient bucket size of DDP and ZeRO-1/2
     auto: bool = False  # let the planner pick the layout of the world (see meshlm plan)
 
@@ -119,6 +126,15 @@ class ParallelSection:
 @dataclass
 class PrecisionSection:
     dtype: str = "fp32"
+    grad_reduce_dtype: str = "fp32"  # dtype of gradient reductions: fp32 | bf16 (half traffic)
+    loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+
+
+@dataclass
+class ProfileSection:
+    # optimizer steps to record with torch.profiler, "3-5" or "4"; "" -> no profiling
+    steps: str = ""
 
 
 @dataclass
@@ -149,6 +165,7 @@ class Config:
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
     # -------------------------------------------------------------- derived views
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
@@ -186,16 +203,16 @@ class Config:
         to be inferred from a world, reads as 1)."""
         values = {k: getattr(self.parallel, k) for k in PARALLEL_KEYS}
         return Layout(**{**values, "dp": max(1, self.parallel.dp)},
-                      micro_batch=self.train.micro_batch)
+                      micro_batch=self.train.micro_batch, recompute=self.train.recompute)
 
     def set_layout(self, layout: Layout) -> None:
         """Write ``layout`` into the ``[parallel]`` keys and ``train.micro_batch``."""
-        if layout.recompute != "none" or layout.tp_overlap:
-            raise ConfigError(f"layout {layout.describe()}: recomputation and tp overlap are "
-                              "not config keys")
+        if layout.tp_overlap:
+            raise ConfigError(f"layout {layout.describe()}: tp overlap is not a config key")
         for key in PARALLEL_KEYS:
             setattr(self.parallel, key, getattr(layout, key))
         self.train.micro_batch = layout.micro_batch
+        self.train.recompute = layout.recompute
 
     @property
     def world_size(self) -> int:
@@ -209,6 +226,9 @@ class Config:
 
 SECTIONS = {f.name: f for f in fields(Config)}
 DTYPES = ("fp32", "bf16", "fp16")
+REDUCE_DTYPES = ("fp32", "bf16")
+LOSSES = ("torch", "chunked")
+OFFLOADS = ("none", "cpu", "disk")
 
 
 # ------------------------------------------------------------------ parsing values
@@ -382,6 +402,18 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
                f"data.tokenizer={d.tokenizer!r} is not a file")
     _check(cfg.precision.dtype in DTYPES,
            f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
+    pr = cfg.precision
+    _check(pr.grad_reduce_dtype in REDUCE_DTYPES,
+           f"precision.grad_reduce_dtype={pr.grad_reduce_dtype!r} is not one of "
+           f"{', '.join(REDUCE_DTYPES)}")
+    _check(pr.loss_scale > 0, f"precision.loss_scale={pr.loss_scale} must be positive")
+    _check(pr.loss_scale_window >= 1,
+           f"precision.loss_scale_window={pr.loss_scale_window} must be >= 1")
+    _check(t.loss in LOSSES, f"train.loss={t.loss!r} is not one of {', '.join(LOSSES)}")
+    _check(t.loss_chunk >= 1, f"train.loss_chunk={t.loss_chunk} must be >= 1")
+    _check(p.offload in OFFLOADS,
+           f"parallel.offload={p.offload!r} is not one of {', '.join(OFFLOADS)}")
+    profile_steps(cfg.profile.steps)  # (raises ConfigError)
     problems = training_problems(cfg, cfg.layout(), mc)
     _check(not problems, problems[0] if problems else "")
     _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
@@ -399,6 +431,22 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
     _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
+
+
+def profile_steps(text: str) -> range:
+    """The optimizer steps ``profile.steps`` names ("3-5", "4"; "" -> none) as a range."""
+    if not text.strip():
+        return range(0)
+    first, _, last = text.strip().partition("-")
+    try:
+        lo, hi = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"profile.steps={text!r}: expected a step or a range such as "
+                          "3-5") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"profile.steps={text!r}: steps start at 1 and the range must not "
+                          "be empty")
+    return range(lo, hi + 1)
 
 
 def training_problems(cfg: Config, layout: Layout, model_cfg: ModelConfig | None = None

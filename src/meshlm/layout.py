@@ -34,6 +34,7 @@ PARALLEL_KEYS = ("pp", "dp", "cp", "tp", "ep", "sp", "zero", "pp_schedule", "pp_
 CONFIG_KEYS: Mapping[str, str] = {
     **{k: f"parallel.{k}" for k in PARALLEL_KEYS}, "micro_batch": "train.micro_batch",
     "global_batch": "train.global_batch", "seq_len": "data.seq_len",
+    "recompute": "train.recompute",
     **{k: f"model.{k}" for k in _MODEL_KEYS},
 }
 SHORT_KEYS: Mapping[str, str] = {"micro_batch": "mbs", "pp_schedule": "schedule",
