@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .replay import replaying
 
 # (expert counts) -> (counts summed over the ranks holding shares of the tokens, their number)
 CountReducer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
@@ -227,20 +228,24 @@ class MoE(nn.Module):
 
     @property
     def tracking(self) -> bool:
-        """Training forward: aux loss and router statistics (not in eval or generation)."""
+        """Training forward: aux loss and router statistics (not in eval or generation). A
+        recomputation (:func:`~meshlm.models.replay.replaying`) computes the aux loss again --
+        its tensors are the ones backward needs -- but records nothing."""
         return self.training and torch.is_grad_enabled()
 
     def route(self, x: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens (T, H) of ``batch`` sequences -> (weights (T, k), expert ids (T, k));
         records the aux loss (training only)."""
         probs, weights, top_idx = route_topk(self.router(x), self.topk, self.expert_bias)
-        self.last_aux_loss = None
+        aux = None
         if self.tracking and self.coef and self.balance == "aux":
-            self.last_aux_loss = self.coef * load_balancing_loss(
+            aux = self.coef * load_balancing_loss(
                 probs, top_idx, self.n_experts, self.reduce_counts)
         elif self.tracking and self.coef and self.balance == "seq_aux":
-            self.last_aux_loss = self.coef * sequence_balancing_loss(
+            aux = self.coef * sequence_balancing_loss(
                 probs, top_idx, self.n_experts, batch, self.reduce_seq_counts)
+        if not replaying():
+            self.last_aux_loss = aux
         return weights, top_idx
 
     def combine(self, x: torch.Tensor, weights: torch.Tensor, top_idx: torch.Tensor,
@@ -262,7 +267,7 @@ class MoE(nn.Module):
             out = self._run(x[token_of], counts_t.tolist(), fixed=False)  # (T*k, H)
             gate = weights.reshape(-1)[kept]
             dropped = 0
-        if self.tracking:  # (no device sync: tensors until the step's end)
+        if self.tracking and not replaying():  # (no device sync: tensors until the step's end)
             aux = self.last_aux_loss.detach() if self.last_aux_loss is not None else 0.0
             self.stats.add(counts_t, float(dropped), aux)
         y = torch.zeros_like(x).index_add_(

@@ -1,7 +1,7 @@
 """Parallelism applied to a plain model: ``parallelize(model, mesh, comm, config)``.
 
 Order (torchtitan's): tensor/sequence parallel -> context parallel -> expert parallel ->
-pipeline split -> activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1). Every parameter first gets a shard spec (the whole tensor,
+pipeline split -> activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
 returned owns gradients and the optimizer.
@@ -17,6 +17,7 @@ for initial values (drawn whole, then cut).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,9 @@ from .context import ContextParallel, apply_context_parallel
 from .data import DDPEngine
 from .engine import Engine, LocalEngine
 from .expert import apply_expert_parallel, attach_count_reducers
+from .offload import offload_states
 from .pipeline import PipelineModel
+from .recompute import apply_recompute
 from .tensor import TensorParallel, apply_tensor_parallel
 from .zero import ZeroEngine
 from .zero3 import Zero3Engine
@@ -62,10 +65,13 @@ def materialize(model: Transformer, source: TensorSource | None, device: torch.d
 
 
 def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
-                train: TrainSection, source: TensorSource | None = None) -> Parallelized:
-    """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp.
+                train: TrainSection, source: TensorSource | None = None,
+                offload_file: Path | None = None) -> Parallelized:
+    """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp,
+    then the optimizer states' place (``parallel.offload``, see ``offload.py``).
 
     ``source``: values of a model built on the meta device (see module docstring).
+    ``offload_file``: this rank's file of AdamW moments under ``parallel.offload=disk``.
     """
     attach_specs(model, comm.mesh)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
@@ -78,6 +84,7 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)
+    apply_recompute(model, train.recompute)  # (this rank's layers)
     device = comm.mesh.device()
     if parallel.zero == 3:
         # under a pipeline, parameters stay gathered for the step and gradients are reduced
@@ -85,7 +92,8 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
         model.build_buffers(device)
         engine: Engine = Zero3Engine(model, train, comm, keep_gathered=pipelined,
                                      source=source)
-        return Parallelized(engine, tp, pipe, cp)
+        return Parallelized(offload_states(engine, parallel.offload, offload_file), tp, pipe,
+                            cp)
     materialize(model, source, device)
     if parallel.zero in (1, 2):
         # under a pipeline, gradients are reduced once after the last micro-batch, so ZeRO-2
@@ -96,7 +104,7 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
         engine = DDPEngine(model, train, comm, parallel.bucket_mb)
     else:
         engine = LocalEngine(model, train, comm)
-    return Parallelized(engine, tp, pipe, cp)
+    return Parallelized(offload_states(engine, parallel.offload, offload_file), tp, pipe, cp)
 
 
 __all__ = ["ContextParallel", "Engine", "Parallelized", "materialize", "parallelize"]

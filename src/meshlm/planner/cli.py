@@ -249,7 +249,7 @@ def auto_layout(cfg: Config, world_size: int) -> Layout:
     def allowed(lo: Layout) -> bool:
         return not training_problems(cfg, lo, model_cfg)
 
-    plans = search(work, world_size, hw, top=1, allowed=allowed, recompute=("none",))
+    plans = search(work, world_size, hw, top=1, allowed=allowed)  # recomputation included
     if not plans:
         raise ConfigError(f"parallel.auto: no layout of {world_size} ranks fits model "
                           f"{work.model.name} (seq {work.seq_len}, global batch "
