@@ -115,13 +115,15 @@ def test_cli_surface_is_frozen() -> None:
     """Scripts depend on these names; change them on purpose, with this test."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["convert", "generate", "info", "plan", "schedule", "train"]
+    assert sorted(sub.choices) == ["convert", "generate", "info", "plan", "report", "schedule",
+                                   "train"]
     options = {name: sorted(o for a in p._actions for o in a.option_strings)
                for name, p in sub.choices.items()}
     assert options["train"] == sorted(["--dry-run", "--max-restarts", "-h", "--help"])
     assert {"--checkpoint", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
             "--seed"} <= set(options["generate"])
     assert {"--seq-len", "--json"} <= set(options["info"])
+    assert options["report"] == sorted(["--out", "-h", "--help"])
     assert {"--pp", "--microbatches", "--schedule", "--virtual", "--plot", "--timeline"} <= set(
         options["schedule"])
     assert {"--model", "--gpus", "--gpu", "--seq-len", "--global-batch-tokens", "--layout",

@@ -60,8 +60,10 @@ def test_config_round_trips_through_the_layout() -> None:
     assert (cfg.parallel.pp_schedule, cfg.train.micro_batch, cfg.world_size) == (
         "interleaved", 2, 4)
     assert cfg.grad_accum == lo.micro_batches(cfg.train.global_batch) == 4
-    with pytest.raises(ConfigError, match="not config keys"):
-        cfg.set_layout(Layout(recompute="full"))
+    cfg.set_layout(Layout(recompute="full"))  # recomputation is train.recompute
+    assert cfg.train.recompute == "full" and cfg.layout().recompute == "full"
+    with pytest.raises(ConfigError, match="tp overlap is not a config key"):
+        cfg.set_layout(Layout(tp_overlap=True))
 
 
 def test_describe_parses_back() -> None:

@@ -25,13 +25,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from meshlm.layout import Layout
 from meshlm.models.llama import build_model
 from meshlm.models.presets import get_preset
+from meshlm.parallel.loss import cross_entropy
 from meshlm.parallel.recompute import apply_recompute
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.memory import stage_memory
 from meshlm.planner.workload import ModelSpec, Workload
 from meshlm.testing import final_weights, max_relative_difference, run_world, train_runs
 from meshlm.train.metrics import read_metrics
-from meshlm.train.trainer import cross_entropy, pin_malloc_mmap_threshold
+from meshlm.train.trainer import pin_malloc_mmap_threshold
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS = 509, 32, 8, 4
 MODES = ("none", "selective", "op", "full")

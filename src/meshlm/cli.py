@@ -1,4 +1,4 @@
-"""Command line: ``meshlm train | info | generate | convert | schedule | plan``.
+"""Command line: ``meshlm train | info | generate | convert | schedule | plan | report``.
 
 User mistakes (config, data path, checkpoint) end with one ``meshlm: error: ...`` line and
 exit status 2, before any worker starts or any file is written; no traceback.
@@ -219,6 +219,21 @@ def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    """PNG plots and one self-contained HTML page of a run directory."""
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    from .train.report import ReportError, write_report
+
+    try:
+        files = write_report(args.run_dir, args.out)
+    except ReportError as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote {len(files) - 1} figure(s): {', '.join(f.name for f in files[:-1]) or '-'}")
+    print(f"report: {files[-1]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
@@ -269,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-mb", type=float, default=5120,
                    help="split the weights into files of at most this size (default 5120)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("report", help="plots (PNG) and one HTML page of a training run")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (run.dir)")
+    p.add_argument("--out", metavar="DIR", help="where to write them (default RUN_DIR/report)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

@@ -16,6 +16,7 @@ the TOML file and the existence checks of paths.
 from __future__ import annotations
 
 import importlib.util
+import os
 import tomllib
 import types
 import typing
@@ -413,6 +414,9 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(t.loss_chunk >= 1, f"train.loss_chunk={t.loss_chunk} must be >= 1")
     _check(p.offload in OFFLOADS,
            f"parallel.offload={p.offload!r} is not one of {', '.join(OFFLOADS)}")
+    if p.offload == "disk" and p.offload_dir and check_paths:
+        problem = _unwritable_dir(Path(p.offload_dir).expanduser())
+        _check(problem is None, f"parallel.offload_dir={p.offload_dir!r}: {problem}")
     profile_steps(cfg.profile.steps)  # (raises ConfigError)
     problems = training_problems(cfg, cfg.layout(), mc)
     _check(not problems, problems[0] if problems else "")
@@ -431,6 +435,22 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
     _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
+
+
+def _unwritable_dir(path: Path) -> str | None:
+    """Why the directory ``path`` cannot be created or written to (None: it can)."""
+    if path.exists():
+        if not path.is_dir():
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent} is not writable"
+    return None
 
 
 def profile_steps(text: str) -> range:
@@ -453,19 +473,10 @@ def training_problems(cfg: Config, layout: Layout, model_cfg: ModelConfig | None
                       ) -> list[str]:
     """Why meshlm's trainer cannot run ``layout`` with the rest of ``cfg`` (empty: it can).
 
-    What this version supports (no fp16 loss scaling with sharded states), then :meth:`Layout.problems` with the trainer's rules, named by config key.
+    :meth:`Layout.problems` with the trainer's rules, named by config key.
     """
     out = layout.problems(model_cfg or cfg.model_config(), cfg.data.seq_len,
                           cfg.train.global_batch, trainer=True, keys=CONFIG_KEYS)
-    if cfg.precision.dtype == "fp16":
-        if layout.pp > 1:
-            out.append("precision.dtype=fp16 with parallel.pp > 1 is not supported; use bf16")
-        if layout.tp > 1:
-            out.append("precision.dtype=fp16 with parallel.tp > 1 is not supported (each "
-                       "shard's overflow check would skip steps on some ranks only); use bf16")
-        if layout.zero:
-            out.append(f"parallel.zero={layout.zero} with precision.dtype=fp16 is not supported "
-                       "(the loss scaler would need a sharded inf check); use bf16")
     return out
 
 

@@ -3,8 +3,9 @@
 A :class:`Layout` is one point of the 5D space: ``pp x dp x cp x tp`` ranks (``ep`` carved out
 of ``dp x cp``, Megatron-Core's layout), sequence parallelism, a ZeRO stage, the pipeline
 schedule with its virtual stages and layer split, the micro-batch size, activation
-recomputation and tensor-parallel overlap. The config (:meth:`meshlm.config.Config.layout`),
-the process mesh (:class:`meshlm.distributed.mesh.Mesh`) and the planner all use it.
+recomputation, tensor-parallel overlap and where the optimizer states live (offload). The
+config (:meth:`meshlm.config.Config.layout`), the process mesh
+(:class:`meshlm.distributed.mesh.Mesh`) and the planner all use it.
 
 :meth:`Layout.problems` checks it against a model, a sequence length, a global batch and a
 world; its messages name the keys the caller speaks of (:data:`CONFIG_KEYS`: the config
@@ -26,11 +27,12 @@ AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost: rank = row-major inde
 SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 CP_MODES = ("zigzag", "ring", "ulysses")  # context-parallel attention (parallel/context.py)
 RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
+OFFLOADS = ("none", "cpu", "disk")  # where AdamW moments live (parallel/offload.py)
 
 _MODEL_KEYS = ("n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "moe_ffn_hidden")
 # Layout fields that are keys of the config's [parallel] section (the rest: see CONFIG_KEYS).
 PARALLEL_KEYS = ("pp", "dp", "cp", "tp", "ep", "sp", "zero", "pp_schedule", "pp_virtual",
-                 "pp_layers", "cp_attention")
+                 "pp_layers", "cp_attention", "offload")
 CONFIG_KEYS: Mapping[str, str] = {
     **{k: f"parallel.{k}" for k in PARALLEL_KEYS}, "micro_batch": "train.micro_batch",
     "global_batch": "train.global_batch", "seq_len": "data.seq_len",
@@ -62,6 +64,9 @@ class Layout:
     # Megatron-LM --tp-comm-overlap, torchtitan async TP). meshlm does not do this, so the
     # search never sets it; it describes published runs that did.
     tp_overlap: bool = False
+    # Where AdamW moments live: none (device) | cpu (host) | disk (a file per rank). The
+    # planner counts offloaded moments off the device; its search never sets this.
+    offload: str = "none"
 
     @property
     def world_size(self) -> int:
@@ -93,6 +98,8 @@ class Layout:
             parts.append(f"schedule={self.pp_schedule}")
             if self.pp_virtual > 1:
                 parts.append(f"vpp={self.pp_virtual}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
         return ",".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -130,6 +137,8 @@ class Layout:
                        f"{', '.join(CP_MODES)}")
         if self.recompute not in RECOMPUTE:
             out.append(f"{k('recompute')}={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.offload not in OFFLOADS:
+            out.append(f"{k('offload')}={self.offload!r} is not one of {', '.join(OFFLOADS)}")
         if gpus_per_node and self.tp > gpus_per_node:
             out.append(f"{k('tp')}={self.tp} exceeds the {gpus_per_node} GPUs of a node")
         if self.sp and self.tp == 1:

@@ -4,6 +4,9 @@ Parameters are kept in fp32 (the master copy); lower-precision compute comes fro
 so the optimizer always steps fp32 tensors. Memory per rank: 4 bytes of weights + 8 bytes of
 Adam moments per parameter (Ψ(4+8) in the ZeRO paper's notation, plus 4Ψ of fp32 gradients).
 Weight decay applies to matrices only (not to norm weights), as in GPT-2/Llama training.
+With ``parallel.offload`` = ``cpu`` or ``disk`` the engines' AdamW is swapped for
+``parallel.offload.OffloadedAdamW``: the same groups and hyper-parameters, the moments off the
+device.
 """
 
 from __future__ import annotations

@@ -10,15 +10,22 @@ the tensor of an all-reduce, the input of a reduce-scatter, the output of an all
 input of an all-to-all, the tensor of a send or receive --
 the number the ZeRO paper and the Ultra-Scale Playbook use when they count volume
 (the wire traffic per rank of a ring implementation is ``(n-1)/n`` of it, twice for all-reduce).
+
+Profiler labels: while a torch profiler records (``profile.steps``), each collective is a named
+range ``meshlm.OP[AXIS]`` (``meshlm.all_reduce[dp_cp]``, ``meshlm.p2p[pp]`` ...) in the trace; for
+an asynchronous one the range covers issuing it, the wait shows where the caller waits.
+Otherwise the label costs one flag check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 
 from .mesh import Mesh
@@ -67,6 +74,13 @@ class CommLog:
         self.records.clear()
 
 
+def _label(op: str, axis: str) -> contextlib.AbstractContextManager:
+    """``meshlm.OP[AXIS]`` in a running profiler's trace; nothing (one flag check) otherwise."""
+    if autograd_profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"meshlm.{op}[{axis}]")
+    return contextlib.nullcontext()
+
+
 class _Done:
     """Handle of a collective that needed no communication (axis of size 1)."""
 
@@ -100,7 +114,9 @@ class Comm:
             return _Done()
         self.log.add("all_reduce", axis, t, purpose)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return dist.all_reduce(t, red, group=self.mesh.group(axis), async_op=async_op) or _Done()
+        with _label("all_reduce", axis):
+            return (dist.all_reduce(t, red, group=self.mesh.group(axis), async_op=async_op)
+                    or _Done())
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                        async_op: bool = False) -> Handle:
@@ -109,8 +125,9 @@ class Comm:
             out.copy_(inp)
             return _Done()
         self.log.add("reduce_scatter", axis, inp)
-        return _reduce_scatter(
-            out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+        with _label("reduce_scatter", axis):
+            return _reduce_scatter(
+                out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                    async_op: bool = False) -> Handle:
@@ -119,8 +136,9 @@ class Comm:
             out.copy_(inp)
             return _Done()
         self.log.add("all_gather", axis, out)
-        return _all_gather(
-            out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+        with _label("all_gather", axis):
+            return _all_gather(
+                out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                    out_splits: list[int] | None = None, in_splits: list[int] | None = None
@@ -131,7 +149,8 @@ class Comm:
             out.copy_(inp)
             return
         self.log.add("all_to_all", axis, inp)
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.mesh.group(axis))
+        with _label("all_to_all", axis):
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.mesh.group(axis))
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
         """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""
@@ -139,7 +158,8 @@ class Comm:
             return
         self.log.add("broadcast", axis, t)
         group = self.mesh.group(axis)
-        dist.broadcast(t, dist.get_global_rank(group, src), group=group)
+        with _label("broadcast", axis):
+            dist.broadcast(t, dist.get_global_rank(group, src), group=group)
 
     def reduce_scalars(self, values: list[float], axis: str = "world", op: str = "sum") -> list[float]:
         """Sum or max of Python numbers over ``axis``; logged with purpose "metrics"."""
@@ -148,7 +168,8 @@ class Comm:
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device())
         self.log.add("all_reduce", axis, t, purpose="metrics")
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        dist.all_reduce(t, red, group=self.mesh.group(axis))
+        with _label("all_reduce", axis):
+            dist.all_reduce(t, red, group=self.mesh.group(axis))
         return [float(x) for x in t.tolist()]
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str) -> list:
@@ -159,7 +180,8 @@ class Comm:
             self.log.add(kind, axis, t)
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, dist.get_global_rank(group, peer), group=group))
-        return dist.batch_isend_irecv(p2p)
+        with _label("p2p", axis):
+            return dist.batch_isend_irecv(p2p)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """``obj`` of world rank ``src`` on every rank (start-up decisions, not training)."""
@@ -174,4 +196,5 @@ class Comm:
 
     def barrier(self) -> None:
         if self.mesh.distributed:
-            dist.barrier()
+            with _label("barrier", "world"):
+                dist.barrier()

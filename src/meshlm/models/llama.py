@@ -17,9 +17,10 @@ Memory (fp32, one rank): 4 bytes per parameter; activations per layer roughly
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,10 @@ from torch import nn
 
 from .config import ModelConfig
 from .moe import MoE, SwiGLU
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +136,12 @@ class Transformer(nn.Module):
         # Context parallelism sets this: (tokens held, device) -> their global positions, or
         # None when the tokens are the whole sequence (positions 0 ... n - 1).
         self.positions: Callable[[int, torch.device], torch.Tensor | None] | None = None
+        # What the LM head's input passes first (tensor parallelism: copy to the tp region or
+        # the sequence-parallel all-gather); identity by default.
+        self.head_input: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # True: forward returns the LM head's input instead of logits (a chunked loss then runs
+        # the head itself, see parallel/loss.py); ``logits_out`` switches it off for sampling.
+        self.emit_hidden = False
 
     def build_buffers(self, device: torch.device | str) -> None:
         """The rotary tables (and MoE selection biases) on ``device`` (a model built on the meta
@@ -177,8 +188,19 @@ class Transformer(nn.Module):
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden states -> logits."""
-        return self.output(self.norm(h))
+        """Final norm and LM head: hidden states -> logits (or the head's input, when
+        ``emit_hidden``)."""
+        x = self.head_input(self.norm(h))
+        return x if self.emit_hidden else self.output(x)
+
+    @contextlib.contextmanager
+    def logits_out(self) -> Iterator[None]:
+        """Forwards return logits inside this block, whatever ``emit_hidden`` says."""
+        saved, self.emit_hidden = self.emit_hidden, False
+        try:
+            yield
+        finally:
+            self.emit_hidden = saved
 
     def aux_loss(self, layer_ids: list[int] | None = None) -> torch.Tensor | float:
         """Sum of the MoE load-balancing losses of the last forward of ``layer_ids`` (default:

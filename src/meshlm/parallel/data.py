@@ -39,6 +39,7 @@ class Bucket:
         self.views = group.views(self.grad)
         self.ready = 0
         self.handle: Handle | None = None
+        self.wire: torch.Tensor | None = None  # what the all-reduce runs on (reduce dtype)
 
     def attach(self) -> None:
         """Point every parameter's ``.grad`` at its slice of the bucket."""
@@ -80,14 +81,21 @@ class DDPEngine(LocalEngine):
             return
         bucket.ready += 1
         if bucket.ready == len(bucket.group.params):
-            bucket.handle = self.comm.all_reduce(bucket.grad, bucket.axis, async_op=True)
+            self._reduce(bucket)
+
+    def _reduce(self, b: Bucket) -> None:
+        b.wire = b.grad if b.grad.dtype == self.reduce_dtype else b.grad.to(self.reduce_dtype)
+        b.handle = self.comm.all_reduce(b.wire, b.axis, async_op=True)
 
     def finish_grads(self) -> None:
         for b in self.buckets:
             if b.handle is None:  # a parameter received no gradient this step
-                b.handle = self.comm.all_reduce(b.grad, b.axis, async_op=True)
+                self._reduce(b)
         for b in self.buckets:
             b.handle.wait()
+            if b.wire is not b.grad:
+                b.grad.copy_(b.wire)
+            b.wire = None
             if self.comm.mesh.grad_divisor(b.axis) > 1:
                 b.grad.div_(self.comm.mesh.grad_divisor(b.axis))
             b.handle, b.ready = None, 0

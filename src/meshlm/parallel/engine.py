@@ -22,7 +22,6 @@ from ..config import TrainSection
 from ..distributed.comm import Comm
 from ..distributed.spec import ShardSpec, attach_specs, norm_axes, spec_of
 from ..optim import build_optimizer, canonical_params, set_lr
-from ..precision import Precision
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
@@ -30,6 +29,11 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of AdamW state this process holds in memory: an offloaded optimizer
+    (``parallel/offload.py``) reports what is resident -- host bytes for ``cpu``, the mapped
+    pages of its file (0 between steps) for ``disk``."""
+    if hasattr(optimizer, "resident_bytes"):
+        return optimizer.resident_bytes()
     return sum(tensor_bytes([v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
                for s in optimizer.state.values())
 
@@ -55,6 +59,9 @@ class Engine:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    # dtype gradients travel in (``precision.grad_reduce_dtype``): bf16 halves the bytes of
+    # every gradient all-reduce / reduce-scatter; accumulation and the step stay fp32
+    reduce_dtype: torch.dtype = torch.float32
 
     def set_sync(self, sync: bool) -> None:
         """Whether the coming backward is the last micro-batch of the step."""
@@ -65,14 +72,22 @@ class Engine:
     def end_forward_only(self) -> None:
         """After an evaluation made outside a step (ZeRO-3 under a pipeline frees them)."""
 
+    def end_evaluation(self) -> None:
+        """After the evaluation batches (ZeRO-3 frees a root unit a chunked loss kept)."""
+
     def finish_grads(self) -> None:
         """Complete every pending gradient reduction; gradients are then the global mean."""
 
     def clip_grad_norm(self, max_norm: float) -> float:
         raise NotImplementedError
 
-    def step(self, lr: float, precision: Precision | None = None) -> None:
-        """AdamW step at learning rate ``lr`` (through the fp16 loss scaler when there is one)."""
+    def step(self, lr: float) -> None:
+        """AdamW step at learning rate ``lr`` (the trainer skips it on an fp16 overflow)."""
+        raise NotImplementedError
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The gradients (or gradient shards) this rank steps, after ``finish_grads``: what
+        fp16 loss scaling unscales and checks for overflow."""
         raise NotImplementedError
 
     def zero_grad(self) -> None:
@@ -103,6 +118,14 @@ class Engine:
             if "step" in state:
                 return int(state["step"])
         return 0
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replace the AdamW built at construction, before its first step, by an equivalent
+        one over the same groups (states offloaded: ``parallel/offload.py``)."""
+        self.optimizer = optimizer
+        sharded = getattr(self, "opt", None)  # ZeRO engines step through their ShardedAdamW
+        if sharded is not None:
+            sharded.optimizer = optimizer
 
     def set_moments(self, o: Owned, step: int, values: dict[str, torch.Tensor]) -> None:
         """Install AdamW state for an owned range (1-D tensors of ``hi - lo`` elements)."""
@@ -155,12 +178,12 @@ class LocalEngine(Engine):
         pairs = [(spec_of(p), p.grad) for p in self.params if p.grad is not None]
         return clip_by_global_norm(pairs, max_norm, self.comm, self.norm_axes)
 
-    def step(self, lr: float, precision: Precision | None = None) -> None:
+    def step(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
-        if precision is not None:
-            precision.step(self.optimizer)
-        else:
-            self.optimizer.step()
+        self.optimizer.step()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -124,6 +124,7 @@ class PipelineExecutor:
                             lin.register_forward_hook(self._capture_linear)
         self.timeline: list[dict] = []
         self.peak_live = 0
+        self.grad_scale = 1.0  # the fp16 loss scale (set by the trainer before each step)
 
     # -- zero-bubble capture of linear layers ----------------------------------------------
     def _capture_linear(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -245,13 +246,15 @@ class PipelineExecutor:
             self.to_send[("F", a.mb, a.stage)] = out.detach()
 
     def _roots(self, a: Action, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Backward roots: the stage output (its received gradient; the last stage's loss:
+        the fp16 loss scale) and the stage's MoE aux loss (the loss scale)."""
         roots, grads = [slot.out], [None if a.stage == self.pipe.n_stages - 1
                                     else self._received(("B", a.mb, a.stage))]
         if slot.aux is not None:
             roots.append(slot.aux)
-            grads.append(torch.ones_like(slot.aux))
+            grads.append(torch.full_like(slot.aux, self.grad_scale))
         if grads[0] is None:
-            grads[0] = torch.ones_like(slot.out)
+            grads[0] = torch.full_like(slot.out, self.grad_scale)
         return roots, grads
 
     def _do_B(self, a: Action) -> None:

@@ -122,6 +122,32 @@ class TensorParallelDispatcher:
         return scatter_seq(y, self.comm) if self.sp else reduce_from_tp(y, self.comm)
 
 
+def exp_logits_(x: torch.Tensor, targets: torch.Tensor, start: int, valid: int,
+                comm: Comm | None) -> tuple[torch.Tensor, ...]:
+    """The cross-entropy pieces of fp32 logits ``x`` (N, V_local) whose columns are the global
+    ids ``[start, start + valid)`` (padding beyond): ``x`` becomes ``exp(x - max)`` in place;
+    returns (sum of exponentials, shifted target logit, local target index (N, 1), whether
+    this rank holds the target). With ``comm``: max, target logit and sum all-reduced over tp.
+    """
+    if valid < x.shape[1]:
+        x[:, valid:] = float("-inf")  # vocabulary padding never counts
+    m = x.max(dim=-1).values
+    if comm is not None:
+        comm.all_reduce(m, AXIS, op="max")
+    x -= m.unsqueeze(1)
+    local = targets - start
+    mine = (local >= 0) & (local < valid)
+    idx = local.clamp(0, x.shape[1] - 1).unsqueeze(1)
+    target_logit = x.gather(1, idx).squeeze(1) * mine
+    if comm is not None:
+        comm.all_reduce(target_logit, AXIS)
+    x.exp_()
+    sum_exp = x.sum(dim=-1)
+    if comm is not None:
+        comm.all_reduce(sum_exp, AXIS)
+    return sum_exp, target_logit, idx, mine
+
+
 class _VocabParallelCE(torch.autograd.Function):
     """Mean cross-entropy of vocab-sharded logits (Megatron's ``vocab_parallel_cross_entropy``)."""
 
@@ -129,19 +155,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, valid: int,  # noqa: ANN001
                 comm: Comm) -> torch.Tensor:
         x = logits.float().clone()  # (N, V_local)
-        if valid < x.shape[1]:
-            x[:, valid:] = float("-inf")  # vocabulary padding never counts
-        m = x.max(dim=-1).values
-        comm.all_reduce(m, AXIS, op="max")
-        x -= m.unsqueeze(1)
-        local = targets - start
-        mine = (local >= 0) & (local < valid)
-        idx = local.clamp(0, x.shape[1] - 1).unsqueeze(1)
-        target_logit = x.gather(1, idx).squeeze(1) * mine
-        comm.all_reduce(target_logit, AXIS)
-        x.exp_()
-        sum_exp = x.sum(dim=-1)
-        comm.all_reduce(sum_exp, AXIS)
+        sum_exp, target_logit, idx, mine = exp_logits_(x, targets, start, valid, comm)
         loss = sum_exp.log() - target_logit  # (N,)
         x /= sum_exp.unsqueeze(1)  # softmax of the local columns
         ctx.save_for_backward(x, idx, mine)
@@ -234,6 +248,5 @@ def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorPar
     if not cfg.tie_embeddings:
         _shard(model.output.weight, 0, comm, padded)
     # The head is column parallel over the vocabulary: its input must be whole on every rank.
-    model.output.register_forward_pre_hook(
-        lambda mod, args: (gather_seq(args[0], comm) if sp else copy_to_tp(args[0], comm),))
+    model.head_input = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to_tp(x, comm))
     return TensorParallel(comm, sp, v, start, valid)

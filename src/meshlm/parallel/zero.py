@@ -38,7 +38,6 @@ from ..distributed.spec import (
     spec_of,
 )
 from ..optim import adamw, decayed, set_lr
-from ..precision import Precision
 from .engine import Engine, Owned, clip_by_global_norm, optimizer_state_bytes
 from .flat import FlatGroup, split_by_size, unique_trainable
 
@@ -167,6 +166,8 @@ class ZeroEngine(Engine):
     def _launch(self, gi: int, source: torch.Tensor) -> None:
         self.ready[gi] = 0
         g = self.groups[gi]
+        if source.dtype != self.reduce_dtype:
+            source = source.to(self.reduce_dtype)
         out = torch.empty(g.shard_size, dtype=source.dtype, device=source.device)
         self.inflight.append((gi, self.comm.reduce_scatter(out, source, g.axis, async_op=True),
                               out))
@@ -200,8 +201,10 @@ class ZeroEngine(Engine):
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.opt.clip_grad_norm(max_norm)
 
-    def step(self, lr: float, precision: Precision | None = None) -> None:
-        # fp16 loss scaling is refused with ZeRO at config time: plain AdamW step here
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return list(self.shard_grads)
+
+    def step(self, lr: float) -> None:
         self.opt.step(lr)
         handles = []
         for gi, g in enumerate(self.groups):

@@ -43,7 +43,6 @@ from ..config import TrainSection
 from ..distributed.comm import Comm, Handle
 from ..distributed.source import TensorSource, assign, read_local
 from ..distributed.spec import ParamGroup, attach_specs, reduction_groups, spec_of
-from ..precision import Precision
 from .engine import Engine, Owned
 from .flat import FlatGroup, unique_trainable
 from .zero import ShardedAdamW
@@ -184,7 +183,14 @@ class Zero3Engine(Engine):
             self._gather(self.units[0], wait=False)  # prefetch the first layer
 
     def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
-        if not torch.is_grad_enabled():
+        # evaluation frees the root, unless a chunked loss reads the head weight next (the
+        # model then returns the head's input): ``end_evaluation`` frees it after the loss
+        if not torch.is_grad_enabled() and not getattr(module, "emit_hidden", False):
+            for u in self.root:
+                u.free()
+
+    def end_evaluation(self) -> None:
+        if not self.keep:
             for u in self.root:
                 u.free()
 
@@ -231,10 +237,10 @@ class Zero3Engine(Engine):
             grads = [q.grad if q.grad is not None else torch.zeros(
                 shape, dtype=u.shard.dtype, device=u.shard.device)
                      for q, shape in zip(u.group.params, u.shapes, strict=True)]
-            flat = u.group.flatten(grads)
+            flat = u.group.flatten(grads, self.reduce_dtype)
             for q in u.group.params:
                 q.grad = None
-            out = torch.empty_like(u.shard)
+            out = torch.empty_like(flat[: u.shard.numel()])
             self.inflight.append((u, self.comm.reduce_scatter(out, flat, u.axis,
                                                               async_op=True), out))
         self.release_all()
@@ -247,10 +253,10 @@ class Zero3Engine(Engine):
         if unit.ready < len(unit.group.params):
             return
         unit.ready = 0
-        flat = unit.group.flatten([q.grad for q in unit.group.params])
+        flat = unit.group.flatten([q.grad for q in unit.group.params], self.reduce_dtype)
         for q in unit.group.params:
             q.grad = None
-        out = torch.empty_like(unit.shard)
+        out = torch.empty_like(flat[: unit.shard.numel()])
         self.inflight.append((unit, self.comm.reduce_scatter(out, flat, unit.axis, async_op=True),
                               out))
         unit.free()
@@ -278,8 +284,10 @@ class Zero3Engine(Engine):
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.opt.clip_grad_norm(max_norm)
 
-    def step(self, lr: float, precision: Precision | None = None) -> None:
-        # fp16 loss scaling is refused with ZeRO at config time: plain AdamW step here
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.all_units]
+
+    def step(self, lr: float) -> None:
         self.opt.step(lr)
 
     def zero_grad(self) -> None:

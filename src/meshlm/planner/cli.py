@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +205,8 @@ def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
     """The planner's question for a training config: its model, sequence, batch and dtype
     (meshlm keeps fp32 weights, gradients and Adam moments)."""
     return Workload(ModelSpec(cfg.model_config(vocab_size)), cfg.data.seq_len,
-                    cfg.train.global_batch, dtype=cfg.precision.dtype, states="fp32")
+                    cfg.train.global_batch, dtype=cfg.precision.dtype, states="fp32",
+                    loss=cfg.train.loss, loss_chunk=cfg.train.loss_chunk)
 
 
 def config_memory(cfg: Config) -> list[str]:
@@ -226,7 +228,10 @@ def config_memory(cfg: Config) -> list[str]:
     return [
         f"# memory estimate per rank (planner, {hw.name}): model {work.model.name}, "
         f"{work.model.num_params() / 1e6:.2f} M parameters, layout {lo.describe()}",
-        f"#   weights + grads + Adam: {_size(m.states)} (16 bytes/parameter before sharding)",
+        f"#   weights + grads + Adam: {_size(m.states)} ({8 if m.host else 16} bytes/parameter "
+        "before sharding)",
+        *(f"#   Adam moments off the device ({lo.offload}): {_size(v)}"
+          for v in m.host.values()),
         f"#   activations (micro-batch {lo.micro_batch} x {work.seq_len}): "
         f"{_size(m.items['activations'])}",
         f"#   loss transient + buffers + reserved: {_size(rest)}",
@@ -255,4 +260,5 @@ def auto_layout(cfg: Config, world_size: int) -> Layout:
                           f"{work.model.name} (seq {work.seq_len}, global batch "
                           f"{work.global_batch}) in {_gib(hw.memory)} GiB per device on "
                           f"{hw.name}")
-    return plans[0].layout
+    # (the search never moves optimizer states; the config's choice stays)
+    return replace(plans[0].layout, offload=cfg.parallel.offload)

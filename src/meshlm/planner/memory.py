@@ -8,7 +8,9 @@ gradients with AdamW moments (``parallel/data.py``: 16Ψ). Stage 0 holds ``(w + 
 stage 1 ``(w + g) Ψ + o Ψ / N``; stage 2 ``w Ψ + (g + o) Ψ / N``; stage 3 ``(w + g + o) Ψ / N``.
 Ψ on a rank is the layers of its pipeline stage, with attention and MLP weights split over tp
 (norms replicated), the vocabulary padded to a multiple of tp, routed experts split over ep
-and sharded over dp x cp / ep (Megatron-Core's expert data parallelism).
+and sharded over dp x cp / ep (Megatron-Core's expert data parallelism). With
+``offload`` = ``cpu`` or ``disk`` (ZeRO-Offload / ZeRO-Infinity, ``parallel/offload.py``) the
+optimizer states leave the device: 0 device bytes, reported apart (``MemoryBreakdown.host``).
 
 **Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", sec. 4). Profile ``megatron`` is the paper's GPT
@@ -82,6 +84,8 @@ class MemoryBreakdown:
     items: dict[str, float] = field(default_factory=dict)
     stage: int = 0
     capacity: float = 0.0
+    # bytes moved off the device (offload): not counted in ``total``
+    host: dict[str, float] = field(default_factory=dict)
 
     @property
     def states(self) -> float:
@@ -272,9 +276,12 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
         norm = (2 * c.dim if work.profile == "megatron" else 2 * (c.dim + 1) * 4) / out_t
         head_in = c.dim * (4 if a == 4 and work.profile == "meshlm" else 2)
         v_local = math.ceil(c.vocab_size / lo.tp)
-        # torch: fp32 log-probabilities; fused: the logits in their dtype (gradient in place)
-        logits = 4 * v_local if work.loss == "torch" else a * v_local
+        # torch: fp32 log-probabilities; fused: the logits in their dtype (gradient in place);
+        # chunked: no logits, the head input's fp32 gradient (formed in forward) instead
+        logits = {"torch": 4 * v_local, "fused": a * v_local, "chunked": 4 * c.dim}[work.loss]
         total += (norm + head_in + logits + 8) * tokens
+        if work.loss == "chunked":  # and the head weight's fp32 gradient (V/t x h)
+            total += 4 * v_local * c.dim
     return total
 
 
@@ -282,6 +289,10 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
 def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> MemoryBreakdown:
     p = stage_params(work, lo, stage)
     items = state_bytes(work, lo, p)
+    host = {}
+    if lo.offload != "none":  # moments in host memory or a file (parallel/offload.py)
+        host["optim"] = items["optim"]
+        items["optim"] = 0.0
     m = lo.micro_batches(work.global_batch)
     per_layer = 0.0
     working = 0.0  # one layer's full activations, rebuilt during its backward
@@ -297,8 +308,12 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     # saved log-probabilities (LOSS_WORKING bytes per logit; counted on torch's
     # cross_entropy), and full recomputation rebuilds one layer's activations in backward.
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    loss = LOSS_WORKING * tokens * math.ceil(work.model.config.vocab_size / lo.tp) if (
-        stage == lo.pp - 1 and work.loss == "torch") else 0.0
+    v_local = math.ceil(work.model.config.vocab_size / lo.tp)
+    loss = 0.0
+    if stage == lo.pp - 1 and work.loss == "torch":
+        loss = LOSS_WORKING * tokens * v_local
+    elif stage == lo.pp - 1 and work.loss == "chunked":  # one chunk's logits, twice in fp32
+        loss = LOSS_WORKING * min(tokens, work.loss_chunk) * v_local
     items["transient"] = max(loss, working if lo.recompute == "full" else 0.0)
     buffers = 0.0
     w, g, _ = STATE_BYTES[work.states]
@@ -313,7 +328,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
         buffers += ACT_BYTES[work.dtype] * p.matmul  # autocast weight copies kept for backward
     items["buffers"] = buffers
     items["reserved"] = hw.reserved
-    return MemoryBreakdown(items, stage, hw.memory)
+    return MemoryBreakdown(items, stage, hw.memory, host)
 
 
 def memory(work: Workload, lo: Layout, hw: Accelerator) -> MemoryBreakdown:

@@ -53,6 +53,7 @@ class Plan:
             "fits": self.fits, "problems": self.problems,
             "memory_bytes": {**self.memory.items, "total": self.memory.total},
             "memory_capacity_bytes": self.memory.capacity,
+            **({"memory_host_bytes": self.memory.host} if self.memory.host else {}),
         }
         if self.time is not None:
             t = self.time

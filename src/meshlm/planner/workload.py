@@ -26,7 +26,7 @@ from ..models.presets import PRESETS
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 STATES = ("fp32", "mixed")
 PROFILES = ("meshlm", "megatron")
-LOSSES = ("torch", "fused")
+LOSSES = ("torch", "fused", "chunked")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ class Workload:
     are never materialised (FlashAttention / SDPA); ``loss`` the cross-entropy: ``torch``
     (``F.cross_entropy`` on fp32 logits, as meshlm) or ``fused`` (one kernel that keeps the
     logits in their dtype and writes the gradient in place: flash-attn's, Megatron-Core's
-    ``--cross-entropy-loss-fusion``).
+    ``--cross-entropy-loss-fusion``) or ``chunked`` (meshlm's ``train.loss=chunked``: the head
+    and loss over ``loss_chunk`` tokens at a time, gradients formed in forward).
     """
 
     model: ModelSpec
@@ -93,6 +94,7 @@ class Workload:
     profile: str = "meshlm"
     flash: bool = True
     loss: str = "torch"
+    loss_chunk: int = 1024  # tokens per chunk of the ``chunked`` loss
 
     @property
     def tokens_per_step(self) -> int:
@@ -114,7 +116,7 @@ class Workload:
 
 
 _TEXT_KEYS = ("dp", "tp", "sp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule", "vpp",
-              "tp_overlap", "cp_attention")
+              "tp_overlap", "cp_attention", "offload")
 # --layout keys -> Layout fields: the short names, the config's names (micro_batch, pp_schedule,
 # pp_virtual) and "mb"
 _FIELD_OF = {**{k: {v: f for f, v in SHORT_KEYS.items()}.get(k, k) for k in _TEXT_KEYS},

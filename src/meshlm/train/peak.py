@@ -4,6 +4,12 @@ On CPU the peak is measured at start-up: the best rate of a square matmul in the
 dtype with the threads this process uses (so MFU reads "fraction of what this machine's matmul
 can do"). On a GPU it is the datasheet dense peak of the named part. ``train.peak_flops``
 overrides both. The source is always reported next to the number.
+
+``bf16_warning``: CPUs without native bf16 matmul (AVX2-only x86: no AVX512-BF16 or AMX) run
+bf16 matmuls through a slow fallback, tens to hundreds of times below fp32 (this project's
+2-core AVX2 machine: about 1.5 vs 100 GFLOP/s). ``precision.dtype=bf16`` on such a CPU is then
+a slowdown, not a speed-up, so the trainer measures both rates at start-up (a few ms each on a
+small matmul) and warns.
 """
 
 from __future__ import annotations
@@ -36,6 +42,40 @@ def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.3
         dt = time.perf_counter() - t0
         best = max(best, 2 * n**3 / dt)
     return best
+
+
+# bf16 below this fraction of fp32's matmul rate earns the warning: native bf16 (AVX512-BF16,
+# AMX, Arm BF16) is at least as fast as fp32; the margin keeps timing noise from warning there.
+BF16_SLOW_FRACTION = 0.8
+
+
+def quick_matmul_rates(n: int = 128, seconds: float = 0.005) -> dict[str, float]:
+    """Best FLOP/s of an (n x n) matmul in fp32 and in bf16 on CPU, about ``seconds`` each
+    (at least one timed call: about 2 ms for bf16 at n = 128 on an AVX2-only core)."""
+    return {"fp32": measure_matmul_flops(torch.float32, n, seconds),
+            "bf16": measure_matmul_flops(torch.bfloat16, n, seconds)}
+
+
+def bf16_warning(rates: dict[str, float], fraction: float = BF16_SLOW_FRACTION) -> str | None:
+    """The start-up warning when bf16 matmul is slower than ``fraction`` of fp32 (None when not).
+
+    ``rates``: FLOP/s per dtype name, e.g. :func:`quick_matmul_rates`.
+    """
+    fp32, bf16 = rates["fp32"], rates["bf16"]
+    if bf16 >= fraction * fp32:
+        return None
+    slower = f"{fp32 / bf16:.0f}x" if bf16 > 0 else "far"
+    return (f"warning: precision.dtype=bf16 on a CPU without native bf16 matmul: measured "
+            f"{bf16 / 1e9:.1f} GFLOP/s bf16 vs {fp32 / 1e9:.1f} GFLOP/s fp32 ({slower} slower, "
+            "small matmul); "
+            "--precision.dtype=fp32 trains faster here")
+
+
+def check_bf16(device: torch.device, dtype_name: str) -> str | None:
+    """:func:`bf16_warning` of this machine when the run computes in bf16 on CPU, else None."""
+    if device.type != "cpu" or dtype_name != "bf16":
+        return None
+    return bf16_warning(quick_matmul_rates())
 
 
 def peak_flops(device: torch.device, dtype_name: str, override: float = 0.0) -> tuple[float, str]:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..checkpoint.sharded import (
     ShardedCheckpoint,
@@ -38,7 +37,7 @@ from ..config import Config, resolve_world, to_toml
 from ..data import DataBundle, build_data
 from ..data.sampler import StepSampler, val_batches
 from ..distributed.comm import Comm, CommLog
-from ..distributed.faults import kill_if_asked
+from ..distributed.faults import kill_if_asked, poison_if_asked
 from ..distributed.mesh import Mesh
 from ..distributed.source import InitSource, TensorSource
 from ..generate import generate_text
@@ -48,11 +47,13 @@ from ..parallel import parallelize
 from ..parallel.context import context_summary
 from ..parallel.engine import Engine
 from ..parallel.expert import moe_layers, router_step, router_summary, router_text
+from ..parallel.loss import build_loss
 from ..parallel.tensor import TensorParallel
-from ..precision import Precision
+from ..precision import DTYPES, Precision
 from .metrics import MetricsWriter, PhasePeaks, read_metrics
 from .peak import peak_flops
 from .pipelined import PipelineRunner
+from .profiling import region
 from .progress import ProgressLine
 from .run_dir import (
     agree_run_dir,
@@ -72,11 +73,6 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     final_step: int = 0
     sample: str | None = None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of (B, S, V) logits, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def build_device() -> torch.device:
@@ -107,8 +103,12 @@ class Trainer:
         self.data = self.build_data()
         self.memory = PhasePeaks(self.device)
         self.build_model()
-        self.loss_fn = self.tp.loss if self.tp is not None else cross_entropy
-        self.precision = Precision(cfg.precision.dtype, self.device.type)
+        self.engine.reduce_dtype = DTYPES[cfg.precision.grad_reduce_dtype]
+        self.loss_fn = build_loss(self.model, self.tp, cfg.train.loss, cfg.train.loss_chunk)
+        pr = cfg.precision
+        self.precision = Precision(pr.dtype, self.device.type, pr.loss_scale,
+                                   pr.loss_scale_window)
+        self.skipped = False  # whether the last step was skipped (fp16 overflow)
         self.pipeline = (PipelineRunner(cfg, self.pipe, self.engine, self.tp, self.comm,
                                         self.loss_fn, self.precision, self.device)
                          if self.pipe is not None else None)
@@ -163,12 +163,27 @@ class Trainer:
             source = init.source("weight")
         self.engine: Engine
         self.tp: TensorParallel | None
-        par = parallelize(self.model, self.comm, cfg.parallel, cfg.train, source=source)
+        par = parallelize(self.model, self.comm, cfg.parallel, cfg.train, source=source,
+                          offload_file=self.offload_file())
         self.engine, self.tp, self.pipe, self.cp = par.engine, par.tp, par.pipe, par.cp
         if isinstance(init, ShardedCheckpoint):
             init.close()
         del source, init
         self.memory.measure("construction", self.comm)
+
+    def offload_file(self) -> Path | None:
+        """This rank's file of AdamW moments under ``parallel.offload=disk``:
+        ``<parallel.offload_dir or run.dir/offload>/rank_NNNNN.adam`` (see parallel/offload.py)."""
+        par = self.cfg.parallel
+        if par.offload == "cpu" and self.device.type == "cpu":
+            self.log("parallel.offload=cpu: the optimizer states live in host memory already "
+                     "on a CPU run (the same as none)")
+        if par.offload != "disk":
+            return None
+        folder = Path(par.offload_dir).expanduser() if par.offload_dir else (
+            self.run_dir / "offload")
+        self.log(f"parallel.offload=disk: AdamW moments in {folder}/rank_*.adam")
+        return folder / f"rank_{self.mesh.rank:05d}.adam"
 
     def open_init_from(self) -> tuple[object | None, int]:
         """(source of ``model.init_from`` or None, vocabulary size of the model)."""
@@ -223,16 +238,21 @@ class Trainer:
                      + (f"capacity factor {mc.moe_capacity:g}" if mc.moe_capacity
                         else "dropless"))
         self.log(f"peak {self.peak / 1e9:.1f} GFLOP/s per rank ({self.peak_source})")
+        if self.main:  # bf16 on a CPU without native bf16 matmul: a slowdown (train/peak.py)
+            from .peak import check_bf16
+
+            if warning := check_bf16(self.device, c.precision.dtype):
+                self.log(warning)
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {self.step}" if self.step else ""))
         for phase, peaks in self.memory.per_rank.items():
             self.log(f"peak memory at {phase}: largest rank {max(peaks) / 2**20:,.0f} MiB "
                      f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in peaks)} MiB)")
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, step: int) -> tuple[float, float]:
+    def train_step(self, step: int) -> tuple[float, float | None]:
         """Forward + backward over this rank's share of the global batch, reduce, clip, step.
 
-        Returns (global mean loss, global gradient norm).
+        Returns (global mean loss, global gradient norm; None when fp16 skipped the step).
         """
         cfg = self.cfg.train
         micro = self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size, cfg.micro_batch,
@@ -241,6 +261,8 @@ class Trainer:
             self.cp.reset_tiles()
         n = self.mesh.size("dp_cp")  # each cp rank's loss is the mean over its equal share
         if self.pipeline is not None:
+            self.pipeline.executor.grad_scale = (self.precision.scaler.scale
+                                                 if self.precision.scaler is not None else 1.0)
             loss = self.pipeline.forward_backward(micro)
             grad_norm = self.optimizer_update(step)
             return self.comm.reduce_scalars([loss], "dp_cp")[0] / n, grad_norm
@@ -257,13 +279,22 @@ class Trainer:
         loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp_cp")[0]
         return loss_sum / n, grad_norm
 
-    def optimizer_update(self, step: int) -> float:
+    def optimizer_update(self, step: int) -> float | None:
         """Reduce gradients, clip by the global norm, AdamW step, clear; returns the norm."""
         cfg = self.cfg.train
         self.engine.finish_grads()
-        self.precision.unscale_(self.engine.optimizer)
-        grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        self.engine.step(lr_at(step, cfg), self.precision)
+        grads = self.engine.grad_tensors()
+        poison_if_asked(step, self.mesh.rank, grads)  # (tests: an overflow on one rank)
+        # fp16: unscale; an inf/nan on any rank skips the step on every rank
+        self.skipped = self.precision.overflow(
+            grads, lambda flag: self.comm.all_reduce(flag, "world", op="max"))
+        if self.skipped:
+            grad_norm = None  # (metrics: null; the step changed nothing)
+        else:
+            grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0
+                                                   else float("inf"))
+            with region("meshlm.optimizer_step"):
+                self.engine.step(lr_at(step, cfg))
         self.engine.zero_grad()
         if self.model_cfg.is_moe:  # the step's routing: statistics and the balancing bias
             self.router = router_step(self.model, self.comm, self.model_cfg.n_layers,
@@ -288,6 +319,7 @@ class Trainer:
                     loss = float(self.loss_fn(self.model(inputs), targets))
             total += loss * batch.shape[0]
             count += batch.shape[0]
+        self.engine.end_evaluation()
         self.model.train()
         if self.cp is not None:  # equal shares: the mean of the cp ranks' means
             total = self.comm.reduce_scalars([total], "cp")[0] / self.cp.size
@@ -342,15 +374,32 @@ class Trainer:
         return bool(every and step % every == 0) or step == self.cfg.train.steps
 
     def record(self, step: int, loss: float, grad_norm: float, dt: float) -> dict[str, Any]:
+        """The metrics record of ``step``. Collective: with several ranks, one all-reduce of
+        4 x world float64 (logged as metrics traffic) gives every rank's step peak and state
+        bytes; ``mem_peak_bytes`` is the largest peak, and on evaluation and checkpoint steps
+        (the last step is one) the record also lists them per rank for ``meshlm report``."""
         tps = self.tokens_per_step / dt
         mem = self.engine.state_bytes()
+        world, rank = self.mesh.world_size, self.mesh.rank
+        table = [0.0] * (4 * world)  # per rank: peak, params, grads, optim
+        table[4 * rank: 4 * rank + 4] = [float(self.memory.measure("steps")), mem["params"],
+                                         mem["grads"], mem["optim"]]
+        if world > 1:
+            table = self.comm.reduce_scalars(table, "world")
+        per_rank = [[int(x) for x in table[i::4]] for i in range(4)]
         return {
             "step": step, "loss": loss, "lr": lr_at(step, self.cfg.train), "grad_norm": grad_norm,
             "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * self.mesh.world_size),
-            "step_time_s": dt, "mem_peak_bytes": self.memory.measure("steps"),
+            "step_time_s": dt, "mem_peak_bytes": max(per_rank[0]),
             "tokens_seen": step * self.tokens_per_step,
             "params_bytes": mem["params"], "grads_bytes": mem["grads"], "optim_bytes": mem["optim"],
+            **({"mem_peak_per_rank": per_rank[0], "params_bytes_per_rank": per_rank[1],
+                "grads_bytes_per_rank": per_rank[2], "optim_bytes_per_rank": per_rank[3]}
+               if self.is_eval_step(step) or self.is_save_step(step) else {}),
             "comm_bytes": self.comm.log.bytes_by_op(),
+            **({"loss_scale": self.precision.scaler.scale, "skipped": self.skipped,
+                "skipped_steps": self.precision.scaler.skipped}
+               if self.precision.scaler is not None else {}),
             **({"pp_bubble": self.pipeline.bubble,
                 "pp_peak_live": self.pipeline.executor.peak_live}
                if self.pipeline is not None else {}),
@@ -369,6 +418,9 @@ class Trainer:
         return rec
 
     def fit(self) -> TrainResult:
+        from ..config import profile_steps
+        from .profiling import StepProfiler, describe_traces
+
         cfg = self.cfg.train
         result = TrainResult(self.run_dir, final_step=self.step)
         start = self.step
@@ -376,8 +428,12 @@ class Trainer:
                   if self.main else None)
         bar = ProgressLine(cfg.steps, self.step, cfg.log_every, self.show_progress)
         recent: list[float] = []
+        window = profile_steps(self.cfg.profile.steps)  # torch.profiler traces of these steps
+        profiler = StepProfiler(window, self.run_dir / "profile", self.mesh.rank, self.device,
+                                self.model.layers)
         try:
             for step in range(self.step + 1, cfg.steps + 1):
+                profiler.start_step(step)
                 self.comm.log.reset()
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step(step)
@@ -386,25 +442,32 @@ class Trainer:
                 kill_if_asked("MESHLM_FAULT_KILL_AT_STEP", step, self.mesh.rank,
                               self.mesh.world_size)  # (tests)
                 rec = self.record(step, loss, grad_norm, dt)
-                if self.mesh.world_size > 1:  # the largest rank's peak
-                    rec["mem_peak_bytes"] = int(self.comm.max_scalar(rec["mem_peak_bytes"]))
                 if step == start + 1:  # this process's start-up peaks, once
                     rec.update({f"mem_{k}_bytes": v for k, v in self.memory.phases.items()
                                 if k != "steps"})
                 if self.is_eval_step(step):
                     rec["val_loss"] = result.val_losses[step] = self.evaluate()
                 if self.is_save_step(step):
-                    self.save_checkpoint()
+                    with region("meshlm.checkpoint_save"):
+                        self.save_checkpoint()
                     rec["mem_save_bytes"] = self.memory.phases["save"]
                 if writer is not None:
                     writer.write(rec)
                 result.losses[step] = loss
                 recent = (recent + [dt])[-20:]
                 bar.update(rec, eta_s=sum(recent) / len(recent) * (cfg.steps - step))
+                profiler.end_step(step)
         finally:
+            profiler.close()
             bar.close()
             if writer is not None:
                 writer.close()
+        if profiler.files:
+            self.log(describe_traces(self.run_dir / "profile", window, self.mesh.world_size,
+                                     self.device.type == "cuda"))
+        elif window:
+            self.log(f"profile: no step of profile.steps={self.cfg.profile.steps} ran "
+                     f"(this run did steps {start + 1}-{self.step}); nothing traced")
         result.final_step = self.step
         if self.pipeline is not None:
             self.write_timeline()
@@ -423,10 +486,11 @@ class Trainer:
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Every rank samples (sharded weights are gathered collectively); all agree. Under
         context parallelism every cp rank runs the whole context alone (weights are whole)."""
-        if self.cp is not None:
-            with self.cp.disabled():
-                return self._sample(prompt, max_new_tokens)
-        return self._sample(prompt, max_new_tokens)
+        with self.model.logits_out():  # (a chunked loss makes forwards stop at the head)
+            if self.cp is not None:
+                with self.cp.disabled():
+                    return self._sample(prompt, max_new_tokens)
+            return self._sample(prompt, max_new_tokens)
 
     def _sample(self, prompt: str, max_new_tokens: int) -> str:
         return generate_text(self.model, self.data.tokenizer, prompt, max_new_tokens,
