@@ -47,6 +47,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if cfg.parallel.auto:
         apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
     resolve_world(cfg, world.world_size if world else None)
+    from .planner.cli import fit_micro_batch
+
+    if (line := fit_micro_batch(cfg)) and (world is None or world.rank == 0):
+        print(line)
     if args.dry_run:
         from .planner.cli import config_memory
 

@@ -22,7 +22,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .layout import CONFIG_KEYS, PARALLEL_KEYS, Layout
 from .models.config import ModelConfig
@@ -82,7 +82,9 @@ class DataSection:
 class TrainSection:
     steps: int = 500
     global_batch: int = 16  # sequences per optimizer step
-    micro_batch: int = 16  # sequences per forward/backward on one data-parallel rank
+    # sequences per forward/backward on one data-parallel rank; 0 -> global_batch / dp, made
+    # smaller (a divisor) when the planner says it does not fit the device (meshlm train)
+    micro_batch: int = 0
     seed: int = 1234
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -103,6 +105,13 @@ class TrainSection:
     recompute: str = "none"
     loss: str = "torch"  # torch (whole logits) | chunked (LM head + loss over token chunks)
     loss_chunk: int = 1024  # tokens per chunk of the chunked loss
+    # a non-finite loss or gradient norm: stop (error, nothing saved) | skip (drop the step) |
+    # rollback (reload the last checkpoint, skip the offending batches); see train/nonfinite.py
+    on_nonfinite: str = "stop"
+    max_skips: int = 10  # consecutive skipped / rolled-back steps that end the run
+    # global batches never trained on, e.g. "120,121" (Megatron's --iterations-to-skip):
+    # step k takes the k-th batch not listed; rollback adds the batches it skips
+    skip_batches: str = ""
 
 
 @dataclass
@@ -139,6 +148,15 @@ class ProfileSection:
 
 
 @dataclass
+class DistributedSection:
+    # seconds a collective may wait for its peers before the job stops with a diagnosis (after
+    # the first step); start-up and the first step get init_timeout_s (data, compilation)
+    timeout_s: float = 600.0
+    init_timeout_s: float = 1800.0
+    flight_records: int = 256  # collectives each rank's flight recorder keeps (run.dir/flight)
+
+
+@dataclass
 class CheckpointSection:
     keep: int = 0  # keep the last K complete checkpoints; 0 -> keep all
 
@@ -167,6 +185,10 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     run: RunSection = field(default_factory=RunSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+    # train.micro_batch was left at 0: it follows the layout (resolve_world recomputes it)
+    micro_batch_auto: ClassVar[bool] = False
 
     # -------------------------------------------------------------- derived views
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
@@ -213,6 +235,7 @@ class Config:
         for key in PARALLEL_KEYS:
             setattr(self.parallel, key, getattr(layout, key))
         self.train.micro_batch = layout.micro_batch
+        self.micro_batch_auto = False
         self.train.recompute = layout.recompute
 
     @property
@@ -229,6 +252,7 @@ SECTIONS = {f.name: f for f in fields(Config)}
 DTYPES = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("fp32", "bf16")
 LOSSES = ("torch", "chunked")
+NONFINITE = ("stop", "skip", "rollback")
 OFFLOADS = ("none", "cpu", "disk")
 
 
@@ -376,9 +400,22 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(Path(cfg.model.init_from).expanduser().exists(),
                f"model.init_from={cfg.model.init_from!r} does not exist")
     mc = cfg.model_config()
-    for key in ("steps", "global_batch", "micro_batch"):
+    for key in ("steps", "global_batch"):
         _check(getattr(t, key) > 0, f"train.{key}={getattr(t, key)} must be positive")
+    _check(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be positive (or 0: "
+           "global_batch / parallel.dp)")
     _check(p.dp >= 0, f"parallel.dp={p.dp} must be >= 1 (or 0: inferred from the world size)")
+    if t.micro_batch == 0 or cfg.micro_batch_auto:
+        auto_micro_batch(cfg, max(1, p.dp))
+    _check(t.on_nonfinite in NONFINITE,
+           f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(NONFINITE)}")
+    _check(t.max_skips >= 1, f"train.max_skips={t.max_skips} must be >= 1")
+    skip_batches(t.skip_batches)  # (raises ConfigError)
+    d_ = cfg.distributed
+    for key in ("timeout_s", "init_timeout_s"):
+        _check(getattr(d_, key) > 0, f"distributed.{key}={getattr(d_, key)} must be positive")
+    _check(d_.flight_records >= 1,
+           f"distributed.flight_records={d_.flight_records} must be >= 1")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
            f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     _check(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps} must be >= 0")
@@ -435,6 +472,26 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
     _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
+
+
+def auto_micro_batch(cfg: Config, dp: int) -> None:
+    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / dp."""
+    t = cfg.train
+    _check(t.global_batch % dp == 0,
+           f"train.global_batch={t.global_batch} is not divisible by parallel.dp={dp}")
+    cfg.micro_batch_auto = True
+    t.micro_batch = t.global_batch // dp
+
+
+def skip_batches(text: str) -> list[int]:
+    """``train.skip_batches`` ("3,7" or "") as a sorted list of batch indices (>= 1)."""
+    try:
+        out = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
+    except ValueError:
+        raise ConfigError(f"train.skip_batches={text!r}: expected batch numbers separated by "
+                          "commas, e.g. 120,121") from None
+    _check(all(b >= 1 for b in out), f"train.skip_batches={text!r}: batches start at 1")
+    return out
 
 
 def _unwritable_dir(path: Path) -> str | None:
@@ -499,6 +556,8 @@ def resolve_world(cfg: Config, world_size: int | None) -> Config:
     inferred = p.dp == 0
     if inferred:
         p.dp = world_size // inner
+        if cfg.micro_batch_auto:
+            auto_micro_batch(cfg, p.dp)
     _check(p.dp * inner == world_size,
            f"parallel.dp={p.dp} does not fit the world: pp * dp * cp * tp = "
            f"{p.dp * inner}, but the world has {world_size} ranks "

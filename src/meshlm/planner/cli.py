@@ -209,14 +209,18 @@ def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
                     loss=cfg.train.loss, loss_chunk=cfg.train.loss_chunk)
 
 
-def config_memory(cfg: Config) -> list[str]:
-    """``meshlm train --dry-run``: the planner's memory of the config's layout, per rank."""
-    vocab = cfg.data.vocab_size
+def config_vocab(cfg: Config) -> int:
+    """The vocabulary the run will have: its tokenizer's, or the BPE it trains."""
     if cfg.data.tokenizer and Path(cfg.data.tokenizer).expanduser().is_file():
         from ..data.tokenizer import Tokenizer
 
-        vocab = Tokenizer.load(Path(cfg.data.tokenizer).expanduser()).vocab_size
-    work = config_workload(cfg, vocab)
+        return Tokenizer.load(Path(cfg.data.tokenizer).expanduser()).vocab_size
+    return cfg.data.vocab_size
+
+
+def config_memory(cfg: Config) -> list[str]:
+    """``meshlm train --dry-run``: the planner's memory of the config's layout, per rank."""
+    work = config_workload(cfg, config_vocab(cfg))
     lo = cfg.layout()
     try:
         hw = hardware_here("memory estimate")
@@ -238,6 +242,29 @@ def config_memory(cfg: Config) -> list[str]:
         f"#   total{stage}: {_size(m.total)} of {_size(m.capacity)} -- "
         + ("fits" if m.fits else "does NOT fit"),
     ]
+
+
+def fit_micro_batch(cfg: Config) -> str | None:
+    """An automatic ``train.micro_batch`` (left at 0: global / dp) made the largest divisor of
+    global / dp whose layout the planner says fits this machine's device; the line saying so
+    (None: unchanged). Nothing fits even at 1: left at 1 for the memory check to report."""
+    if not cfg.micro_batch_auto:
+        return None
+    try:
+        hw = hardware_here("train.micro_batch")
+    except ConfigError:
+        return None
+    work = config_workload(cfg, config_vocab(cfg))
+    per_rank = cfg.train.global_batch // cfg.layout().dp
+    for m in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+        cfg.train.micro_batch = m
+        if memory(work, cfg.layout(), hw).fits or m == 1:
+            break
+    cfg.micro_batch_auto = True
+    if cfg.train.micro_batch == per_rank:
+        return None
+    return (f"train.micro_batch: {cfg.train.micro_batch} (global_batch / dp = {per_rank} "
+            f"does not fit {hw.name} memory by the planner's estimate)")
 
 
 def auto_layout(cfg: Config, world_size: int) -> Layout:
