@@ -248,7 +248,10 @@ def test_worker_killed_while_saving_leaves_the_previous_checkpoint(
     run = tmp_path / "run"
     out = _meshlm(*run_args, f"--run.dir={run}", env={"MESHLM_FAULT_KILL_IN_SAVE": "4"})
     assert out.returncode == 2, (out.stdout, out.stderr)
-    assert out.stderr.strip() == "meshlm: error: worker rank 3 died (signal SIGKILL)", out.stderr
+    line = out.stderr.strip()
+    assert line.startswith("meshlm: error: worker rank 3 died (signal SIGKILL) (pp 0, dp 1, "
+                           "cp 0, tp 1); its last collective: "), out.stderr
+    assert "\n" not in line
     root = run / "checkpoints"
     names = sorted(p.name for p in root.iterdir())
     assert "step_0000002" in names and "step_0000004" not in names, names

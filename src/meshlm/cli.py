@@ -65,22 +65,50 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         from .launch import announce_restart, export_env, init_worker, shutdown_worker
 
         export_env(world)
+        if cfg.run.dir:  # (NCCL only: torch's flight recorder dumps next to meshlm's)
+            from pathlib import Path
+
+            from .launch import nccl_flight_env
+
+            for k, v in nccl_flight_env(str(Path(cfg.run.dir).expanduser() / "flight")).items():
+                os.environ.setdefault(k, v)
         # Before the process group exists, so a first, slow tokenization cannot time out the
         # others' collectives; concurrent builds of one cache are safe (atomic renames).
         build_data(cfg.data, log=print if world.rank == 0 else (lambda _m: None))
-        announce_restart(init_worker().rank)
+        announce_restart(init_worker(cfg.distributed.init_timeout_s).rank)
         try:
-            train(cfg)
+            result = train(cfg)
         finally:
             shutdown_worker()
+        if world.rank == 0:
+            _say_how_to_resume(result, argv_rest=rest, config=args.config)
     elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent
+        from pathlib import Path
+
         from .launch import launch_local
 
         prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
-        launch_local(cfg.world_size, run_worker, cfg, max_restarts=args.max_restarts)
+        results = launch_local(cfg.world_size, run_worker, cfg, max_restarts=args.max_restarts,
+                               timeout_s=cfg.distributed.init_timeout_s,
+                               flight_dir=str(Path(cfg.run.dir).expanduser() / "flight"))
+        _say_how_to_resume(results[0], argv_rest=rest, config=args.config)
     else:
-        train(cfg)
+        _say_how_to_resume(train(cfg), argv_rest=rest, config=args.config)
     return 0
+
+
+def _say_how_to_resume(result, argv_rest: list[str], config: str | None) -> None:  # noqa: ANN001
+    """After a graceful stop (SIGTERM/SIGINT): the command line that continues the run."""
+    if not result.stopped_by:
+        return
+    import shlex
+
+    keep = [a for a in _split_overrides(argv_rest)
+            if not a.startswith(("--run.resume=", "--run.dir="))]
+    line = shlex.join(["meshlm", "train", *([config] if config else []), *keep,
+                       f"--run.dir={result.run_dir}", "--run.resume=true"])
+    print(f"meshlm: stopped by {result.stopped_by} at step {result.final_step} with a complete "
+          f"checkpoint; to continue: {line}", flush=True)
 
 
 def apply_auto_layout(cfg, world_size: int) -> None:  # noqa: ANN001
@@ -299,10 +327,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    from .distributed.flight import CollectiveFailure
     from .launch import WorkerFailure
+    from .train.nonfinite import NonFiniteError
 
     try:
         return args.func(args, rest)
+    except CollectiveFailure as e:  # every rank that gave up says which rank it waited for
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
+    except NonFiniteError as e:  # decided alike on every rank: rank 0 speaks
+        if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
+            print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, CheckpointError, WorkerFailure) as e:
         # Under torchrun every rank validates the same config: only rank 0 speaks.
         if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":

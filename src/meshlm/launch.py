@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -78,8 +79,13 @@ _SECONDARY_MARKERS = ("closed by peer", "reset by peer", "remote worker crashing
 _SECONDARY_EXIT_DELAY_S = 2.0
 _MONITOR_INTERVAL_S = 0.05
 
-# How long the agent waits for SIGTERMed workers before SIGKILL (torch's default is 30 s).
-_SHUTDOWN_TIMEOUT_S = 10
+# How long the agent waits for SIGTERMed workers before SIGKILL when the group fails (torch's
+# default is 30 s). Short: the workers are failing anyway, and a frozen (SIGSTOPped) worker
+# never exits before SIGKILL.
+_SHUTDOWN_TIMEOUT_S = 5
+
+# launch_local's folder of per-rank pid files (graceful stop: SIGTERM/SIGINT are relayed).
+_LAUNCH_DIR_VAR = "MESHLM_LAUNCH_DIR"
 
 # Set by the elastic agent (torchrun's or launch_local's) in every worker it starts.
 _RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
@@ -286,6 +292,16 @@ def init_worker(timeout_s: float = 300) -> WorldInfo:
     return info
 
 
+def nccl_flight_env(flight_dir: str) -> dict[str, str]:
+    """torch's own NCCL Flight Recorder, dumped into ``flight_dir`` on a collective timeout
+    (``nccl_trace_rank_N``; read with ``torch.distributed.flight_recorder``). GPU-only path,
+    untested on the CPU machines meshlm's tests run on; empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(flight_dir, "nccl_trace_rank_")}
+
+
 def restart_message(env: Mapping[str, str] = os.environ) -> str | None:
     """The line rank 0 prints when the elastic agent restarted the worker group (else None)."""
     try:
@@ -324,6 +340,10 @@ def _is_secondary(message: str) -> bool:
 @record
 def _worker_main(fn: Callable[..., T], timeout_s: float, *args: Any) -> T:
     """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure)."""
+    if folder := os.environ.get(_LAUNCH_DIR_VAR):
+        with contextlib.suppress(OSError):
+            with open(os.path.join(folder, f"pid_{os.environ.get('RANK', '0')}"), "w") as f:
+                f.write(str(os.getpid()))
     try:
         announce_restart(init_worker(timeout_s).rank)
         return fn(*args)
@@ -377,6 +397,40 @@ def _quiet_agent_logs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _short_failure_shutdown() -> Iterator[None]:
+    """Make the agent give failed workers ``_SHUTDOWN_TIMEOUT_S`` to exit before SIGKILL.
+
+    When a worker fails, torch's process context waits a fixed 30 s for the others after
+    SIGTERM (its shutdown_timeout applies only at the end of a run), so a frozen (SIGSTOPped)
+    worker would hold the job that long. The agent class ``elastic_launch`` builds is swapped
+    for a subclass that passes a grace period to that join, while this runs; where torch's
+    internals differ, its own behaviour stays.
+    """
+    import functools
+
+    import torch.distributed.launcher.api as launcher_api
+
+    base = launcher_api.LocalElasticAgent
+
+    class _Agent(base):  # type: ignore[misc, valid-type]
+        def _stop_workers(self, worker_group: Any) -> None:
+            self._shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+
+        def _start_workers(self, worker_group: Any) -> dict[int, Any]:
+            out = super()._start_workers(worker_group)
+            pc = getattr(getattr(self, "_pcontext", None), "_pc", None)
+            if pc is not None and callable(getattr(pc, "join", None)):
+                pc.join = functools.partial(pc.join, grace_period=_SHUTDOWN_TIMEOUT_S / 2)
+            return out
+
+    launcher_api.LocalElasticAgent = _Agent
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
+
+
+@contextlib.contextmanager
 def _kept_signal_handlers() -> Iterator[None]:
     """Restore the handlers the agent installs for SIGTERM/SIGINT/SIGHUP/SIGQUIT and never removes.
 
@@ -393,6 +447,41 @@ def _kept_signal_handlers() -> Iterator[None]:
     finally:
         for s, h in saved.items():
             if h is not None:
+                signal.signal(s, h)
+
+
+class _SignalRelay:
+    """launch_local's SIGTERM/SIGINT handler: pass the signal to every worker (which finish the
+    step, save a checkpoint and exit 0: train/stopping.py). A repeat at least a second later
+    is relayed too (the workers then stop at once) and remembered as ``repeated``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.first, self.repeated = folder, 0.0, False
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        now = time.monotonic()
+        if self.first and now - self.first >= 1.0:
+            self.repeated = True
+        self.first = self.first or now
+        for path in glob.glob(os.path.join(self.folder, "pid_*")):
+            try:
+                with open(path) as f:
+                    os.kill(int(f.read().strip()), signum)
+            except (OSError, ValueError):
+                continue
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        for s in saved:
+            signal.signal(s, self)
+        try:
+            yield
+        finally:
+            for s, h in saved.items():
                 signal.signal(s, h)
 
 
@@ -430,12 +519,27 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _summarise(err: Any, log_dir: str) -> tuple[int, str]:
+def _last_collective(flight_dir: str | None, rank: int) -> str:
+    """"; its last collective: ..." from the rank's flight records ("" when none)."""
+    if not flight_dir:
+        return ""
+    from .distributed.flight import coords_text, describe_record, read_ring
+
+    meta = read_ring(Path(flight_dir), rank)
+    if not meta:
+        return ""
+    rec = meta["records"][-1] if meta["records"] else None
+    return (f" ({coords_text(meta)}); its last collective: {describe_record(rec)} "
+            f"(flight records: {flight_dir})")
+
+
+def _summarise(err: Any, log_dir: str, flight_dir: str | None = None) -> tuple[int, str]:
     """(rank, one-line message) of the root cause of a ChildFailedError."""
     rank, failure = err.get_first_failure()
     if failure.exitcode < 0:
         # Died by a signal: nothing ran afterwards to write an error file, so it failed first.
-        return rank, f"worker rank {rank} died (signal {failure.signal_name()})"
+        return rank, (f"worker rank {rank} died (signal {failure.signal_name()})"
+                      + _last_collective(flight_dir, rank))
     # No error file (e.g. the worker died while starting up) leaves torch's placeholder data.
     has_file = os.path.isfile(failure.error_file)
     reported = _error_message(failure.error_file_data) if has_file else ""
@@ -446,14 +550,17 @@ def _summarise(err: Any, log_dir: str) -> tuple[int, str]:
                    if _error_message(d) and not _is_secondary(_error_message(d))]
         if primary:
             _, rank, reported = min(primary)
+    for own in ("CollectiveFailure: ", "NonFiniteError: "):  # meshlm's own one-line reports
+        if reported.startswith(own):
+            return rank, _first_line(reported.removeprefix(own), 1000)
     if reported:
         return rank, f"worker rank {rank} failed: {_first_line(reported)}"
     return rank, f"worker rank {rank} exited with code {failure.exitcode}"
 
 
 def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | None = None,
-                 quiet_ranks: bool = True, timeout_s: float = 300, max_restarts: int = 0
-                 ) -> dict[int, T]:
+                 quiet_ranks: bool = True, timeout_s: float = 300, max_restarts: int = 0,
+                 flight_dir: str | None = None) -> dict[int, T]:
     """Run ``fn(*args)`` in ``nprocs`` local workers after :func:`init_worker`; {rank: result}.
 
     ``fn`` must be a module-level function (workers are spawned and import it by name) and its
@@ -462,7 +569,10 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     (``WorkerFailure.log_dir``). ``timeout_s`` is the collective timeout of the process group.
     When a worker fails, the group is stopped and, up to ``max_restarts`` times, started again
     (every rank, ``fn(*args)`` from the beginning); ``fn`` must make a restart useful, e.g. by
-    resuming from a checkpoint.
+    resuming from a checkpoint. SIGTERM/SIGINT to this process are relayed to the workers
+    (meshlm's trainer then stops gracefully); a repeated one that ends them raises
+    KeyboardInterrupt. ``flight_dir``: where the workers' flight records are (a dead rank's
+    last collective joins the message).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -490,19 +600,26 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
         max_restarts=max_restarts,  # a failed worker stops the others; then restart or end
         monitor_interval=_MONITOR_INTERVAL_S, start_method="spawn", logs_specs=logs,
         shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM/SIGINT: relayed (graceful stop)
     )
+    relay = _SignalRelay(log_dir)
     # OMP_NUM_THREADS=1: each worker's OpenMP pool would otherwise claim every core.
-    env = {"OMP_NUM_THREADS": "1", _SOURCE_VAR: "local"}
+    env = {"OMP_NUM_THREADS": "1", _SOURCE_VAR: "local", _LAUNCH_DIR_VAR: log_dir,
+           **(nccl_flight_env(flight_dir) if flight_dir else {})}
     if max_restarts:
         # The agent's store, shared with the workers by default, keeps the process group keys
         # of the failed attempt, and the restarted workers read the dead ranks' addresses
         # (pytorch/pytorch#135712). Unshared, worker rank 0 hosts a new store each attempt.
         env[_UNSHARED_STORE_VAR] = "1"
     try:
-        with _patched_env(env), _quiet_agent_logs(), _kept_signal_handlers():
+        with (_patched_env(env), _quiet_agent_logs(), _kept_signal_handlers(), relay.installed(),
+              _short_failure_shutdown()):
             results = elastic_launch(config, _worker_main)(fn, timeout_s, *args)
     except ChildFailedError as err:
-        rank, message = _summarise(err, log_dir)
+        if relay.repeated:  # the user asked twice: the workers stopped at once
+            shutil.rmtree(log_dir, ignore_errors=True)
+            raise KeyboardInterrupt from None
+        rank, message = _summarise(err, log_dir, flight_dir)
         if max_restarts:
             done = _last_attempt(log_dir)
             message += f" (the worker group was restarted {done} time{'s' * (done != 1)})"

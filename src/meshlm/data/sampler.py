@@ -1,7 +1,9 @@
 """Which token windows each training step and each data-parallel rank sees.
 
 The batch of global step k is a pure function of (seed, k): ``global_batch`` windows of
-``seq_len + 1`` tokens at offsets drawn from a generator seeded with ``[seed, k]``. So a
+``seq_len + 1`` tokens at offsets drawn from a generator seeded with ``[seed, b]``, where
+batch b is k itself unless batches are skipped (``train.skip_batches``, or a rollback after a
+non-finite step): step k then takes the k-th batch not in the skip list. So a
 resumed run continues exactly (only the next step number is state), and every parallel
 layout sees the same data: rank r of dp takes the contiguous rows
 ``[r * global/dp, (r + 1) * global/dp)`` and splits them into micro-batches in order; under
@@ -55,10 +57,24 @@ class StepSampler:
         self.global_batch = global_batch
         self.seed = seed
         self.next_step = 0  # the step after the last one fetched; what a resumed run starts at
+        self.skip: list[int] = []  # batches never trained on, sorted
+
+    def skip_batches(self, batches: list[int]) -> None:
+        """Add ``batches`` to the skip list (batch numbers, not steps)."""
+        self.skip = sorted(set(self.skip) | set(batches))
+
+    def batch_of(self, step: int) -> int:
+        """The batch ``step`` trains on: the step-th batch not in the skip list."""
+        b = step
+        for s in self.skip:
+            if s <= b:
+                b += 1
+        return b
 
     def offsets(self, step: int) -> np.ndarray:
         """Start offsets of the global batch of ``step``, uniform in [0, n - seq_len - 1]."""
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, step])))
+        batch = self.batch_of(step)
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, batch])))
         high = len(self.tokens) - self.seq_len - 1
         return rng.integers(0, high, size=self.global_batch, endpoint=True, dtype=np.int64)
 
@@ -106,6 +122,7 @@ class StepSampler:
             "seq_len": self.seq_len,
             "global_batch": self.global_batch,
             "next_step": self.next_step,
+            "skip": list(self.skip),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -119,6 +136,7 @@ class StepSampler:
                     f"{state[key]}; resuming needs the same value"
                 )
         self.next_step = int(state["next_step"])
+        self.skip_batches([int(b) for b in state.get("skip", [])])
 
 
 def val_batches(

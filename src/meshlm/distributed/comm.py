@@ -15,6 +15,10 @@ Profiler labels: while a torch profiler records (``profile.steps``), each collec
 range ``meshlm.OP[AXIS]`` (``meshlm.all_reduce[dp_cp]``, ``meshlm.p2p[pp]`` ...) in the trace; for
 an asynchronous one the range covers issuing it, the wait shows where the caller waits.
 Otherwise the label costs one flag check.
+
+Flight recorder: with ``Comm.flight`` set (the trainer sets it), every collective is also
+entered into this rank's ring (:mod:`meshlm.distributed.flight`) -- op, axis, bytes, sequence
+numbers, entry and completion times -- so a timeout can name the rank the others waited for.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 
+from .flight import FlightRecorder
 from .mesh import Mesh
 
 # torch 2.13 renamed the tensor collectives; keep working with older releases too.
@@ -74,6 +79,10 @@ class CommLog:
         self.records.clear()
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _label(op: str, axis: str) -> contextlib.AbstractContextManager:
     """``meshlm.OP[AXIS]`` in a running profiler's trace; nothing (one flag check) otherwise."""
     if autograd_profiler._is_profiler_enabled:
@@ -91,7 +100,22 @@ class _Done:
         return True
 
 
-Handle = dist.Work | _Done
+class _Tracked:
+    """An asynchronous collective's handle that marks its flight record completed on wait."""
+
+    def __init__(self, work: dist.Work, flight: FlightRecorder, slot: int) -> None:
+        self.work, self.flight, self.slot = work, flight, slot
+
+    def wait(self) -> bool:
+        out = self.work.wait()
+        self.flight.done(self.slot)
+        return out
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+Handle = dist.Work | _Done | _Tracked
 
 
 class Comm:
@@ -100,6 +124,20 @@ class Comm:
     def __init__(self, mesh: Mesh, log: CommLog | None = None) -> None:
         self.mesh = mesh
         self.log = log if log is not None else CommLog(enabled=False)
+        self.flight: FlightRecorder | None = None
+
+    def _run(self, op: str, axis: str, nbytes: int, async_op: bool, call) -> Handle:  # noqa: ANN001
+        """Issue ``call()`` (a c10d collective) under its profiler label and flight record."""
+        flight = self.flight
+        slot = flight.enter(op, axis, nbytes, async_op) if flight is not None else -1
+        with _label(op, axis):
+            work = call()
+        if flight is None:
+            return work or _Done()
+        if async_op and work is not None:
+            return _Tracked(work, flight, slot)
+        flight.done(slot)
+        return work or _Done()
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -114,9 +152,8 @@ class Comm:
             return _Done()
         self.log.add("all_reduce", axis, t, purpose)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        with _label("all_reduce", axis):
-            return (dist.all_reduce(t, red, group=self.mesh.group(axis), async_op=async_op)
-                    or _Done())
+        return self._run("all_reduce", axis, _nbytes(t), async_op, lambda: dist.all_reduce(
+            t, red, group=self.mesh.group(axis), async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                        async_op: bool = False) -> Handle:
@@ -125,9 +162,8 @@ class Comm:
             out.copy_(inp)
             return _Done()
         self.log.add("reduce_scatter", axis, inp)
-        with _label("reduce_scatter", axis):
-            return _reduce_scatter(
-                out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+        return self._run("reduce_scatter", axis, _nbytes(inp), async_op, lambda: _reduce_scatter(
+            out, inp, group=self.mesh.group(axis), async_op=async_op))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                    async_op: bool = False) -> Handle:
@@ -136,9 +172,8 @@ class Comm:
             out.copy_(inp)
             return _Done()
         self.log.add("all_gather", axis, out)
-        with _label("all_gather", axis):
-            return _all_gather(
-                out, inp, group=self.mesh.group(axis), async_op=async_op) or _Done()
+        return self._run("all_gather", axis, _nbytes(out), async_op, lambda: _all_gather(
+            out, inp, group=self.mesh.group(axis), async_op=async_op))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                    out_splits: list[int] | None = None, in_splits: list[int] | None = None
@@ -149,8 +184,8 @@ class Comm:
             out.copy_(inp)
             return
         self.log.add("all_to_all", axis, inp)
-        with _label("all_to_all", axis):
-            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.mesh.group(axis))
+        self._run("all_to_all", axis, _nbytes(inp), False, lambda: dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=self.mesh.group(axis)))
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
         """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""
@@ -158,8 +193,8 @@ class Comm:
             return
         self.log.add("broadcast", axis, t)
         group = self.mesh.group(axis)
-        with _label("broadcast", axis):
-            dist.broadcast(t, dist.get_global_rank(group, src), group=group)
+        self._run("broadcast", axis, _nbytes(t), False, lambda: dist.broadcast(
+            t, dist.get_global_rank(group, src), group=group))
 
     def reduce_scalars(self, values: list[float], axis: str = "world", op: str = "sum") -> list[float]:
         """Sum or max of Python numbers over ``axis``; logged with purpose "metrics"."""
@@ -168,27 +203,33 @@ class Comm:
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device())
         self.log.add("all_reduce", axis, t, purpose="metrics")
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        with _label("all_reduce", axis):
-            dist.all_reduce(t, red, group=self.mesh.group(axis))
+        self._run("all_reduce", axis, _nbytes(t), False, lambda: dist.all_reduce(
+            t, red, group=self.mesh.group(axis)))
         return [float(x) for x in t.tolist()]
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str) -> list:
         """Post ("send" | "recv", tensor, peer index on ``axis``) ops as one batch; their works."""
         group = self.mesh.group(axis)
-        p2p = []
+        p2p, slots = [], []
         for kind, t, peer in ops:
             self.log.add(kind, axis, t)
+            if self.flight is not None:
+                slots.append(self.flight.enter(kind, axis, _nbytes(t), async_op=True))
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, dist.get_global_rank(group, peer), group=group))
         with _label("p2p", axis):
-            return dist.batch_isend_irecv(p2p)
+            works = dist.batch_isend_irecv(p2p)
+        if self.flight is None:
+            return works
+        return [_Tracked(w, self.flight, s) for w, s in zip(works, slots, strict=True)]
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """``obj`` of world rank ``src`` on every rank (start-up decisions, not training)."""
         if not self.mesh.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        self._run("broadcast_object", "world", 0, False,
+                  lambda: dist.broadcast_object_list(box, src=src))
         return box[0]
 
     def max_scalar(self, value: float, axis: str = "world") -> float:
@@ -196,5 +237,4 @@ class Comm:
 
     def barrier(self) -> None:
         if self.mesh.distributed:
-            with _label("barrier", "world"):
-                dist.barrier()
+            self._run("barrier", "world", 0, False, dist.barrier)

@@ -4,7 +4,10 @@
 (after writing this rank's file of checkpoint k, before it is complete) SIGKILL the highest
 rank of the world -- only when the worker group has not been restarted yet
 (``TORCHELASTIC_RESTART_COUNT`` 0 or unset), so a restarted run completes.
-``MESHLM_FAULT_INF_GRAD="k:r"`` puts an inf into rank r's gradients at step k. Unset: no effect.
+``MESHLM_FAULT_INF_GRAD="k:r"`` puts an inf (``MESHLM_FAULT_NAN_GRAD``: a NaN) into rank r's
+gradients at step k; ``MESHLM_FAULT_STOP_AT_STEP=k`` freezes the highest rank (SIGSTOP) inside
+step k, after its first micro-batch, writing the time to ``MESHLM_FAULT_STOP_FILE`` first
+(first attempt only). Unset: no effect.
 No communication, no memory.
 """
 
@@ -12,19 +15,46 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
 
+_POISONED: set[tuple[str, int]] = set()
+
+
+def reset() -> None:
+    """Forget which steps were poisoned (a new run in the same process)."""
+    _POISONED.clear()
+
+
 def poison_if_asked(step: int, rank: int, grads: list[torch.Tensor]) -> None:
-    """``MESHLM_FAULT_INF_GRAD="k:r"``: at step k, rank r writes inf into its first gradient
-    (after the reduction: only that rank holds it) -- the fp16 overflow check's test."""
-    spec = os.environ.get("MESHLM_FAULT_INF_GRAD")
-    if not spec or not grads:
-        return
-    at, _, who = spec.partition(":")
-    if int(at) == step and int(who or 0) == rank:
-        grads[0].view(-1)[0] = float("inf")
+    """``MESHLM_FAULT_INF_GRAD="k:r"`` (or ``MESHLM_FAULT_NAN_GRAD``): at step k, rank r writes
+    inf (NaN) into its first gradient (after the reduction: only that rank holds it) -- the
+    tests of fp16 overflow and of ``train.on_nonfinite``. Several steps: ``"k1,k2:r"``. Once
+    per step and process: a step redone after a rollback trains on another batch."""
+    for var, value in (("MESHLM_FAULT_INF_GRAD", float("inf")),
+                       ("MESHLM_FAULT_NAN_GRAD", float("nan"))):
+        spec = os.environ.get(var)
+        if not spec or not grads:
+            continue
+        at, _, who = spec.partition(":")
+        if (step in {int(k) for k in at.split(",")} and int(who or 0) == rank
+                and (var, step) not in _POISONED):
+            _POISONED.add((var, step))
+            grads[0].view(-1)[0] = value
+
+
+def stop_if_asked(step: int, rank: int) -> None:
+    """``MESHLM_FAULT_STOP_AT_STEP=k``: the highest rank stops itself (SIGSTOP) in step k."""
+    at = os.environ.get("MESHLM_FAULT_STOP_AT_STEP")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (at and int(at) == step and rank == world - 1
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        if path := os.environ.get("MESHLM_FAULT_STOP_FILE"):
+            with open(path, "w") as f:
+                f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def kill_if_asked(variable: str, step: int, rank: int, world_size: int) -> None:

@@ -121,6 +121,28 @@ class Mesh:
                 mine = group
         return mine
 
+    def group_ranks(self) -> dict[str, list[int]]:
+        """World ranks of this rank's group on every axis of size > 1 (flight recorder)."""
+        out: dict[str, list[int]] = {}
+        for axis, group in self._groups.items():
+            if group is not None:
+                out[axis] = [int(r) for r in dist.get_process_group_ranks(group)]
+        return out
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long every collective of this rank's groups waits for its peers from now on."""
+        if not self.distributed:
+            return
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        seen: set[int] = set()
+        for group in [dist.group.WORLD, *self._groups.values()]:
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                _set_pg_timeout(timedelta(seconds=seconds), group)
+
     def size(self, axis: str) -> int:
         if axis == "embed":
             return 2 if self._groups.get("embed") is not None else 1

@@ -76,9 +76,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool = False, keep_until: int | None = None):
         self.path = run_dir / "metrics.jsonl"
         if keep_until is not None and self.path.exists():
-            # Resuming: drop records of steps after the checkpoint, they will be redone.
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self._keep(keep_until)  # resuming: the steps after the checkpoint are redone
         self._file = self.path.open("a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -87,6 +85,16 @@ class MetricsWriter:
             except ImportError as e:  # tensorboard is an optional dependency
                 raise RuntimeError("run.tensorboard=true needs `pip install tensorboard`") from e
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def _keep(self, until: int) -> None:
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= until]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def rewind(self, step: int) -> None:
+        """Drop the records after ``step`` (a rollback redoes those steps)."""
+        self._file.close()
+        self._keep(step)
+        self._file = self.path.open("a", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

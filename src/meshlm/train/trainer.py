@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -33,11 +34,13 @@ from ..checkpoint.sharded import (
     save_checkpoint,
 )
 from ..checkpoint.state import CheckpointError, latest_valid
-from ..config import Config, resolve_world, to_toml
+from ..config import Config, resolve_world, skip_batches, to_toml
 from ..data import DataBundle, build_data
 from ..data.sampler import StepSampler, val_batches
 from ..distributed.comm import Comm, CommLog
-from ..distributed.faults import kill_if_asked, poison_if_asked
+from ..distributed import faults
+from ..distributed.faults import kill_if_asked, poison_if_asked, stop_if_asked
+from ..distributed.flight import CollectiveFailure, FlightRecorder, diagnose, is_comm_failure
 from ..distributed.mesh import Mesh
 from ..distributed.source import InitSource, TensorSource
 from ..generate import generate_text
@@ -51,6 +54,7 @@ from ..parallel.loss import build_loss
 from ..parallel.tensor import TensorParallel
 from ..precision import DTYPES, Precision
 from .metrics import MetricsWriter, PhasePeaks, read_metrics
+from .nonfinite import NonFiniteError, NonFinitePolicy, describe
 from .peak import peak_flops
 from .pipelined import PipelineRunner
 from .profiling import region
@@ -62,6 +66,7 @@ from .run_dir import (
     write_run_files,
 )
 from .sampling import full_logits
+from .stopping import StopSignals
 
 Log = Callable[[str], None]
 
@@ -73,6 +78,7 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     final_step: int = 0
     sample: str | None = None
+    stopped_by: str = ""  # the signal that stopped the run early ("" : it ran to the end)
 
 
 def build_device() -> torch.device:
@@ -100,6 +106,7 @@ class Trainer:
         self.log = log if self.main else _quiet
         self.show_progress = progress and self.main
         self.run_dir = agree_run_dir(cfg, self.comm, log=self.log)
+        self.flight = self.open_flight()
         self.data = self.build_data()
         self.memory = PhasePeaks(self.device)
         self.build_model()
@@ -109,6 +116,10 @@ class Trainer:
         self.precision = Precision(pr.dtype, self.device.type, pr.loss_scale,
                                    pr.loss_scale_window)
         self.skipped = False  # whether the last step was skipped (fp16 overflow)
+        faults.reset()  # (tests: injected faults fire once per run)
+        self.policy = NonFinitePolicy(cfg.train.on_nonfinite, cfg.train.max_skips)
+        self.nonfinite = ""  # what was not finite in the last step ("": all finite)
+        self.stop = StopSignals()
         self.pipeline = (PipelineRunner(cfg, self.pipe, self.engine, self.tp, self.comm,
                                         self.loss_fn, self.precision, self.device)
                          if self.pipe is not None else None)
@@ -119,6 +130,7 @@ class Trainer:
         self.sampler = StepSampler(
             self.data.train_tokens, cfg.data.seq_len, cfg.train.global_batch, cfg.train.seed
         )
+        self.sampler.skip_batches(skip_batches(cfg.train.skip_batches))
         self.val = val_batches(
             self.data.val_tokens, cfg.data.seq_len, cfg.train.eval_batch_size,
             cfg.train.eval_batches
@@ -146,6 +158,16 @@ class Trainer:
         if not self.main:
             data = build_data(self.cfg.data, log=_quiet)
         return data
+
+    def open_flight(self) -> FlightRecorder | None:
+        """This rank's flight recorder in ``run.dir/flight`` (several ranks only)."""
+        if self.mesh.world_size == 1:
+            return None
+        rec = FlightRecorder(self.run_dir / "flight", self.mesh.rank, self.mesh.world_size,
+                             self.cfg.distributed.flight_records, self.mesh.coords,
+                             self.mesh.group_ranks())
+        self.comm.flight = rec
+        return rec
 
     def build_model(self) -> None:
         """Shard-only construction: the model on the meta device, parallelised, then each rank
@@ -264,7 +286,7 @@ class Trainer:
             self.pipeline.executor.grad_scale = (self.precision.scaler.scale
                                                  if self.precision.scaler is not None else 1.0)
             loss = self.pipeline.forward_backward(micro)
-            grad_norm = self.optimizer_update(step)
+            grad_norm = self.optimizer_update(step, loss)
             return self.comm.reduce_scalars([loss], "dp_cp")[0] / n, grad_norm
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro):
@@ -275,24 +297,32 @@ class Trainer:
                 aux = self.model.aux_loss()
             self.precision.scale((loss + aux) / len(micro)).backward()
             total += loss.detach()
-        grad_norm = self.optimizer_update(step)
-        loss_sum = self.comm.reduce_scalars([float(total) / len(micro)], "dp_cp")[0]
+            stop_if_asked(step, self.mesh.rank)  # (tests: a rank that freezes in a step)
+        local = float(total) / len(micro)
+        grad_norm = self.optimizer_update(step, local)
+        loss_sum = self.comm.reduce_scalars([local], "dp_cp")[0]
         return loss_sum / n, grad_norm
 
-    def optimizer_update(self, step: int) -> float | None:
-        """Reduce gradients, clip by the global norm, AdamW step, clear; returns the norm."""
+    def optimizer_update(self, step: int, local_loss: float) -> float | None:
+        """Reduce gradients, clip by the global norm, AdamW step, clear; returns the norm.
+
+        ``local_loss``: this rank's loss of the step (0 on pipeline stages without the head),
+        checked with the norm for ``train.on_nonfinite`` (train/nonfinite.py)."""
         cfg = self.cfg.train
         self.engine.finish_grads()
         grads = self.engine.grad_tensors()
-        poison_if_asked(step, self.mesh.rank, grads)  # (tests: an overflow on one rank)
+        poison_if_asked(step, self.mesh.rank, grads)  # (tests: an overflow / NaN on one rank)
         # fp16: unscale; an inf/nan on any rank skips the step on every rank
         self.skipped = self.precision.overflow(
             grads, lambda flag: self.comm.all_reduce(flag, "world", op="max"))
-        if self.skipped:
-            grad_norm = None  # (metrics: null; the step changed nothing)
-        else:
+        grad_norm = None  # (metrics: null when the step changed nothing)
+        if not self.skipped:
             grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0
                                                    else float("inf"))
+        flags = self.comm.reduce_scalars(NonFinitePolicy.flags(local_loss, grad_norm),
+                                         "world", op="max")
+        self.nonfinite = describe(flags)
+        if not self.skipped and not self.nonfinite:
             with region("meshlm.optimizer_step"):
                 self.engine.step(lr_at(step, cfg))
         self.engine.zero_grad()
@@ -381,11 +411,14 @@ class Trainer:
         tps = self.tokens_per_step / dt
         mem = self.engine.state_bytes()
         world, rank = self.mesh.world_size, self.mesh.rank
-        table = [0.0] * (4 * world)  # per rank: peak, params, grads, optim
+        table = [0.0] * (4 * world + 1)  # per rank: peak, params, grads, optim; stop flag
         table[4 * rank: 4 * rank + 4] = [float(self.memory.measure("steps")), mem["params"],
                                          mem["grads"], mem["optim"]]
+        table[-1] = float(self.stop.requested)
         if world > 1:
             table = self.comm.reduce_scalars(table, "world")
+        self.stop_agreed = table[-1] > 0  # some rank was asked to stop: all stop here
+        table = table[:-1]
         per_rank = [[int(x) for x in table[i::4]] for i in range(4)]
         return {
             "step": step, "loss": loss, "lr": lr_at(step, self.cfg.train), "grad_norm": grad_norm,
@@ -405,6 +438,9 @@ class Trainer:
                if self.pipeline is not None else {}),
             **(self.cp_record() if self.cp is not None else {}),
             **({"router": self.router} if self.router else {}),
+            **({"nonfinite": self.nonfinite} if self.nonfinite else {}),
+            **({"nonfinite_skips": self.policy.skips, "rollbacks": self.policy.rollbacks}
+               if self.policy.skips else {}),
         }
 
     def cp_record(self) -> dict[str, Any]:
@@ -432,31 +468,51 @@ class Trainer:
         profiler = StepProfiler(window, self.run_dir / "profile", self.mesh.rank, self.device,
                                 self.model.layers)
         try:
-            for step in range(self.step + 1, cfg.steps + 1):
-                profiler.start_step(step)
-                self.comm.log.reset()
-                t0 = time.perf_counter()
-                loss, grad_norm = self.train_step(step)
-                dt = time.perf_counter() - t0
-                self.step = step
-                kill_if_asked("MESHLM_FAULT_KILL_AT_STEP", step, self.mesh.rank,
-                              self.mesh.world_size)  # (tests)
-                rec = self.record(step, loss, grad_norm, dt)
-                if step == start + 1:  # this process's start-up peaks, once
-                    rec.update({f"mem_{k}_bytes": v for k, v in self.memory.phases.items()
-                                if k != "steps"})
-                if self.is_eval_step(step):
-                    rec["val_loss"] = result.val_losses[step] = self.evaluate()
-                if self.is_save_step(step):
-                    with region("meshlm.checkpoint_save"):
-                        self.save_checkpoint()
-                    rec["mem_save_bytes"] = self.memory.phases["save"]
-                if writer is not None:
-                    writer.write(rec)
-                result.losses[step] = loss
-                recent = (recent + [dt])[-20:]
-                bar.update(rec, eta_s=sum(recent) / len(recent) * (cfg.steps - step))
-                profiler.end_step(step)
+            with self.stop:
+                step = self.step
+                while step < cfg.steps:
+                    step += 1
+                    profiler.start_step(step)
+                    self.comm.log.reset()
+                    t0 = time.perf_counter()
+                    loss, grad_norm = self.train_step(step)
+                    dt = time.perf_counter() - t0
+                    self.step = step
+                    if step == start + 1:  # start-up is over: the shorter collective timeout
+                        self.mesh.set_timeout(self.cfg.distributed.timeout_s)
+                    kill_if_asked("MESHLM_FAULT_KILL_AT_STEP", step, self.mesh.rank,
+                                  self.mesh.world_size)  # (tests)
+                    if self.nonfinite and self.policy.on_event(step, self.nonfinite) == "rollback":
+                        self.rollback(step, result, writer)
+                        step = self.step
+                        profiler.end_step(step)
+                        continue
+                    if self.nonfinite:
+                        self.log(f"step {step}: {self.nonfinite}; skipped (train.on_nonfinite="
+                                 f"skip, {self.policy.skips} so far)")
+                    else:
+                        self.policy.finite(step)
+                    rec = self.record(step, loss, grad_norm, dt)  # (agrees on stop requests)
+                    if step == start + 1:  # this process's start-up peaks, once
+                        rec.update({f"mem_{k}_bytes": v for k, v in self.memory.phases.items()
+                                    if k != "steps"})
+                    if self.is_eval_step(step) and not self.stop_agreed:
+                        rec["val_loss"] = result.val_losses[step] = self.evaluate()
+                    if self.is_save_step(step) or self.stop_agreed:
+                        with region("meshlm.checkpoint_save"):
+                            self.save_checkpoint()
+                        rec["mem_save_bytes"] = self.memory.phases["save"]
+                    if writer is not None:
+                        writer.write(rec)
+                    result.losses[step] = loss
+                    recent = (recent + [dt])[-20:]
+                    bar.update(rec, eta_s=sum(recent) / len(recent) * (cfg.steps - step))
+                    profiler.end_step(step)
+                    if self.stop_agreed and step < cfg.steps:
+                        result.stopped_by = self.stop.name or "a stop request to another rank"
+                        self.log(f"stopped by {result.stopped_by} after step {step}; "
+                                 "the checkpoint of that step is complete")
+                        break
         finally:
             profiler.close()
             bar.close()
@@ -472,6 +528,26 @@ class Trainer:
         if self.pipeline is not None:
             self.write_timeline()
         return result
+
+    def rollback(self, step: int, result: TrainResult, writer: MetricsWriter | None) -> None:
+        """``train.on_nonfinite=rollback``: reload the latest complete checkpoint and skip the
+        batch of ``step`` from now on (every rank, as they agreed on the non-finite step)."""
+        directory = latest_valid(self.run_dir / "checkpoints", log=_quiet)
+        if directory is None:
+            raise NonFiniteError(
+                f"step {step}: {self.nonfinite}; train.on_nonfinite=rollback has no checkpoint "
+                "to return to (none saved yet: set train.checkpoint_every)")
+        bad, skip = self.sampler.batch_of(step), list(self.sampler.skip)
+        self.load_checkpoint(directory)
+        self.sampler.skip_batches([*skip, bad])
+        for table in (result.losses, result.val_losses):
+            for k in [k for k in table if k > self.step]:
+                del table[k]
+        if writer is not None:
+            writer.rewind(self.step)
+        self.log(f"step {step}: {self.nonfinite}; rolled back to step {self.step} "
+                 f"({directory.name}); batch {bad} is skipped from now on "
+                 f"(train.on_nonfinite=rollback, {self.policy.rollbacks} so far)")
 
     def write_timeline(self) -> None:
         """The last step's measured actions of this rank: ``timeline/rank_NNNN.json``."""
@@ -528,13 +604,28 @@ def pin_malloc_mmap_threshold(nbytes: int = 128 * 1024) -> None:
     libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD (also ends the dynamic adjustment)
 
 
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)  # gloo's "[.../unbound_buffer.cc:78] "
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
     """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0."""
     pin_malloc_mmap_threshold()
     if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
     trainer = Trainer(cfg, log=log, progress=progress)
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as exc:
+        if trainer.flight is None or not is_comm_failure(exc):
+            raise
+        # a peer froze or died: name it from every rank's flight records (distributed/flight.py)
+        trainer.flight.dump(f"{type(exc).__name__}: {exc}")
+        raise CollectiveFailure(
+            f"rank {trainer.mesh.rank} gave up on a collective ({_first_line(exc)}); "
+            + diagnose(trainer.flight.folder, trainer.mesh.world_size)) from exc
     log = trainer.log  # rank 0 only
     if result.val_losses:
         first, last = min(result.val_losses), max(result.val_losses)
@@ -545,7 +636,7 @@ def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
         summary = router_summary(read_metrics(trainer.run_dir / "metrics.jsonl"))
         if summary:
             log("router:\n" + router_text(summary))
-    if cfg.run.sample_tokens:
+    if cfg.run.sample_tokens and not result.stopped_by:
         result.sample = trainer.sample(cfg.run.sample_prompt, cfg.run.sample_tokens)
         log("sample:\n" + result.sample)
     return result
