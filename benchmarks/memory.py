@@ -14,7 +14,8 @@ bytes (weights, gradients, AdamW moments: ``optim_bytes`` is what stays in memor
 offloaded to disk) and the median step time of steps 2-3. Next to them, the planner's per-rank
 bytes for the same config (``meshlm train --dry-run``'s estimate: states + activations +
 transient + buffers) plus the measured process baseline (a one-process run of the ``tiny``
-preset on the same data: torch, meshlm and the data with a model of almost nothing), and the
+preset on the same data, one sequence of 16 tokens a step: torch, meshlm and the data with
+almost no model), and the
 step time relative to the lever's baseline (one process, or dp = 2 ZeRO-0).
 
     python benchmarks/memory.py [--models small 300M] [--runs base full ...]
@@ -85,11 +86,13 @@ def predicted(model: str, run: str) -> dict[str, Any]:
 
 
 def baseline_rss(model: str, tmp: Path) -> int:
-    """Step peak of one process training the ``tiny`` preset on this model's data."""
-    _, seq, batch, vocab = MODELS[model]
+    """Step peak of one process training the ``tiny`` preset on this model's data, one
+    sequence of 16 tokens a step: torch, meshlm and the data with almost no model or
+    activations."""
+    vocab = MODELS[model][3]
     run_dir = tmp / f"baseline-{model}"
-    res = run_train(["--model.preset=tiny", f"--data.seq_len={seq}", f"--data.vocab_size={vocab}",
-                     f"--train.global_batch={batch}", f"--train.micro_batch={batch}",
+    res = run_train(["--model.preset=tiny", "--data.seq_len=16", f"--data.vocab_size={vocab}",
+                     "--train.global_batch=1", "--train.micro_batch=1",
                      "--train.steps=2", "--train.eval_every=0", "--run.sample_tokens=0",
                      f"--run.dir={run_dir}"], tmp / f"baseline-{model}.log")
     if res["rc"]:
