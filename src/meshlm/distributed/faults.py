@@ -19,7 +19,6 @@ import time
 
 import torch
 
-
 _POISONED: set[tuple[str, int]] = set()
 
 

@@ -37,8 +37,8 @@ from ..checkpoint.state import CheckpointError, latest_valid
 from ..config import Config, resolve_world, skip_batches, to_toml
 from ..data import DataBundle, build_data
 from ..data.sampler import StepSampler, val_batches
-from ..distributed.comm import Comm, CommLog
 from ..distributed import faults
+from ..distributed.comm import Comm, CommLog
 from ..distributed.faults import kill_if_asked, poison_if_asked, stop_if_asked
 from ..distributed.flight import CollectiveFailure, FlightRecorder, diagnose, is_comm_failure
 from ..distributed.mesh import Mesh
