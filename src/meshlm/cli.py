@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import typing
 
 from . import __version__
 from .checkpoint.state import CheckpointError
@@ -24,12 +25,49 @@ def _split_overrides(rest: list[str]) -> list[str]:
         if not item.startswith("--") or "." not in item.split("=")[0]:
             raise ConfigError(f"unexpected argument {item!r} (overrides look like --section.key=value)")
         if "=" not in item:
-            if i + 1 >= len(rest):
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
                 raise ConfigError(f"override {item!r} has no value")
             item, i = f"{item}={rest[i + 1]}", i + 1
         out.append(item)
         i += 1
     return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the contract's one line: ``meshlm: error: ...`` (no usage block), status 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        where = self.prog.removeprefix("meshlm").strip()
+        self.exit(2, f"meshlm: error: {where + ': ' if where else ''}{message} "
+                     f"(see {self.prog} --help)\n")
+
+
+# The planner's memory estimate may exceed the device by this factor before training is
+# refused (the estimate is approximate; a layout just over may still run).
+MEMORY_REFUSAL = 1.0
+
+
+def refuse_if_too_big(cfg) -> None:  # noqa: ANN001
+    """ConfigError when the planner's estimate of the layout is clearly over this machine's
+    memory (above :data:`MEMORY_REFUSAL` times its capacity); silent when it fits or when the
+    device is not in the planner's catalogue."""
+    from .planner.cli import config_vocab, config_workload, hardware_here
+    from .planner.memory import memory
+
+    try:
+        hw = hardware_here("memory check")
+    except ConfigError:
+        return
+    m = memory(config_workload(cfg, config_vocab(cfg)), cfg.layout(), hw)
+    if m.fits or m.total <= MEMORY_REFUSAL * m.capacity:
+        return
+    gib = 2**30
+    raise ConfigError(
+        f"layout {cfg.layout().describe()} needs about {m.total / gib:.1f} GiB per rank by the "
+        f"planner's estimate, but {hw.name} has {m.capacity / gib:.1f} GiB; lower "
+        "train.micro_batch, set train.recompute=full, parallel.zero=1..3 or parallel.offload, "
+        "add ranks (parallel.tp, parallel.pp), or see meshlm train --dry-run"
+    )
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -51,6 +89,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     if (line := fit_micro_batch(cfg)) and (world is None or world.rank == 0):
         print(line)
+    if not args.dry_run:
+        refuse_if_too_big(cfg)
     if args.dry_run:
         from .planner.cli import config_memory
 
@@ -130,6 +170,8 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
 
     if rest:
         raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len={args.seq_len} must be >= 1")
     rows = []
     for name, mc in PRESETS.items():
         rows.append({
@@ -170,6 +212,10 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
     from .data.tokenizer import Tokenizer
     from .generate import generate_text
 
+    if not args.prompt:
+        raise ConfigError("--prompt must not be empty")
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
     ckpt = resolve_checkpoint(args.checkpoint)
     tok_path = ckpt / "tokenizer.json"
     if not tok_path.is_file():
@@ -267,7 +313,7 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="meshlm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -16,6 +16,7 @@ the TOML file and the existence checks of paths.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import tomllib
 import types
@@ -131,6 +132,9 @@ class ParallelSection:
     offload_dir: str = ""  # where offload=disk keeps them; "" -> <run.dir>/offload
     bucket_mb: float = 25.0  # gradient bucket size of DDP and ZeRO-1/2
     auto: bool = False  # let the planner pick the layout of the world (see meshlm plan)
+    # DiLoCo: islands of the inner layout above, synchronised every diloco.inner_steps steps
+    # (world = islands * pp * dp * cp * tp); 1 = plain synchronous training
+    islands: int = 1
 
 
 @dataclass
@@ -154,6 +158,18 @@ class DistributedSection:
     timeout_s: float = 600.0
     init_timeout_s: float = 1800.0
     flight_records: int = 256  # collectives each rank's flight recorder keeps (run.dir/flight)
+
+
+@dataclass
+class DilocoSection:
+    # DiLoCo (Douillard et al. 2023) across parallel.islands > 1 islands; see parallel/diloco.py
+    inner_steps: int = 50  # H: optimizer steps each island takes between synchronisations
+    outer_lr: float = 0.7  # outer Nesterov SGD on the averaged pseudo-gradient
+    outer_momentum: float = 0.9  # 0: plain SGD (outer_lr 1 then averages the islands' weights)
+    reduce_dtype: str = "fp32"  # dtype of the cross-island all-reduce: fp32 | bf16 | fp16
+    # Streaming DiLoCo (Douillard et al. 2025): the layers split into F fragments that
+    # synchronise at staggered steps (each every inner_steps), so peak traffic falls by F
+    fragments: int = 1
 
 
 @dataclass
@@ -186,6 +202,7 @@ class Config:
     run: RunSection = field(default_factory=RunSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    diloco: DilocoSection = field(default_factory=DilocoSection)
 
     # train.micro_batch was left at 0: it follows the layout (resolve_world recomputes it)
     micro_batch_auto: ClassVar[bool] = False
@@ -251,6 +268,7 @@ class Config:
 SECTIONS = {f.name: f for f in fields(Config)}
 DTYPES = ("fp32", "bf16", "fp16")
 REDUCE_DTYPES = ("fp32", "bf16")
+ISLAND_DTYPES = ("fp32", "bf16", "fp16")
 LOSSES = ("torch", "chunked")
 NONFINITE = ("stop", "skip", "rollback")
 OFFLOADS = ("none", "cpu", "disk")
@@ -265,7 +283,21 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
+# Largest integer a key takes (int64): beyond it torch, numpy and the RNGs overflow.
+_INT_MAX = 2**63 - 1
+
+
 def _convert(key: str, value: Any, tp: Any) -> Any:
+    """``value`` as the field type ``tp`` (a string is parsed); ConfigError naming ``key``."""
+    out = _parse(key, value, tp)
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ConfigError(f"{key}={value!r}: expected a finite number")
+    if isinstance(out, int) and not isinstance(out, bool) and abs(out) > _INT_MAX:
+        raise ConfigError(f"{key}={value!r}: out of range (at most {_INT_MAX} in magnitude)")
+    return out
+
+
+def _parse(key: str, value: Any, tp: Any) -> Any:
     base, optional = _base_type(tp)
     if value is None and optional:
         return None
@@ -284,9 +316,11 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         except ValueError:
             number = float("nan")
         if base is float and number == number:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}={value!r}: expected a finite number")
             return number
         if base is int and number == number and number.is_integer():
-            return int(number)
+            return int(text) if text.lstrip("+-").isdigit() else int(number)
         kind = {int: "an integer", float: "a number"}[base]
         raise ConfigError(f"{key}={value!r}: expected {kind}")
     if base is bool:
@@ -364,9 +398,15 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte "
+                              f"0x{e.object[e.start]:02x} at offset {e.start})") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: "
+                              f"{' '.join(str(e).split())}") from None
         for section_name, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(
@@ -405,6 +445,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be positive (or 0: "
            "global_batch / parallel.dp)")
     _check(p.dp >= 0, f"parallel.dp={p.dp} must be >= 1 (or 0: inferred from the world size)")
+    _check(p.islands >= 1, f"parallel.islands={p.islands} must be >= 1")
     if t.micro_batch == 0 or cfg.micro_batch_auto:
         auto_micro_batch(cfg, max(1, p.dp))
     _check(t.on_nonfinite in NONFINITE,
@@ -422,6 +463,11 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1,
            f"train.beta1={t.beta1}, train.beta2={t.beta2} must lie in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
+    _check(t.eps > 0, f"train.eps={t.eps} must be positive")
+    _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
+    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _check(t.peak_flops >= 0,
+           f"train.peak_flops={t.peak_flops} must be >= 0 (0: measured or datasheet)")
     _check(t.eval_batch_size >= 1, f"train.eval_batch_size={t.eval_batch_size} must be >= 1")
     for key in ("eval_every", "eval_batches", "log_every", "checkpoint_every"):
         _check(getattr(t, key) >= 0, f"train.{key}={getattr(t, key)} must be >= 0")
@@ -455,6 +501,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         problem = _unwritable_dir(Path(p.offload_dir).expanduser())
         _check(problem is None, f"parallel.offload_dir={p.offload_dir!r}: {problem}")
     profile_steps(cfg.profile.steps)  # (raises ConfigError)
+    validate_diloco(cfg, mc.n_layers)
     problems = training_problems(cfg, cfg.layout(), mc)
     _check(not problems, problems[0] if problems else "")
     _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
@@ -474,13 +521,38 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
 
 
+def validate_diloco(cfg: Config, n_layers: int) -> None:
+    """The ``[diloco]`` keys, and what islands cannot be combined with."""
+    g, p = cfg.diloco, cfg.parallel
+    _check(g.inner_steps >= 1, f"diloco.inner_steps={g.inner_steps} must be >= 1")
+    _check(math.isfinite(g.outer_lr) and g.outer_lr > 0,
+           f"diloco.outer_lr={g.outer_lr} must be positive")
+    _check(0 <= g.outer_momentum < 1,
+           f"diloco.outer_momentum={g.outer_momentum} must lie in [0, 1)")
+    _check(g.reduce_dtype in ISLAND_DTYPES,
+           f"diloco.reduce_dtype={g.reduce_dtype!r} is not one of {', '.join(ISLAND_DTYPES)}")
+    _check(1 <= g.fragments <= n_layers,
+           f"diloco.fragments={g.fragments} must lie in [1, model.n_layers={n_layers}] "
+           "(fragments are groups of whole layers)")
+    _check(g.inner_steps % g.fragments == 0,
+           f"diloco.inner_steps={g.inner_steps} is not divisible by diloco.fragments="
+           f"{g.fragments} (fragments synchronise every inner_steps / fragments steps in turn)")
+    if p.islands > 1:
+        _check(cfg.train.on_nonfinite != "rollback",
+               "train.on_nonfinite=rollback cannot be used with parallel.islands > 1 (islands "
+               "do not agree on a step between synchronisations); use stop or skip")
+        _check(not p.auto, "parallel.auto=true cannot be used with parallel.islands > 1 (the "
+               "planner picks a layout for one synchronous world); give the inner layout")
+
+
 def auto_micro_batch(cfg: Config, dp: int) -> None:
-    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / dp."""
-    t = cfg.train
-    _check(t.global_batch % dp == 0,
-           f"train.global_batch={t.global_batch} is not divisible by parallel.dp={dp}")
+    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / (dp * islands)."""
+    t, k = cfg.train, cfg.parallel.islands
+    shown = f"parallel.dp * islands = {dp} * {k}" if k > 1 else f"parallel.dp={dp}"
+    _check(t.global_batch % (dp * k) == 0,
+           f"train.global_batch={t.global_batch} is not divisible by {shown}")
     cfg.micro_batch_auto = True
-    t.micro_batch = t.global_batch // dp
+    t.micro_batch = t.global_batch // (dp * k)
 
 
 def skip_batches(text: str) -> list[int]:
@@ -546,20 +618,21 @@ def resolve_world(cfg: Config, world_size: int | None) -> Config:
     validated the rest).
     """
     p = cfg.parallel
-    inner = p.pp * p.cp * p.tp
+    inner = p.islands * p.pp * p.cp * p.tp
     if world_size is None:
         p.dp = p.dp or 1  # Config.layout() read 0 as 1 already: nothing new to check
         return cfg
+    isl = (" * islands", f" * {p.islands}") if p.islands > 1 else ("", "")
     _check(world_size % inner == 0,
-           f"the world has {world_size} ranks, not divisible by parallel.pp * cp * tp = "
-           f"{p.pp} * {p.cp} * {p.tp} = {inner}")
+           f"the world has {world_size} ranks, not divisible by parallel.pp * cp * tp"
+           f"{isl[0]} = {p.pp} * {p.cp} * {p.tp}{isl[1]} = {inner}")
     inferred = p.dp == 0
     if inferred:
         p.dp = world_size // inner
         if cfg.micro_batch_auto:
             auto_micro_batch(cfg, p.dp)
     _check(p.dp * inner == world_size,
-           f"parallel.dp={p.dp} does not fit the world: pp * dp * cp * tp = "
+           f"parallel.dp={p.dp} does not fit the world: pp * dp * cp * tp{isl[0]} = "
            f"{p.dp * inner}, but the world has {world_size} ranks "
            "(leave parallel.dp unset to infer it)")
     if inferred:

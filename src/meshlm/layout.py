@@ -32,7 +32,7 @@ OFFLOADS = ("none", "cpu", "disk")  # where AdamW moments live (parallel/offload
 _MODEL_KEYS = ("n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "moe_ffn_hidden")
 # Layout fields that are keys of the config's [parallel] section (the rest: see CONFIG_KEYS).
 PARALLEL_KEYS = ("pp", "dp", "cp", "tp", "ep", "sp", "zero", "pp_schedule", "pp_virtual",
-                 "pp_layers", "cp_attention", "offload")
+                 "pp_layers", "cp_attention", "offload", "islands")
 CONFIG_KEYS: Mapping[str, str] = {
     **{k: f"parallel.{k}" for k in PARALLEL_KEYS}, "micro_batch": "train.micro_batch",
     "global_batch": "train.global_batch", "seq_len": "data.seq_len",
@@ -67,10 +67,18 @@ class Layout:
     # Where AdamW moments live: none (device) | cpu (host) | disk (a file per rank). The
     # planner counts offloaded moments off the device; its search never sets this.
     offload: str = "none"
+    # DiLoCo islands (parallel/diloco.py): an outermost mesh axis of ``islands`` copies of this
+    # inner layout that synchronise only every diloco.inner_steps steps; 1 = no islands
+    islands: int = 1
+
+    @property
+    def inner_size(self) -> int:
+        """Ranks of one island: pp * dp * cp * tp."""
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return self.islands * self.inner_size
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` on each axis (row-major, tp fastest)."""
@@ -82,8 +90,9 @@ class Layout:
         return {a: out[a] for a in AXES}
 
     def micro_batches(self, global_batch: int) -> int:
-        """Micro-batches per optimizer step on each pipeline (gradient accumulation)."""
-        return max(1, global_batch // (self.dp * self.micro_batch))
+        """Micro-batches per optimizer step on each pipeline (gradient accumulation); islands
+        split the global batch like data-parallel ranks."""
+        return max(1, global_batch // (self.islands * self.dp * self.micro_batch))
 
     def describe(self) -> str:
         """The planner's text, e.g. ``tp=8,sp,pp=4,dp=16,zero=1,mbs=1,recompute=none``."""
@@ -100,6 +109,8 @@ class Layout:
                 parts.append(f"vpp={self.pp_virtual}")
         if self.offload != "none":
             parts.append(f"offload={self.offload}")
+        if self.islands > 1:
+            parts.append(f"islands={self.islands}")
         return ",".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,12 +132,14 @@ class Layout:
         by hand may split layers unevenly (the slowest stage is modelled).
         """
         k = _Names(keys)
-        sizes = ("pp", "dp", "cp", "tp", "ep", "pp_virtual", "micro_batch")
+        sizes = ("pp", "dp", "cp", "tp", "ep", "pp_virtual", "micro_batch", "islands")
         out = [f"{k(s)}={getattr(self, s)} must be >= 1" for s in sizes if getattr(self, s) < 1]
         if out:
             return out
         if world is not None and self.world_size != world:
-            out.append(f"{k.product(*AXES)} = {self.pp} * {self.dp} * {self.cp} * {self.tp} = "
+            names = (("islands",) if self.islands > 1 else ()) + AXES
+            out.append(f"{k.product(*names)} = "
+                       f"{' * '.join(str(getattr(self, a)) for a in names)} = "
                        f"{self.world_size} is not the world of {world} ranks")
         if self.pp_schedule not in SCHEDULES:
             out.append(_unknown_schedule(self.pp_schedule, k))
@@ -146,10 +159,13 @@ class Layout:
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"{k('ep')}={self.ep} must divide {k.product('dp', 'cp')} = "
                        f"{self.dp * self.cp}")
-        if global_batch is not None and global_batch % (self.micro_batch * self.dp):
+        ranks = self.islands * self.dp  # ranks that split the global batch
+        if global_batch is not None and global_batch % (self.micro_batch * ranks):
+            names = ("micro_batch", "dp") + (("islands",) if self.islands > 1 else ())
             out.append(f"{k('global_batch')}={global_batch} is not divisible by "
-                       f"{k('micro_batch')} * {k('dp')} = {self.micro_batch} * {self.dp} = "
-                       f"{self.micro_batch * self.dp}")
+                       f"{' * '.join(k(n) for n in names)} = "
+                       f"{' * '.join(str(getattr(self, n)) for n in names)} = "
+                       f"{self.micro_batch * ranks}")
         if seq_len is not None:
             out += self._sequence_problems(seq_len, k)
         if model_cfg is not None:

@@ -6,6 +6,10 @@ Layout of ``checkpoints/step_NNNNNNN/``:
   owns, each a box of a global tensor (the one-process model's name; a tied head stored once,
   as ``tok_embeddings.weight``), plus this rank's RNG states as tensors. The file's metadata
   lists its pieces (kind, name, key, box).
+- islands (DiLoCo, ``parallel.islands`` > 1): each island's weights and moments under the kinds
+  ``islandK/weight``, ``islandK/exp_avg``, ``islandK/exp_avg_sq``; ``weight`` holds the outer
+  reference weights (the model every island last agreed on: what ``generate``, the Hugging
+  Face export and a run without islands read) and ``outer_momentum`` DiLoCo's outer momentum.
 - ``index.json`` -- every tensor's global shape and dtype, every file's byte size and pieces.
 - ``trainer.json`` -- step, sampler position, AdamW step count, loss-scaler state, layout.
 - ``config.toml`` (the resolved config) and ``tokenizer.json``.
@@ -38,6 +42,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -55,7 +60,7 @@ from ..distributed.comm import Comm
 from ..distributed.faults import kill_if_asked
 from ..distributed.mesh import Mesh
 from ..distributed.source import local_pieces, read_local
-from ..distributed.spec import ShardSpec
+from ..distributed.spec import ShardSpec, first_copy
 from ..parallel.engine import MOMENTS, Engine
 from .state import CheckpointError, prune, remove_partial, step_dir
 
@@ -63,6 +68,17 @@ FORMAT = "meshlm-sharded/1"
 INDEX, TRAINER = "index.json", "trainer.json"
 REQUIRED = (INDEX, TRAINER, "config.toml")
 KINDS = ("weight", *MOMENTS)
+OUTER_MOMENTUM = "outer_momentum"
+_ISLAND_KIND = re.compile(r"^island\d+/(weight|exp_avg|exp_avg_sq)$")
+
+
+def known_kind(kind: str) -> bool:
+    return kind in KINDS or kind == OUTER_MOMENTUM or _ISLAND_KIND.match(kind) is not None
+
+
+def island_prefix(mesh: Mesh) -> str:
+    """Kind prefix of this rank's island ("" without islands)."""
+    return f"island{mesh.island}/" if mesh.islands > 1 else ""
 _META_KEY = "meshlm"
 
 
@@ -73,7 +89,7 @@ def rank_file(rank: int) -> str:
 def writes(spec: ShardSpec, mesh: Mesh) -> bool:
     """Whether this rank's copy of a range is the one written (coordinate 0 of every axis
     holding copies of it; the tied embedding's copy on the first pipeline stage)."""
-    return all(mesh.local_rank(a) == 0 for a in spec.replicated)
+    return first_copy(spec, mesh)
 
 
 # ------------------------------------------------------------------ RNG states as tensors
@@ -104,16 +120,24 @@ def restore_rng(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> No
 
 
 # ------------------------------------------------------------------ writing
-def write_rank_file(directory: Path, rank: int, engine: Engine, mesh: Mesh) -> Path:
-    """This rank's owned pieces (weights + moments) and RNG states -> ``rank_NNNNN.safetensors``."""
+def write_rank_file(directory: Path, rank: int, engine: Engine, mesh: Mesh,
+                    outer: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
+    """This rank's owned pieces (weights + moments) and RNG states -> ``rank_NNNNN.safetensors``.
+
+    ``outer`` (islands): owned index -> DiLoCo's reference weights and outer momentum of that
+    range, written by island 0 (the island's own weights then go under ``islandK/``)."""
     tensors, rng_scalars = rng_tensors()
     pieces: list[dict[str, Any]] = []
     shapes: dict[str, list[int]] = {}
-    for o in engine.owned():
+    prefix = island_prefix(mesh)
+    for i, o in enumerate(engine.owned()):
         if not writes(o.spec, mesh):
             continue
         shapes[o.spec.name] = list(o.spec.global_shape)
-        flats = {"weight": o.weight, **(engine.moments(o) or {})}
+        flats = {prefix + k: v for k, v in {"weight": o.weight,
+                                             **(engine.moments(o) or {})}.items()}
+        if outer is not None and mesh.island == 0:
+            flats.update(outer[i])
         for j, piece in enumerate(local_pieces(o.spec, o.lo, o.hi)):
             for kind, flat in flats.items():
                 key = f"{kind}/{o.spec.name}/{o.lo}/{j}"
@@ -162,7 +186,8 @@ def write_index(directory: Path, world_size: int, step: int, layout: str) -> dic
 
 def save_checkpoint(root: Path, step: int, engine: Engine, comm: Comm,
                     trainer_state: dict[str, Any], extra_files: dict[str, Path | str],
-                    keep: int = 0) -> Path:
+                    keep: int = 0, outer: dict[int, dict[str, torch.Tensor]] | None = None
+                    ) -> Path:
     """Write checkpoint ``step`` under ``root`` collectively (see module docstring)."""
     mesh = comm.mesh
     final = step_dir(root, step)
@@ -171,7 +196,7 @@ def save_checkpoint(root: Path, step: int, engine: Engine, comm: Comm,
         remove_partial(root)
         tmp.mkdir(parents=True)
     comm.barrier()
-    write_rank_file(tmp, mesh.rank, engine, mesh)
+    write_rank_file(tmp, mesh.rank, engine, mesh, outer)
     kill_if_asked("MESHLM_FAULT_KILL_IN_SAVE", step, mesh.rank, mesh.world_size)  # (tests)
     comm.barrier()  # every rank's file is on disk
     if mesh.rank == 0:
@@ -242,7 +267,11 @@ class ShardedCheckpoint:
 
     @property
     def has_moments(self) -> bool:
-        return any(kind != "weight" for kind, _ in self.stored)
+        return self.holds(MOMENTS[0])
+
+    def holds(self, kind: str) -> bool:
+        """Whether the checkpoint stores ``kind`` (``weight``, ``exp_avg``, ``island1/weight``...)."""
+        return any(k == kind for k, _ in self.stored)
 
     def _file(self, fname: str) -> Any:
         if fname not in self._handles:
@@ -315,6 +344,17 @@ def validate(directory: Path) -> dict[str, Any]:
     for name in REQUIRED:
         if not (directory / name).is_file():
             raise CheckpointError(f"checkpoint {directory} is incomplete: missing {name}")
+    trainer = _read_json(directory / TRAINER)
+    # (a weights-only checkpoint, e.g. one written for model.init_from, has no sampler state;
+    # resuming from it is refused by the trainer)
+    sampler = trainer.get("sampler", {}) if isinstance(trainer, dict) else None
+    counts = [trainer.get("step") if isinstance(trainer, dict) else None,
+              *(sampler.get(k) for k in ("next_step", "seed", "seq_len", "global_batch")
+                if isinstance(sampler, dict) and sampler)]
+    if not isinstance(sampler, dict) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+        raise CheckpointError(f"{directory / TRAINER}: malformed (step or sampler state "
+                              "missing or edited)")
     index = _read_json(directory / INDEX)
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{directory / INDEX}: not a {FORMAT} index")
@@ -334,7 +374,7 @@ def validate(directory: Path) -> dict[str, Any]:
             if meta["pieces"] != f["pieces"]:
                 raise CheckpointError(f"{path}: its pieces differ from {INDEX} (index edited)")
             for p in f["pieces"]:
-                if p["name"] not in shapes or p["kind"] not in KINDS:
+                if p["name"] not in shapes or not known_kind(p["kind"]):
                     raise CheckpointError(f"{directory / INDEX}: unknown tensor {p['name']!r}")
                 box = from_json(p["box"])
                 full = tuple(slice(0, n) for n in shapes[p["name"]])
@@ -370,15 +410,18 @@ def check_model(ckpt: ShardedCheckpoint, expected: dict[str, tuple[int, ...]]) -
 
 
 def load_into(ckpt: ShardedCheckpoint, engine: Engine, device: torch.device,
-              log: Callable[[str], None] | None = None) -> None:
+              log: Callable[[str], None] | None = None, prefix: str = "") -> None:
     """Fill this rank's weights and (when stored) AdamW moments from ``ckpt``: each rank reads
-    only the boxes of the ranges it holds."""
-    weights = ckpt.source("weight")
+    only the boxes of the ranges it holds. ``prefix`` (``islandK/``): an island's own weights
+    and moments when the checkpoint holds them, else the common ones."""
+    if prefix and not ckpt.holds(prefix + "weight"):
+        prefix = ""
+    weights = ckpt.source(prefix + "weight")
     for spec, lo, hi, view in engine.held():
         view.copy_(read_local(weights, spec, lo, hi, device))
-    if ckpt.has_moments:
+    if ckpt.holds(prefix + MOMENTS[0]):
         step = int(ckpt.trainer.get("adam_step", ckpt.trainer["step"]))
-        sources = {k: ckpt.source(k) for k in MOMENTS}
+        sources = {k: ckpt.source(prefix + k) for k in MOMENTS}
         for o in engine.owned():
             engine.set_moments(o, step, {k: read_local(s, o.spec, o.lo, o.hi, device)
                                          for k, s in sources.items()})

@@ -65,7 +65,10 @@ class Corpus:
 
 
 def _stat(path: Path, root: Path) -> CorpusFile:
-    st = path.stat()
+    try:
+        st = path.stat()
+    except OSError as e:  # e.g. a dangling symlink
+        raise ConfigError(f"cannot read corpus file {str(path)!r}: {e.strerror}") from None
     rel = path.relative_to(root).as_posix() if path != root else path.name
     return CorpusFile(path=path, rel=rel, size=st.st_size, mtime_ns=st.st_mtime_ns)
 
@@ -113,12 +116,31 @@ def resolve_corpus(path: str) -> Corpus:
 
 
 # ------------------------------------------------------------------ reading documents
+# Share of a file's characters that may be undecodable bytes before it is refused as not UTF-8.
+MAX_BAD_BYTES = 0.001
+
+
 def _read_text(f: CorpusFile) -> str:
+    """The file as UTF-8 text; ConfigError for a binary file (NUL bytes) or a file in another
+    encoding. A few stray bytes are replaced: one in a large corpus should not stop training."""
     try:
-        # errors="replace": one stray byte in a large corpus should not stop training.
-        return f.path.read_text(encoding="utf-8", errors="replace")
+        raw = f.path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read corpus file {str(f.path)!r}: {e.strerror}") from None
+    if b"\0" in raw[:8192]:
+        raise ConfigError(f"corpus file {str(f.path)!r} is binary, not text (NUL bytes); "
+                          "point data.path at text or JSONL files")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd")
+        if bad > max(8, len(text) * MAX_BAD_BYTES):
+            raise ConfigError(
+                f"corpus file {str(f.path)!r} is not UTF-8 text ({bad} undecodable bytes, the "
+                f"first 0x{raw[e.start]:02x} at offset {e.start}); convert it, e.g. "
+                "iconv -t UTF-8") from None
+        return text
 
 
 def read_documents(f: CorpusFile, text_field: str) -> Iterator[str]:

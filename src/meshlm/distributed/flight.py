@@ -33,7 +33,7 @@ import numpy as np
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
        "barrier", "broadcast_object")
 # axes a record can name (index = code); "world" covers barriers and object broadcasts
-AXES = ("world", "pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "embed")
+AXES = ("world", "pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "embed", "island", "inner")
 
 RECORD = np.dtype([("seq", "<i8"), ("axis_seq", "<i8"), ("bytes", "<i8"), ("t_enter", "<f8"),
                    ("t_done", "<f8"), ("op", "<i2"), ("axis", "<i2"), ("async_op", "<i2"),
@@ -167,7 +167,7 @@ def describe_record(r: Mapping[str, Any] | None) -> str:
 
 def coords_text(meta: Mapping[str, Any]) -> str:
     c = meta.get("coords", {})
-    return ", ".join(f"{a} {c[a]}" for a in ("pp", "dp", "cp", "tp") if a in c)
+    return ", ".join(f"{a} {c[a]}" for a in ("island", "pp", "dp", "cp", "tp") if a in c)
 
 
 def diagnose(folder: Path, world: int, me: int | None = None) -> str:

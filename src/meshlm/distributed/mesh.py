@@ -15,6 +15,13 @@ of this rank's (pp, tp) coordinate, over which the gradients of weights replicat
 are reduced (and ZeRO shards them) when context parallelism is on, as in Megatron-Core. It is
 the dp group itself when cp = 1 (no extra group is made) and the cp group when dp = 1.
 
+Islands (DiLoCo, ``parallel.islands`` = K > 1): an outermost axis ``island`` in front of pp,
+so island k holds the consecutive ranks ``[k n, (k + 1) n)`` of n = pp dp cp tp each, every one
+a whole copy of the inner mesh. The ``island`` group joins the ranks at the same inner
+coordinates in every island -- the holders of the same shard -- and ``inner`` is this rank's
+island (the whole world when K = 1): per-step agreements (overflow, non-finite flags, metrics)
+run over ``inner``, so islands exchange nothing between synchronisations.
+
 A one-process run gets a Mesh with every axis of size 1 and no process groups, so the same
 code path serves the laptop and the cluster.
 """
@@ -54,18 +61,41 @@ class Mesh:
         self.world_size = world
         self.device_mesh = None
         self._groups: dict[str, dist.ProcessGroup | None] = {a: None for a in AXES}
+        self.islands = layout.islands
+        self.island = self.rank // layout.inner_size
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape = tuple(getattr(layout, a) for a in AXES)
-            self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-            for axis in AXES:
+            names = (("island",) if self.islands > 1 else ()) + AXES
+            shape = tuple(getattr(layout, "islands" if a == "island" else a) for a in names)
+            self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            for axis in names:
                 self._groups[axis] = self.device_mesh.get_group(axis)
             self._groups["world"] = dist.group.WORLD
+            self._groups["inner"] = self._inner_group()
             self._groups["embed"] = self._embedding_group() if layout.pp > 1 else None
             self._groups["dp_cp"] = self._data_context_group()
             self._groups.update(self._expert_groups())
         self.coords = layout.coords(self.rank)
+        if self.islands > 1:
+            self.coords = {"island": self.island, **self.coords}
+
+    def _inner_group(self) -> dist.ProcessGroup | None:
+        """This rank's island (the world group when there is one island)."""
+        if self.islands == 1:
+            return dist.group.WORLD
+        n, mine = self.layout.inner_size, None
+        for k in range(self.islands):
+            ranks = list(range(k * n, (k + 1) * n))
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    def _islands_grids(self):  # noqa: ANN202
+        """The rank grid (pp, dp, cp, tp) of each island, in island order."""
+        d = self.layout
+        return self.device_mesh.mesh.reshape(self.islands, d.pp, d.dp, d.cp, d.tp)
 
     def _data_context_group(self) -> dist.ProcessGroup | None:
         """The dp x cp ranks of this rank's (pp, tp) coordinate (the dp or cp group when the
@@ -74,13 +104,14 @@ class Mesh:
         if d.cp == 1 or d.dp == 1:
             return self._groups["dp" if d.cp == 1 else "cp"]
         mine = None
-        grid = self.device_mesh.mesh.reshape(d.pp, d.dp * d.cp, d.tp)
-        for pp in range(d.pp):
-            for tp in range(d.tp):
-                ranks = [int(r) for r in grid[pp, :, tp]]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine = group
+        for island in self._islands_grids():
+            grid = island.reshape(d.pp, d.dp * d.cp, d.tp)
+            for pp in range(d.pp):
+                for tp in range(d.tp):
+                    ranks = [int(r) for r in grid[pp, :, tp]]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
         return mine
 
     def _expert_groups(self) -> dict[str, dist.ProcessGroup | None]:
@@ -93,17 +124,18 @@ class Mesh:
         if ep == n:
             return {"ep": self._groups["dp_cp"], "edp": None}
         mine: dict[str, dist.ProcessGroup | None] = {}
-        grid = self.device_mesh.mesh.reshape(d.pp, n, d.tp)
-        for pp in range(d.pp):
-            for tp in range(d.tp):
-                column = [int(r) for r in grid[pp, :, tp]]
-                sets = {"ep": [column[i:i + ep] for i in range(0, n, ep)],
-                        "edp": [column[j::ep] for j in range(ep)]}
-                for axis, rank_sets in sets.items():
-                    for ranks in rank_sets:
-                        group = dist.new_group(ranks)
-                        if self.rank in ranks:
-                            mine[axis] = group
+        for island in self._islands_grids():
+            grid = island.reshape(d.pp, n, d.tp)
+            for pp in range(d.pp):
+                for tp in range(d.tp):
+                    column = [int(r) for r in grid[pp, :, tp]]
+                    sets = {"ep": [column[i:i + ep] for i in range(0, n, ep)],
+                            "edp": [column[j::ep] for j in range(ep)]}
+                    for axis, rank_sets in sets.items():
+                        for ranks in rank_sets:
+                            group = dist.new_group(ranks)
+                            if self.rank in ranks:
+                                mine[axis] = group
         return mine
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
@@ -113,12 +145,13 @@ class Mesh:
         Every rank creates every group, in the same order, as ``new_group`` requires.
         """
         mine = None
-        pp_groups = self.device_mesh.mesh.reshape(self.layout.pp, -1)  # (pp, dp*cp*tp) ranks
-        for column in range(pp_groups.shape[1]):
-            ranks = [int(pp_groups[0, column]), int(pp_groups[-1, column])]
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
+        for island in self._islands_grids():
+            pp_groups = island.reshape(self.layout.pp, -1)  # (pp, dp*cp*tp) ranks
+            for column in range(pp_groups.shape[1]):
+                ranks = [int(pp_groups[0, column]), int(pp_groups[-1, column])]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
         return mine
 
     def group_ranks(self) -> dict[str, list[int]]:
@@ -150,6 +183,10 @@ class Mesh:
             return math.prod(getattr(self.layout, a) for a in COMPOSITE[axis])
         if axis == "edp":
             return self.layout.dp * self.layout.cp // self.layout.ep
+        if axis == "island":
+            return self.islands
+        if axis == "inner":
+            return self.layout.inner_size
         return self.world_size if axis == "world" else getattr(self.layout, axis)
 
     def local_rank(self, axis: str) -> int:
@@ -164,6 +201,10 @@ class Mesh:
         if axis in EXPERT_AXES:
             i = self.local_rank("dp_cp")
             return i % self.layout.ep if axis == "ep" else i // self.layout.ep
+        if axis == "island":
+            return self.island
+        if axis == "inner":
+            return self.rank % self.layout.inner_size
         return self.rank if axis == "world" else self.coords[axis]
 
     def grad_divisor(self, axis: str) -> int:
@@ -182,7 +223,9 @@ class Mesh:
 
     def describe(self) -> str:
         d = self.layout
-        return (f"world {self.world_size} (pp={d.pp} dp={d.dp} cp={d.cp} tp={d.tp}"
+        return (f"world {self.world_size} ("
+                + (f"islands={self.islands} x " if self.islands > 1 else "")
+                + f"pp={d.pp} dp={d.dp} cp={d.cp} tp={d.tp}"
                 + (f" ep={d.ep}" if d.ep > 1 else "") + ")")
 
     def device(self) -> torch.device:

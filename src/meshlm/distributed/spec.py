@@ -92,6 +92,12 @@ class ShardSpec:
         return out
 
 
+def first_copy(spec: ShardSpec, mesh: Mesh) -> bool:
+    """Whether this rank holds the first of the identical copies of its range (coordinate 0 of
+    every axis holding copies): the one a checkpoint writes and a norm counts once."""
+    return all(mesh.local_rank(a) == 0 for a in spec.replicated)
+
+
 def spec_of(p: torch.Tensor) -> ShardSpec:
     spec = getattr(p, ATTR, None)
     if spec is None:

@@ -62,6 +62,14 @@ class ModelConfig:
         for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
             if getattr(self, f) <= 0:
                 out.append(f"model.{f} must be positive, got {getattr(self, f)}")
+        for f in ("head_dim", "moe_ffn_hidden", "moe_shared_experts", "moe_first_dense"):
+            if getattr(self, f) < 0:
+                out.append(f"model.{f} must be >= 0, got {getattr(self, f)}")
+        for f in ("rope_theta", "init_std", "max_seq_len"):
+            if not getattr(self, f) > 0:
+                out.append(f"model.{f} must be positive, got {getattr(self, f)}")
+        if self.moe_aux_loss_coef < 0:
+            out.append(f"model.moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0")
         if out:
             return out
         if self.head_dim == 0 and self.dim % self.n_heads:

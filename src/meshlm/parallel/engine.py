@@ -85,6 +85,10 @@ class Engine:
         """AdamW step at learning rate ``lr`` (the trainer skips it on an fp16 overflow)."""
         raise NotImplementedError
 
+    def sync_held(self) -> None:
+        """After owned weight ranges were changed in place (DiLoCo's outer step), bring every
+        held copy up to date (ZeRO-1/2: all-gather the shards; no-op where held is owned)."""
+
     def grad_tensors(self) -> list[torch.Tensor]:
         """The gradients (or gradient shards) this rank steps, after ``finish_grads``: what
         fp16 loss scaling unscales and checks for overflow."""

@@ -206,6 +206,10 @@ class ZeroEngine(Engine):
 
     def step(self, lr: float) -> None:
         self.opt.step(lr)
+        self.sync_held()
+
+    def sync_held(self) -> None:
+        """All-gather every rank's updated shard into the whole (local) parameters."""
         handles = []
         for gi, g in enumerate(self.groups):
             s0, s1 = g.shard_range(self.opt.ranks[gi])

@@ -32,7 +32,7 @@ import torch
 
 from .. import __version__
 from ..checkpoint import latest_valid
-from ..config import Config, ConfigError, load_config, to_toml
+from ..config import Config, ConfigError, _unwritable_dir, load_config, to_toml
 from ..data.tokenizer import Tokenizer
 from ..distributed.comm import Comm
 
@@ -87,6 +87,10 @@ def plan_run_dir(cfg: Config, log: Log = print, restarts: int | None = None
             log(f"run.dir is not set: the restarted worker group starts a new run in {cfg.run.dir}"
                 " (set run.dir to continue the same run after a restart)")
     run_dir = Path(cfg.run.dir).expanduser()
+    _holds_files(run_dir)  # (a file in its place: one line)
+    problem = _unwritable_dir(run_dir)
+    if problem:
+        raise ConfigError(f"run.dir={str(run_dir)!r} {problem}; choose another run.dir")
     mode = effective_resume(cfg, log, restarts)
     if mode == "false":
         if _holds_files(run_dir):
@@ -184,7 +188,10 @@ def agree_run_dir(cfg: Config, comm: Comm, log: Log = print) -> Path:
 def write_run_files(run_dir: Path, cfg: Config, tokenizer: Tokenizer, extra: dict[str, Any]
                     ) -> None:
     """``config.toml`` (resolved), ``tokenizer.json`` and ``env.json`` (+ ``extra``)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run.dir={str(run_dir)!r} cannot be created: {e.strerror}") from None
     (run_dir / "config.toml").write_text(to_toml(cfg))
     tokenizer.save(run_dir / "tokenizer.json")
     (run_dir / "env.json").write_text(json.dumps(environment() | extra, indent=1))

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..checkpoint.sharded import (
     ShardedCheckpoint,
     check_model,
+    island_prefix,
     load_into,
     restore_rng,
     save_checkpoint,
@@ -42,12 +43,13 @@ from ..distributed.comm import Comm, CommLog
 from ..distributed.faults import kill_if_asked, poison_if_asked, stop_if_asked
 from ..distributed.flight import CollectiveFailure, FlightRecorder, diagnose, is_comm_failure
 from ..distributed.mesh import Mesh
-from ..distributed.source import InitSource, TensorSource
+from ..distributed.source import InitSource, TensorSource, read_local
 from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..optim import lr_at
 from ..parallel import parallelize
 from ..parallel.context import context_summary
+from ..parallel.diloco import Diloco
 from ..parallel.engine import Engine
 from ..parallel.expert import moe_layers, router_step, router_summary, router_text
 from ..parallel.loss import build_loss
@@ -123,7 +125,12 @@ class Trainer:
         self.pipeline = (PipelineRunner(cfg, self.pipe, self.engine, self.tp, self.comm,
                                         self.loss_fn, self.precision, self.device)
                          if self.pipe is not None else None)
-        self.dp_rank, self.dp_size = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        # islands split the global batch like data-parallel ranks: island k's dp ranks read
+        # shares k dp ... (k + 1) dp - 1 of dp * islands
+        self.dp_size = self.mesh.size("dp") * self.mesh.islands
+        self.dp_rank = self.mesh.island * self.mesh.size("dp") + self.mesh.local_rank("dp")
+        self.diloco = (Diloco(self.engine, self.comm, cfg.diloco, self.model_cfg.n_layers)
+                       if self.mesh.islands > 1 else None)
         # context parallelism: this rank reads and computes only its share of each sequence
         self.cp_positions = (self.cp.positions(cfg.data.seq_len) if self.cp is not None
                              else None)
@@ -252,6 +259,10 @@ class Trainer:
                  f"micro-batch {c.train.micro_batch}, accumulation {c.grad_accum}")
         if self.cp is not None:
             self.log(context_summary(self.cp.mode, self.cp.size, c.data.seq_len))
+        if self.diloco is not None:
+            self.log(self.diloco.describe())
+        elif c.diloco != type(c.diloco)():
+            self.log("diloco: parallel.islands=1, so the [diloco] keys have no effect")
         if mc.is_moe:
             ep = self.mesh.size("ep")
             self.log(f"experts: {mc.moe_experts} per MoE layer, top-{mc.moe_topk}, "
@@ -313,14 +324,14 @@ class Trainer:
         grads = self.engine.grad_tensors()
         poison_if_asked(step, self.mesh.rank, grads)  # (tests: an overflow / NaN on one rank)
         # fp16: unscale; an inf/nan on any rank skips the step on every rank
-        self.skipped = self.precision.overflow(
-            grads, lambda flag: self.comm.all_reduce(flag, "world", op="max"))
+        self.skipped = self.precision.overflow(  # (over the island: islands step alone)
+            grads, lambda flag: self.comm.all_reduce(flag, "inner", op="max"))
         grad_norm = None  # (metrics: null when the step changed nothing)
         if not self.skipped:
             grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0
                                                    else float("inf"))
         flags = self.comm.reduce_scalars(NonFinitePolicy.flags(local_loss, grad_norm),
-                                         "world", op="max")
+                                         "inner", op="max")
         self.nonfinite = describe(flags)
         if not self.skipped and not self.nonfinite:
             with region("meshlm.optimizer_step"):
@@ -359,6 +370,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Every rank writes the shards it owns (no gather); see ``checkpoint.sharded``."""
         state = {"sampler": self.sampler.state_dict(), "model": asdict(self.model_cfg),
+                 **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {}),
                  "tokens_seen": self.step * self.tokens_per_step,
                  "layout": self.mesh.describe(), "scaler": self.precision.state_dict(),
                  **({"moe_bias": self.expert_biases()} if self.model_cfg.moe_balance == "bias"
@@ -366,7 +378,8 @@ class Trainer:
         directory = save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.engine, self.comm, state,
             {"config.toml": to_toml(self.cfg), "tokenizer.json": self.run_dir / "tokenizer.json"},
-            keep=self.cfg.checkpoint.keep)
+            keep=self.cfg.checkpoint.keep,
+            outer=self.diloco.outer_pieces() if self.diloco is not None else None)
         self.memory.measure("save", self.comm)
         return directory
 
@@ -384,8 +397,16 @@ class Trainer:
     def load_checkpoint(self, directory: Path) -> None:
         """This rank's slices of weights and moments, sampler, scaler and RNG states."""
         with ShardedCheckpoint(directory) as ckpt:
+            if not ckpt.trainer.get("sampler"):
+                raise CheckpointError(f"{directory / 'trainer.json'}: no sampler state (a "
+                                      "weights-only checkpoint: use it as model.init_from)")
             check_model(ckpt, self.param_shapes)
-            load_into(ckpt, self.engine, self.device)
+            load_into(ckpt, self.engine, self.device, prefix=island_prefix(self.mesh))
+            if self.diloco is not None:
+                self.diloco.load(lambda kind, o: (read_local(ckpt.source(kind), o.spec, o.lo,
+                                                             o.hi, self.device)
+                                                  if ckpt.holds(kind) else None),
+                                 ckpt.trainer.get("diloco"))
             self.sampler.load_state_dict(ckpt.trainer["sampler"])
             self.precision.load_state_dict(ckpt.trainer.get("scaler", {}))
             self.model.set_expert_biases(ckpt.trainer.get("moe_bias"))
@@ -407,16 +428,17 @@ class Trainer:
         """The metrics record of ``step``. Collective: with several ranks, one all-reduce of
         4 x world float64 (logged as metrics traffic) gives every rank's step peak and state
         bytes; ``mem_peak_bytes`` is the largest peak, and on evaluation and checkpoint steps
-        (the last step is one) the record also lists them per rank for ``meshlm report``."""
+        (the last step is one) the record also lists them per rank for ``meshlm report``.
+        With islands, "world" is this rank's island (ranks of island 0 in rank 0's record)."""
         tps = self.tokens_per_step / dt
         mem = self.engine.state_bytes()
-        world, rank = self.mesh.world_size, self.mesh.rank
+        world, rank = self.mesh.size("inner"), self.mesh.local_rank("inner")
         table = [0.0] * (4 * world + 1)  # per rank: peak, params, grads, optim; stop flag
         table[4 * rank: 4 * rank + 4] = [float(self.memory.measure("steps")), mem["params"],
                                          mem["grads"], mem["optim"]]
         table[-1] = float(self.stop.requested)
         if world > 1:
-            table = self.comm.reduce_scalars(table, "world")
+            table = self.comm.reduce_scalars(table, "inner")
         self.stop_agreed = table[-1] > 0  # some rank was asked to stop: all stop here
         table = table[:-1]
         per_rank = [[int(x) for x in table[i::4]] for i in range(4)]
@@ -442,6 +464,19 @@ class Trainer:
             **({"nonfinite_skips": self.policy.skips, "rollbacks": self.policy.rollbacks}
                if self.policy.skips else {}),
         }
+
+    def outer_sync(self, step: int, loss: float) -> dict[str, Any]:
+        """DiLoCo: the outer step of the fragments due after ``step`` (parallel/diloco.py).
+        A stop request waits for the next synchronisation, where every island agrees on it."""
+        self.diloco.note_loss(loss)
+        due = self.diloco.due(step, self.cfg.train.steps)
+        if not due:
+            self.stop_agreed = False
+            return {"island_bytes_total": self.diloco.bytes_total}
+        with region("meshlm.outer_step"):
+            rec = self.diloco.sync(step, due, self.stop_agreed)
+        self.stop_agreed = rec.pop("_stop")
+        return rec
 
     def cp_record(self) -> dict[str, Any]:
         """The cp mode and, for the ring modes, the attention tiles (c x c, c = s / (2 cp))
@@ -493,6 +528,8 @@ class Trainer:
                     else:
                         self.policy.finite(step)
                     rec = self.record(step, loss, grad_norm, dt)  # (agrees on stop requests)
+                    if self.diloco is not None:  # islands meet: outer step, stop agreed by all
+                        rec.update(self.outer_sync(step, loss))
                     if step == start + 1:  # this process's start-up peaks, once
                         rec.update({f"mem_{k}_bytes": v for k, v in self.memory.phases.items()
                                     if k != "steps"})
