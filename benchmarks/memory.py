@@ -5,7 +5,10 @@ baseline layout, then all of them together:
 
 - one process: ``train.recompute`` = none / selective / op / full, ``train.loss=chunked``,
   ``parallel.offload=disk``, and full + chunked + disk;
-- dp = 2: ``parallel.zero`` = 0 / 1 / 2 / 3, and ZeRO-3 + full + chunked + disk.
+- dp = 2: ``parallel.zero`` = 0 / 1 / 2 / 3, and ZeRO-3 + full + chunked + disk;
+- the whole grid recompute (none/selective/op/full) x loss (torch/chunked) x zero (0-3) x
+  offload (none/disk) at dp = 2 (64 runs; ``--grid-models``, default ``small``), so every
+  combination of levers is measured next to the planner, not only each lever alone.
 
 Every run is the real command line (``meshlm train``, fp32, 3 steps and the final checkpoint).
 From its ``metrics.jsonl``: the largest rank's step peak (``mem_peak_bytes``: peak resident
@@ -19,7 +22,7 @@ almost no model), and the
 step time relative to the lever's baseline (one process, or dp = 2 ZeRO-0).
 
     python benchmarks/memory.py [--models small 300M] [--runs base full ...]
-        [--json benchmarks/results/memory.json]
+        [--grid-models small] [--json benchmarks/results/memory.json]
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ RUNS: dict[str, tuple[int, list[str], str]] = {
     "dp2-zero3": (2, ["--parallel.dp=2", "--parallel.zero=3"], "dp2-zero0"),
     "dp2-zero3-all": (2, ["--parallel.dp=2", "--parallel.zero=3", *ALL], "dp2-zero0"),
 }
+# the lever grid at dp = 2: g-<recompute>-<loss>-z<zero>-<offload>, each against dp2-zero0
+GRID_AXES = (("none", "selective", "op", "full"), ("torch", "chunked"), (0, 1, 2, 3),
+             ("none", "disk"))
+GRID: dict[str, tuple[int, list[str], str]] = {
+    f"g-{rc}-{loss}-z{zero}-{off}": (2, ["--parallel.dp=2", f"--parallel.zero={zero}",
+                                         f"--train.recompute={rc}", f"--train.loss={loss}",
+                                         f"--parallel.offload={off}"], "dp2-zero0")
+    for rc in GRID_AXES[0] for loss in GRID_AXES[1] for zero in GRID_AXES[2]
+    for off in GRID_AXES[3]}
+RUNS.update(GRID)
 
 
 def train_args(model: str, run: str, run_dir: Path) -> list[str]:
@@ -128,6 +141,8 @@ def measure(model: str, runs: list[str], tmp: Path, wait_s: float, out: list[dic
             steps_peak=max(recs[s]["mem_peak_bytes"] for s in range(1, STEPS + 1)),
             step_time_s=statistics.median(recs[s]["step_time_s"] for s in range(2, STEPS + 1)),
             states={k: recs[STEPS][f"{k}_bytes"] for k in ("params", "grads", "optim")},
+            # every rank's peak (the last step is a checkpoint step: listed per rank)
+            peak_per_rank=recs[STEPS].get("mem_peak_per_rank", [recs[STEPS]["mem_peak_bytes"]]),
             wall_s=res["wall_s"], loss=recs[STEPS]["loss"])
         row["peak_vs_predicted"] = row["steps_peak"] / row["predicted_bytes"]
         print(f"{model} {run}: peak {row['steps_peak'] / MIB:,.0f} MiB (predicted "
@@ -147,6 +162,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           "| AdamW moments resident (MiB) | step (s) | peak vs its base | time vs its base |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if r["run"] in GRID:
+            continue
         if "steps_peak" not in r:
             why = r.get("skipped") or "failed"
             print(f"| {r['model']} | {r['run']} ({why}) | {r['ranks']} | - | "
@@ -159,10 +176,33 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r.get('time_vs_baseline', 0):.2f} |")
 
 
+def print_grid(rows: list[dict[str, Any]]) -> None:
+    """The grid as one table per model: rows recompute x loss, columns zero x offload; each
+    cell measured / predicted MiB of the largest rank, and the step time vs dp2 zero0."""
+    for model in dict.fromkeys(r["model"] for r in rows if r["run"] in GRID):
+        cells = {r["run"]: r for r in rows if r["model"] == model and r["run"] in GRID}
+        cols = [(z, o) for z in GRID_AXES[2] for o in GRID_AXES[3]]
+        print(f"\n{model}, dp = 2: step peak / predicted MiB (step time vs dp2 zero0)")
+        print("| recompute | loss | " + " | ".join(f"zero {z} {o}" for z, o in cols) + " |")
+        print("|---|---|" + "---:|" * len(cols))
+        for rc in GRID_AXES[0]:
+            for loss in GRID_AXES[1]:
+                out = []
+                for z, o in cols:
+                    r = cells.get(f"g-{rc}-{loss}-z{z}-{o}", {})
+                    out.append(f"{r['steps_peak'] / MIB:,.0f} / {r['predicted_bytes'] / MIB:,.0f}"
+                               f" ({r.get('time_vs_baseline', 0):.2f}x)"
+                               if "steps_peak" in r else "-")
+                print(f"| {rc} | {loss} | " + " | ".join(out) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--runs", nargs="*", default=[r for r in RUNS if r not in GRID],
+                    choices=list(RUNS))
+    ap.add_argument("--grid-models", nargs="*", default=["small"], choices=list(MODELS),
+                    help="models that also run the whole lever grid at dp = 2")
     ap.add_argument("--wait", type=float, default=600.0)
     ap.add_argument("--json", default="benchmarks/results/memory.json")
     a = ap.parse_args()
@@ -174,7 +214,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         for model in a.models:
-            measure(model, runs, tmp, a.wait, rows)
+            grid = list(GRID) if model in a.grid_models else []
+            measure(model, runs + [g for g in grid if g not in runs], tmp, a.wait, rows)
             out.write_text(json.dumps({"args": {"models": a.models, "runs": runs,
                                                 "steps": STEPS, "dtype": "fp32",
                                                 "shapes": {k: MODELS[k] for k in a.models}},
@@ -183,6 +224,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print_table(rows)
+    print_grid(rows)
     print(f"\nstep peak: the largest rank's peak resident memory in a step (the process "
           f"included); predicted: the planner's per-rank bytes + the measured baseline. "
           f"total {time.perf_counter() - t0:.0f} s; wrote {out}")

@@ -48,6 +48,21 @@ def snapshot(root: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
+# Root passes permission bits by two capabilities; without them root is bound like any owner.
+UNPRIVILEGED = (["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                 "--bounding-set=-dac_override,-dac_read_search"] if ROOT else [])
+
+
+def run_unprivileged(argv: list[str], cwd: Path) -> tuple[int, list[str]]:
+    """(exit status, stderr lines) of ``meshlm argv`` in a process that permission bits bind
+    (as root: without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, through util-linux's setpriv)."""
+    if ROOT and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: permission bits cannot bind")
+    out = subprocess.run([*UNPRIVILEGED, str(MESHLM), *argv], capture_output=True, text=True,
+                         cwd=cwd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out.returncode, out.stderr.strip().splitlines()
+
+
 def train_args(corpus: Path, cache: Path, run_dir: Path) -> list[str]:
     return ["train", "--model.preset=tiny", f"--data.path={corpus}", f"--data.cache_dir={cache}",
             "--data.vocab_size=512", "--data.seq_len=32", "--train.steps=2",
@@ -202,15 +217,15 @@ def test_unreadable_corpus_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "b.txt" in lines[0] and not (tmp_path / "run").exists()
 
 
-@pytest.mark.skipif(ROOT, reason="root reads files without read permission")
-def test_corpus_file_without_read_permission(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_corpus_file_without_read_permission(tmp_path: Path) -> None:
     path = _write(tmp_path / "corpus", "a.txt", TEXT)
     path.chmod(0)
     try:
-        rc, lines = cli(train_args(path, tmp_path / "cache", tmp_path / "run"), capsys)
+        rc, lines = run_unprivileged(train_args(path, tmp_path / "cache", tmp_path / "run"),
+                                     tmp_path)
     finally:
         path.chmod(0o644)
+    assert not (tmp_path / "run").exists()
     assert_one_line(rc, lines, "cannot read corpus file")
 
 
@@ -370,17 +385,28 @@ def test_run_dir_that_cannot_be_created(tmp_path: Path, corpus_dir: Path, cache_
     assert (tmp_path / "file").read_text() == "mine"
 
 
-@pytest.mark.skipif(ROOT, reason="root writes into read-only directories")
-def test_read_only_run_dir(tmp_path: Path, corpus_dir: Path, cache_dir: Path,
-                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("where", ["parent", "run_dir", "checkpoints"])
+def test_read_only_run_dir(where: str, tmp_path: Path, corpus_dir: Path, cache_dir: Path
+                           ) -> None:
+    """A run dir that cannot be created, is read-only, or whose checkpoints folder is
+    read-only: refused before training (a save must not fail after hours of steps)."""
     parent = tmp_path / "ro"
     parent.mkdir()
-    parent.chmod(0o555)
+    run = parent / "run"
+    if where != "parent":
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "config.toml").write_text("# an earlier run's\n")
+    locked = {"parent": parent, "run_dir": run, "checkpoints": run / "checkpoints"}[where]
+    before = snapshot(parent)
+    locked.chmod(0o555)
     try:
-        rc, lines = cli(train_args(corpus_dir, cache_dir, parent / "run"), capsys)
+        rc, lines = run_unprivileged(train_args(corpus_dir, cache_dir, run)
+                                     + ["--run.resume=auto"], tmp_path)
     finally:
-        parent.chmod(0o755)
+        locked.chmod(0o755)
+    assert snapshot(parent) == before
     assert_one_line(rc, lines, "is not writable")
+    assert str(locked) in lines[0]
 
 
 def test_convert_into_a_folder_with_files(trained: Path, tmp_path: Path,

@@ -210,3 +210,43 @@ def test_train_with_auto_layout(tiny_args: list[str], tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "parallel.auto: 2 ranks ->" in out.stdout
     assert "layout: world 2" in out.stdout
+
+
+def test_automatic_micro_batch_shrinks_to_fit_then_trains(
+        tiny_args: list[str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """train.micro_batch left unset on a device (the planner's) that holds micro-batch 2 but
+    not 4 or 8 (= global / dp): it becomes 2, the run says so and trains with accumulation 4,
+    on the losses of an explicit micro_batch=2 run."""
+    import dataclasses
+
+    from meshlm.cli import main
+    from meshlm.config import load_config
+    from meshlm.planner import cli as planner_cli
+    from meshlm.planner.hardware import get_accelerator
+    from meshlm.planner.memory import memory
+    from meshlm.train.metrics import read_metrics
+
+    args = [a for a in tiny_args if not a.startswith(("--train.micro_batch", "--train.steps"))]
+    args += ["--train.steps=2"]
+    cfg = load_config(None, args)
+    assert cfg.train.micro_batch == 8 and cfg.micro_batch_auto
+    cpu = get_accelerator("cpu")
+    work = planner_cli.config_workload(cfg, 512)
+
+    def need(m: int) -> float:
+        return memory(work, dataclasses.replace(cfg.layout(), micro_batch=m), cpu).total
+
+    small = dataclasses.replace(cpu, memory=(need(2) + need(4)) / 2)
+    monkeypatch.setattr(planner_cli, "hardware_here", lambda _purpose: small)
+    capsys.readouterr()
+    assert main(["train", *args]) == 0
+    out = capsys.readouterr().out
+    assert "train.micro_batch: 2 (global_batch / dp = 8 does not fit" in out, out
+    assert "micro-batch 2, accumulation 4" in out, out
+    run_dir = Path(next(a for a in args if a.startswith("--run.dir=")).split("=", 1)[1])
+    got = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    explicit = [a.replace(str(run_dir), str(run_dir) + "-explicit") for a in args]
+    assert main(["train", *explicit, "--train.micro_batch=2"]) == 0
+    want = [r["loss"] for r in read_metrics(Path(str(run_dir) + "-explicit") / "metrics.jsonl")]
+    assert got == want and len(got) == 2

@@ -534,3 +534,36 @@ def test_gelu_model_spec_counts() -> None:
                         12 * 2 * 64 * 128)
     assert collections.Counter(len(s) for s in partition_layers(10, 4)) == collections.Counter(
         [3, 3, 2, 2])
+
+
+def test_auto_layout_turns_on_recomputation_only_when_memory_needs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank (no layout to shard over): on a device that holds the step only with full
+    recomputation, even at micro-batch 1 (the search's other lever), parallel.auto picks a
+    recomputing mode and sets train.recompute; with room to spare it keeps none
+    (recomputation only costs time)."""
+    import dataclasses
+
+    from meshlm.planner import cli as planner_cli
+    from meshlm.planner.hardware import get_accelerator
+    from meshlm.planner.memory import memory as memory_of
+
+    args = ["--model.preset=small", "--train.global_batch=8", "--train.micro_batch=8",
+            "--data.seq_len=512", "--data.vocab_size=8192"]
+    cfg = load_config(None, args)
+    cpu = get_accelerator("cpu")
+    work = planner_cli.config_workload(cfg)
+    need = {rc: memory_of(work, dataclasses.replace(cfg.layout(), recompute=rc, micro_batch=1),
+                          cpu).total for rc in RECOMPUTE}
+    assert need["none"] > need["full"]
+    for device_bytes, want in (((need["none"] + need["full"]) / 2, "recomputing"),
+                               (2 * need["none"], "none")):
+        monkeypatch.setattr(planner_cli, "hardware_here",
+                            lambda _p, b=device_bytes: dataclasses.replace(cpu, memory=b))
+        layout = auto_layout(cfg, 1)
+        assert (layout.recompute != "none") == (want == "recomputing"), (want, layout)
+        assert memory_of(work, layout, cpu).total <= device_bytes
+        chosen = load_config(None, args)
+        chosen.set_layout(layout)
+        assert chosen.train.recompute == layout.recompute
+        validate(chosen, check_paths=False)

@@ -386,7 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
             print(f"meshlm: error: {e}", file=sys.stderr)
         return 1
-    except (ConfigError, CheckpointError, WorkerFailure) as e:
+    except WorkerFailure as e:  # a fault while running, not a user mistake: exit 1
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, CheckpointError) as e:
         # Under torchrun every rank validates the same config: only rank 0 speaks.
         if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
             print(f"meshlm: error: {e}", file=sys.stderr)

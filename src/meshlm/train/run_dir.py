@@ -88,9 +88,11 @@ def plan_run_dir(cfg: Config, log: Log = print, restarts: int | None = None
                 " (set run.dir to continue the same run after a restart)")
     run_dir = Path(cfg.run.dir).expanduser()
     _holds_files(run_dir)  # (a file in its place: one line)
-    problem = _unwritable_dir(run_dir)
-    if problem:
-        raise ConfigError(f"run.dir={str(run_dir)!r} {problem}; choose another run.dir")
+    for folder in (run_dir, run_dir / "checkpoints"):  # (a save must not fail mid-run)
+        problem = _unwritable_dir(folder) if folder.exists() or folder == run_dir else None
+        if problem:
+            raise ConfigError(f"run.dir={str(run_dir)!r}: {str(folder)!r} {problem}; make it "
+                              "writable or choose another run.dir")
     mode = effective_resume(cfg, log, restarts)
     if mode == "false":
         if _holds_files(run_dir):
