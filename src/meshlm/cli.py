@@ -116,10 +116,12 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         # others' collectives; concurrent builds of one cache are safe (atomic renames).
         build_data(cfg.data, log=print if world.rank == 0 else (lambda _m: None))
         announce_restart(init_worker(cfg.distributed.init_timeout_s).rank)
+        ended_well = False
         try:
             result = train(cfg)
+            ended_well = True
         finally:
-            shutdown_worker()
+            shutdown_worker(wait_for_peers=ended_well)
         if world.rank == 0:
             _say_how_to_resume(result, argv_rest=rest, config=args.config)
     elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent

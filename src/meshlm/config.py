@@ -87,6 +87,9 @@ class TrainSection:
     # smaller (a divisor) when the planner says it does not fit the device (meshlm train)
     micro_batch: int = 0
     seed: int = 1234
+    # adamw | sgd (SGD with momentum beta1 and L2 weight decay: linear in the gradient, so
+    # e.g. DiLoCo with one inner step and outer lr 1 is exactly synchronous training)
+    optimizer: str = "adamw"
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 50
@@ -271,6 +274,7 @@ REDUCE_DTYPES = ("fp32", "bf16")
 ISLAND_DTYPES = ("fp32", "bf16", "fp16")
 LOSSES = ("torch", "chunked")
 NONFINITE = ("stop", "skip", "rollback")
+OPTIMIZERS = ("adamw", "sgd")
 OFFLOADS = ("none", "cpu", "disk")
 
 
@@ -464,6 +468,10 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
            f"train.beta1={t.beta1}, train.beta2={t.beta2} must lie in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
     _check(t.eps > 0, f"train.eps={t.eps} must be positive")
+    _check(t.optimizer in OPTIMIZERS,
+           f"train.optimizer={t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    _check(t.optimizer == "adamw" or p.offload == "none",
+           f"parallel.offload={p.offload} offloads AdamW moments: it needs train.optimizer=adamw")
     _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _check(t.peak_flops >= 0,

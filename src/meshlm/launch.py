@@ -322,10 +322,28 @@ def announce_restart(rank: int) -> None:
         print(message, flush=True)
 
 
-def shutdown_worker() -> None:
-    """Destroy the default process group if there is one."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_worker(wait_for_peers: bool = False, timeout_s: float = 30.0) -> None:
+    """Destroy the default process group if there is one.
+
+    ``wait_for_peers`` (a run that ended well): rank 0 leaves only after every rank has
+    destroyed its group. Under SLURM rank 0 hosts the rendezvous store (no agent does);
+    leaving first closes it under peers still tearing gloo down, which can abort them
+    ("terminate called without an active exception") after a complete run.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store() if wait_for_peers and world > 1 else None
+    dist.destroy_process_group()
+    if store is None:
+        return
+    key = f"meshlm/left/{os.environ.get(_RESTART_COUNT_VAR, '0')}"
+    with contextlib.suppress(Exception):  # best effort: the run itself is complete
+        left = store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while rank == 0 and left < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+            left = store.add(key, 0)
 
 
 def _is_secondary(message: str) -> bool:

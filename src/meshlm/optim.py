@@ -1,4 +1,4 @@
-"""AdamW with fp32 master weights and the warmup + cosine learning-rate schedule.
+"""AdamW (or SGD with momentum) with fp32 master weights and the warmup + cosine schedule.
 
 Parameters are kept in fp32 (the master copy); lower-precision compute comes from autocast,
 so the optimizer always steps fp32 tensors. Memory per rank: 4 bytes of weights + 8 bytes of
@@ -7,6 +7,10 @@ Weight decay applies to matrices only (not to norm weights), as in GPT-2/Llama t
 With ``parallel.offload`` = ``cpu`` or ``disk`` the engines' AdamW is swapped for
 ``parallel.offload.OffloadedAdamW``: the same groups and hyper-parameters, the moments off the
 device.
+
+``train.optimizer = sgd``: torch's SGD with momentum ``beta1`` (4 bytes of state per
+parameter) and L2 weight decay on the same groups -- linear in the gradient, so averaging
+the updates of several replicas equals one update on their averaged gradients.
 """
 
 from __future__ import annotations
@@ -41,9 +45,25 @@ def canonical_params(model: nn.Module) -> list[tuple[str, nn.Parameter, bool]]:
     return decay + no_decay
 
 
+# optimizer-state tensors per parameter, by optimizer (what checkpoints store besides weights)
+STATE_KINDS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """Names of the per-parameter state tensors of ``optimizer`` (AdamW's moments, SGD's
+    momentum buffer)."""
+    return STATE_KINDS["sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw"]
+
+
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainSection
-          ) -> torch.optim.AdamW:
-    """AdamW with two groups, decayed then not (``foreach`` kernels: one launch per group)."""
+          ) -> torch.optim.Optimizer:
+    """``train.optimizer`` over two groups, decayed then not (``foreach`` kernels: one launch
+    per group): AdamW, or SGD with momentum ``beta1``."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            [{"params": decay, "weight_decay": cfg.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, momentum=cfg.beta1, foreach=True)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
@@ -51,8 +71,8 @@ def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainSec
     )
 
 
-def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.AdamW:
-    """AdamW over the model's parameters in :func:`canonical_params` order."""
+def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.Optimizer:
+    """``train.optimizer`` over the model's parameters in :func:`canonical_params` order."""
     named = canonical_params(model)
     return adamw([p for _, p, d in named if d], [p for _, p, d in named if not d], cfg)
 

@@ -61,15 +61,15 @@ from ..distributed.faults import kill_if_asked
 from ..distributed.mesh import Mesh
 from ..distributed.source import local_pieces, read_local
 from ..distributed.spec import ShardSpec, first_copy
-from ..parallel.engine import MOMENTS, Engine
+from ..parallel.engine import STATE_TENSORS, Engine
 from .state import CheckpointError, prune, remove_partial, step_dir
 
 FORMAT = "meshlm-sharded/1"
 INDEX, TRAINER = "index.json", "trainer.json"
 REQUIRED = (INDEX, TRAINER, "config.toml")
-KINDS = ("weight", *MOMENTS)
+KINDS = ("weight", *STATE_TENSORS)
 OUTER_MOMENTUM = "outer_momentum"
-_ISLAND_KIND = re.compile(r"^island\d+/(weight|exp_avg|exp_avg_sq)$")
+_ISLAND_KIND = re.compile(rf"^island\d+/({'|'.join(KINDS)})$")
 
 
 def known_kind(kind: str) -> bool:
@@ -267,7 +267,7 @@ class ShardedCheckpoint:
 
     @property
     def has_moments(self) -> bool:
-        return self.holds(MOMENTS[0])
+        return any(self.holds(k) for k in STATE_TENSORS)
 
     def holds(self, kind: str) -> bool:
         """Whether the checkpoint stores ``kind`` (``weight``, ``exp_avg``, ``island1/weight``...)."""
@@ -419,9 +419,10 @@ def load_into(ckpt: ShardedCheckpoint, engine: Engine, device: torch.device,
     weights = ckpt.source(prefix + "weight")
     for spec, lo, hi, view in engine.held():
         view.copy_(read_local(weights, spec, lo, hi, device))
-    if ckpt.holds(prefix + MOMENTS[0]):
+    kinds = engine.state_kinds()  # (a checkpoint of another optimizer: its state is not ours)
+    if all(ckpt.holds(prefix + k) for k in kinds):
         step = int(ckpt.trainer.get("adam_step", ckpt.trainer["step"]))
-        sources = {k: ckpt.source(prefix + k) for k in MOMENTS}
+        sources = {k: ckpt.source(prefix + k) for k in kinds}
         for o in engine.owned():
             engine.set_moments(o, step, {k: read_local(s, o.spec, o.lo, o.hi, device)
                                          for k, s in sources.items()})

@@ -20,7 +20,7 @@ Communication per rank at a synchronisation of fragment p: one all-reduce over `
 its owned elements of p in ``diloco.reduce_dtype`` (bytes = elements x dtype size), plus one
 all-reduce of three float64 scalars over ``island`` (the round's loss, the stop flag) and one
 over ``inner`` (the pseudo-gradient norm, bytes sent). Nothing crosses islands between
-synchronisations. Memory per rank: the reference weights and the outer momentum of its owned
+synchronisations but one float64 when a checkpoint is written (the round's losses so far). Memory per rank: the reference weights and the outer momentum of its owned
 ranges, fp32 (8 bytes per owned parameter), plus one fragment's flat pseudo-gradient during a
 synchronisation. Both are saved in checkpoints, sharded like the weights.
 """
@@ -94,7 +94,8 @@ class Diloco:
             ref = self._current(idx)
             self.fragments.append(_Fragment(idx, ref, torch.zeros_like(ref)))
         self.bytes_total = 0  # bytes this island sent across islands (all its ranks)
-        self.losses: list[float] = []  # the island's losses since the last synchronisation
+        # the island's losses since the last synchronisation (sum, count)
+        self.loss_sum, self.loss_count = 0.0, 0
 
     # ------------------------------------------------------------------ helpers
     def _current(self, idx: list[int]) -> torch.Tensor:
@@ -127,7 +128,8 @@ class Diloco:
 
     # ------------------------------------------------------------------ the round
     def note_loss(self, loss: float) -> None:
-        self.losses.append(loss)
+        self.loss_sum += loss
+        self.loss_count += 1
 
     def due(self, step: int, last_step: int) -> list[int]:
         return sync_fragments(step, self.cfg.inner_steps, self.cfg.fragments, last_step)
@@ -162,9 +164,9 @@ class Diloco:
             self._install(frag.owned, frag.ref)
         self.engine.sync_held()
         inner = self.comm.reduce_scalars([float(sq), float(sent)], "inner")
-        mean_loss = sum(self.losses) / max(1, len(self.losses))
+        mean_loss = self.loss_sum / max(1, self.loss_count)
         across = self.comm.reduce_scalars([mean_loss, float(stop)], "island", op="sum")
-        self.losses = []
+        self.loss_sum, self.loss_count = 0.0, 0
         self.bytes_total += int(inner[1])
         return {"outer_step": max(self.fragments[p].outer_steps for p in fragments),
                 "outer_fragments": fragments, "outer_loss": across[0] / self.islands,
@@ -184,8 +186,13 @@ class Diloco:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """Outer round counters, and the losses of the round so far summed over every island
+        (collective over ``island``: one float64; rank 0 writes one ``trainer.json`` for all
+        islands, and a resumed island continues from their mean)."""
+        total = self.comm.reduce_scalars([self.loss_sum], "island", op="sum")[0]
         return {"outer_steps": [f.outer_steps for f in self.fragments],
-                "bytes_total": self.bytes_total, "losses": list(self.losses)}
+                "bytes_total": self.bytes_total, "round_loss_sum": total,
+                "round_loss_count": self.loss_count}
 
     def load(self, read: Any, state: dict[str, Any] | None) -> None:
         """Reference weights and momentum from a checkpoint: ``read(kind, owned)`` returns the
@@ -205,4 +212,5 @@ class Diloco:
         for f, n in zip(self.fragments, state.get("outer_steps", []), strict=False):
             f.outer_steps = int(n)
         self.bytes_total = int(state.get("bytes_total", 0))
-        self.losses = [float(x) for x in state.get("losses", [])]
+        self.loss_sum = float(state.get("round_loss_sum", 0.0)) / self.islands
+        self.loss_count = int(state.get("round_loss_count", 0))

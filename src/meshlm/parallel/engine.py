@@ -21,7 +21,7 @@ from torch import nn
 from ..config import TrainSection
 from ..distributed.comm import Comm
 from ..distributed.spec import ShardSpec, attach_specs, norm_axes, spec_of
-from ..optim import build_optimizer, canonical_params, set_lr
+from ..optim import STATE_KINDS, build_optimizer, canonical_params, set_lr, state_kinds
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
@@ -51,7 +51,9 @@ class Owned:
     key: torch.Tensor
 
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = STATE_KINDS["adamw"]
+# every per-parameter optimizer state a checkpoint may hold
+STATE_TENSORS = tuple(dict.fromkeys(k for kinds in STATE_KINDS.values() for k in kinds))
 
 
 class Engine:
@@ -111,10 +113,17 @@ class Engine:
         """(spec, lo, hi, 1-D view) of every weight range this rank keeps in memory."""
         return [(o.spec, o.lo, o.hi, o.weight) for o in self.owned()]
 
+    def state_kinds(self) -> tuple[str, ...]:
+        """The optimizer's per-parameter state tensors (AdamW: two moments; SGD: momentum)."""
+        return state_kinds(self.optimizer)
+
     def moments(self, o: Owned) -> dict[str, torch.Tensor] | None:
-        """AdamW moments of an owned range as 1-D tensors (None before the first step)."""
+        """Optimizer state of an owned range as 1-D tensors (None before the first step)."""
         state = self.optimizer.state.get(o.key)
-        return {k: state[k].reshape(-1) for k in MOMENTS} if state else None
+        kinds = self.state_kinds()
+        if not state or any(state.get(k) is None for k in kinds):
+            return None
+        return {k: state[k].reshape(-1) for k in kinds}
 
     def adam_step(self) -> int:
         """Optimizer steps taken (every parameter's AdamW step count is the same)."""
@@ -132,10 +141,11 @@ class Engine:
             sharded.optimizer = optimizer
 
     def set_moments(self, o: Owned, step: int, values: dict[str, torch.Tensor]) -> None:
-        """Install AdamW state for an owned range (1-D tensors of ``hi - lo`` elements)."""
+        """Install optimizer state for an owned range (1-D tensors of ``hi - lo`` elements)."""
+        kinds = self.state_kinds()
         self.optimizer.state[o.key] = {
-            "step": torch.tensor(float(step)),
-            **{k: values[k].to(o.key.device).view(o.key.shape).clone() for k in MOMENTS}}
+            **({"step": torch.tensor(float(step))} if "exp_avg" in kinds else {}),
+            **{k: values[k].to(o.key.device).view(o.key.shape).clone() for k in kinds}}
 
 
 def clip_by_global_norm(pairs: list[tuple[ShardSpec, torch.Tensor]], max_norm: float,

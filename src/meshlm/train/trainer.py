@@ -129,6 +129,8 @@ class Trainer:
         # shares k dp ... (k + 1) dp - 1 of dp * islands
         self.dp_size = self.mesh.size("dp") * self.mesh.islands
         self.dp_rank = self.mesh.island * self.mesh.size("dp") + self.mesh.local_rank("dp")
+        # per-step agreements run over this rank's island ("world" when there is one)
+        self.island_axis = "inner" if self.mesh.islands > 1 else "world"
         self.diloco = (Diloco(self.engine, self.comm, cfg.diloco, self.model_cfg.n_layers)
                        if self.mesh.islands > 1 else None)
         # context parallelism: this rank reads and computes only its share of each sequence
@@ -325,13 +327,13 @@ class Trainer:
         poison_if_asked(step, self.mesh.rank, grads)  # (tests: an overflow / NaN on one rank)
         # fp16: unscale; an inf/nan on any rank skips the step on every rank
         self.skipped = self.precision.overflow(  # (over the island: islands step alone)
-            grads, lambda flag: self.comm.all_reduce(flag, "inner", op="max"))
+            grads, lambda flag: self.comm.all_reduce(flag, self.island_axis, op="max"))
         grad_norm = None  # (metrics: null when the step changed nothing)
         if not self.skipped:
             grad_norm = self.engine.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0
                                                    else float("inf"))
         flags = self.comm.reduce_scalars(NonFinitePolicy.flags(local_loss, grad_norm),
-                                         "inner", op="max")
+                                         self.island_axis, op="max")
         self.nonfinite = describe(flags)
         if not self.skipped and not self.nonfinite:
             with region("meshlm.optimizer_step"):
@@ -432,13 +434,14 @@ class Trainer:
         With islands, "world" is this rank's island (ranks of island 0 in rank 0's record)."""
         tps = self.tokens_per_step / dt
         mem = self.engine.state_bytes()
-        world, rank = self.mesh.size("inner"), self.mesh.local_rank("inner")
+        world = self.mesh.size(self.island_axis)
+        rank = self.mesh.local_rank(self.island_axis)
         table = [0.0] * (4 * world + 1)  # per rank: peak, params, grads, optim; stop flag
         table[4 * rank: 4 * rank + 4] = [float(self.memory.measure("steps")), mem["params"],
                                          mem["grads"], mem["optim"]]
         table[-1] = float(self.stop.requested)
         if world > 1:
-            table = self.comm.reduce_scalars(table, "inner")
+            table = self.comm.reduce_scalars(table, self.island_axis)
         self.stop_agreed = table[-1] > 0  # some rank was asked to stop: all stop here
         table = table[:-1]
         per_rank = [[int(x) for x in table[i::4]] for i in range(4)]
@@ -476,6 +479,7 @@ class Trainer:
         with region("meshlm.outer_step"):
             rec = self.diloco.sync(step, due, self.stop_agreed)
         self.stop_agreed = rec.pop("_stop")
+        rec["comm_bytes"] = self.comm.log.bytes_by_op()  # the step's, with the synchronisation
         return rec
 
     def cp_record(self) -> dict[str, Any]:
