@@ -116,6 +116,23 @@ def trained(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPath
     (["--.steps=3"], "unknown config key '.steps'"),
     (["--model.n_layers=100000"], "by the planner's estimate, but cpu has"),
     (["--model.dim=65536", "--model.n_heads=64", "--model.n_kv_heads=8"], "train.micro_batch"),
+    (["--train.optimizer=lion"], "train.optimizer='lion' is not one of adamw, sgd"),
+    (["--train.optimizer=sgd", "--parallel.offload=disk"], "it needs train.optimizer=adamw"),
+    (["--parallel.islands=0"], "parallel.islands=0 must be >= 1"),
+    (["--parallel.islands=3"], "train.global_batch=4 is not divisible by parallel.dp * "
+                               "islands = 1 * 3"),
+    (["--parallel.islands=2", "--diloco.inner_steps=0"], "diloco.inner_steps=0 must be >= 1"),
+    (["--parallel.islands=2", "--diloco.outer_lr=0"], "diloco.outer_lr=0.0 must be positive"),
+    (["--parallel.islands=2", "--diloco.outer_momentum=1"],
+     "diloco.outer_momentum=1.0 must lie in [0, 1)"),
+    (["--parallel.islands=2", "--diloco.reduce_dtype=int8"],
+     "diloco.reduce_dtype='int8' is not one of fp32, bf16, fp16"),
+    (["--parallel.islands=2", "--diloco.fragments=3"],
+     "diloco.fragments=3 must lie in [1, model.n_layers=2]"),
+    (["--parallel.islands=2", "--diloco.inner_steps=3", "--diloco.fragments=2"],
+     "diloco.inner_steps=3 is not divisible by diloco.fragments=2"),
+    (["--parallel.islands=2", "--train.on_nonfinite=rollback"],
+     "train.on_nonfinite=rollback cannot be used with parallel.islands > 1"),
 ])
 def test_config_mistake(args: list[str], message: str, corpus_dir: Path, cache_dir: Path,
                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

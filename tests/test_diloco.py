@@ -4,7 +4,7 @@
 - H = 1, outer lr 1, no outer momentum, with a linear inner optimizer (SGD with momentum):
   averaging the islands' updates is one update on their averaged gradients, so the run equals
   synchronous training on the same global batch (relative < 1e-5), for islands of dp = 1 (K = 4)
-  and of tp = 2 (K = 2). AdamW is not linear in the gradient: with it DiLoCo is a different
+  and of tp = 2, pp = 2 (1F1B, 2 micro-batches) and cp = 2 (zigzag) (K = 2). AdamW is not linear in the gradient: with it DiLoCo is a different
   algorithm at every H (the benchmark measures how close it comes).
 - K = 2 islands of dp = 2 with ZeRO-1 (AdamW) resume exactly from a checkpoint taken in the
   middle of an outer round; islands of tp = 2 with 2 staggered fragments in bf16 too.
@@ -65,7 +65,8 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
     root = tmp_path_factory.mktemp("diloco")
     base = base_args(corpus_dir, cache_dir)
     d = {name: f"--run.dir={root / name}" for name in (
-        "ref-sgd", "ref-plain", "k1", "k4-dp1", "k2-tp2", "k2-zero1", "k2-tp2-fragments")}
+        "ref-sgd", "ref-plain", "k1", "k4-dp1", "k2-tp2", "k2-pp2", "k2-cp2", "k2-zero1",
+        "k2-tp2-fragments")}
     refs = {
         "ref-sgd": base + SGD + ["--train.micro_batch=8", d["ref-sgd"]],
         "ref-plain": base + ["--train.micro_batch=8", d["ref-plain"]],
@@ -77,6 +78,9 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
     runs = {
         "k4-dp1": base + SGD + SYNC + ["--parallel.islands=4", "--parallel.dp=1", d["k4-dp1"]],
         "k2-tp2": base + SGD + SYNC + ["--parallel.islands=2", "--parallel.tp=2", d["k2-tp2"]],
+        "k2-pp2": base + SGD + SYNC + ["--parallel.islands=2", "--parallel.pp=2",
+                                       "--train.micro_batch=2", d["k2-pp2"]],
+        "k2-cp2": base + SGD + SYNC + ["--parallel.islands=2", "--parallel.cp=2", d["k2-cp2"]],
         "k2-zero1": base + zero1 + [d["k2-zero1"]],
         "k2-tp2-fragments": base + ["--parallel.islands=2", "--parallel.tp=2",
                                     "--diloco.inner_steps=4", "--diloco.fragments=2",
@@ -106,7 +110,7 @@ def test_one_island_is_the_plain_run(world) -> None:  # noqa: ANN001
     assert worst == 0.0, (name, worst)
 
 
-@pytest.mark.parametrize("run", ["k4-dp1", "k2-tp2"])
+@pytest.mark.parametrize("run", ["k4-dp1", "k2-tp2", "k2-pp2", "k2-cp2"])
 def test_one_inner_step_is_synchronous_training(run: str, world) -> None:  # noqa: ANN001
     """Each step's mean loss over the islands (``outer_loss``) and the final weights equal the
     one-process run's on the same global batch; every step is an outer step."""

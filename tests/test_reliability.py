@@ -164,6 +164,36 @@ def test_a_second_signal_ends_the_process_at_once() -> None:
     assert proc.returncode == -signal.SIGTERM
 
 
+def test_a_second_signal_ends_a_stuck_graceful_stop_at_once(args: list[str],
+                                                           tmp_path: Path) -> None:
+    """Through the launcher, with the graceful stop unable to finish (rank 3 frozen inside
+    step 3, as a hung kernel would be): the first SIGTERM asks for a graceful stop, a second
+    one 1.5 s later ends every process within seconds -- not after distributed.timeout_s --
+    with ``meshlm: interrupted`` (exit 130); the run dir keeps its last complete checkpoint."""
+    stop_file, run = tmp_path / "stopped_at", tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(MESHLM), *args, *LAYOUT, "--train.steps=200", "--train.checkpoint_every=1",
+         f"--run.dir={run}", "--distributed.timeout_s=120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env({"MESHLM_FAULT_STOP_AT_STEP": "3", "MESHLM_FAULT_STOP_FILE": str(stop_file)}))
+    deadline = time.time() + 180
+    while not stop_file.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert stop_file.exists(), proc.communicate(timeout=60)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # graceful: cannot finish, rank 3 is frozen
+    time.sleep(1.5)
+    assert proc.poll() is None
+    second = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - second < 15, "a second signal must not wait for the timeout"
+    assert proc.returncode == 130 and err.strip().endswith("meshlm: interrupted"), (out, err)
+    complete = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]
+    assert "step_0000002" in complete, complete
+    assert ShardedCheckpoint(run / "checkpoints" / "step_0000002").trainer["step"] == 2
+
+
 # ------------------------------------------------------------------ non-finite policies
 def _policy_run(base: list[str], extra: list[str], env: dict[str, str]) -> dict:
     """One run in a spawned world: per rank, the error (or None) and the final weights."""
