@@ -59,12 +59,20 @@ from typing import Any
 
 from meshlm.layout import Layout
 from meshlm.models.config import ModelConfig
+from meshlm.models.published import CATALOGUE as MODELS
+from meshlm.models.published import match as match_model
 from meshlm.planner.hardware import CATALOGUE, GIB, Accelerator
 from meshlm.planner.search import Plan, evaluate, search
 from meshlm.planner.workload import ModelSpec, Workload
 
 ROOT = Path(__file__).resolve().parent
 TOLERANCE = 0.20
+# Shape fields a row may leave blank, the catalogue field that completes each, and the
+# documented default where no source gives it (GPT-2's BPE; the GPT-3-era context).
+SHAPE_FIELDS = {"layers": "n_layers", "hidden": "dim", "ffn_hidden": "ffn_hidden",
+                "heads": "n_heads", "kv_heads": "n_kv_heads", "vocab": "vocab_size",
+                "seq_len": "max_seq_len"}
+DEFAULTS = {"vocab": 50257, "seq_len": 2048}
 
 
 @dataclass
@@ -76,6 +84,8 @@ class Row:
     layout: Layout | None = None
     hw: Accelerator | None = None
     free: list[str] = field(default_factory=list)  # knobs the planner completed
+    filled: dict[str, str] = field(default_factory=dict)  # blank CSV fields -> where from
+    rules: list[str] = field(default_factory=list)  # modelling rules applied to the row
     metric: str = ""
     reported: float = 0.0
 
@@ -91,6 +101,32 @@ def _num(raw: dict[str, str], key: str) -> float | None:
 def _int(raw: dict[str, str], key: str) -> int | None:
     v = _num(raw, key)
     return int(v) if v is not None else None
+
+
+def complete_shape(raw: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The row with blank shape fields taken from the catalogue entry its model name names
+    (``meshlm.models.published``), and vocabulary / sequence length still blank from
+    :data:`DEFAULTS`; plus field -> where its value came from."""
+    out, filled = dict(raw), {}
+    key = match_model(raw.get("model_name", ""))
+    for col, attr in SHAPE_FIELDS.items():
+        if (raw.get(col) or "").strip():
+            continue
+        if key is not None:
+            cfg = MODELS[key].config
+            value = getattr(cfg, attr)
+            if col == "kv_heads" and not (raw.get("heads") or "").strip():
+                value = cfg.n_kv_heads
+            out[col] = str(value)
+            filled[col] = f"{key} ({MODELS[key].source.split(',')[0]})"
+        elif col in DEFAULTS:
+            out[col] = str(DEFAULTS[col])
+            filled[col] = f"default {DEFAULTS[col]} (no source gives it)"
+    # kv heads / ffn left blank by a row that gives the rest follow the row (GPT rules below)
+    for col in ("kv_heads", "ffn_hidden"):
+        if col in filled and key is not None and (raw.get("heads") or "").strip():
+            out[col], _ = raw.get(col, ""), filled.pop(col)
+    return out, filled
 
 
 def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
@@ -196,6 +232,8 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
     if not row.metric:
         row.reason = "no reported throughput, MFU or step time"
         return row
+    raw, row.filled = complete_shape(raw)
+    row.raw = raw
     spec = build_model(raw, raw.get("model_name", f"row{index}"))
     if isinstance(spec, str):
         row.reason = spec
@@ -209,19 +247,29 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
         row.reason = "number of GPUs not given"
         return row
     tp, pp, cp = (_int(raw, k) or 1 for k in ("tp", "pp", "cp"))
-    if _int(raw, "dp") is None and _int(raw, "tp") is None and _int(raw, "pp") is None:
-        row.reason = "parallel layout not given"
-        return row
+    searched = _int(raw, "dp") is None and _int(raw, "tp") is None and _int(raw, "pp") is None
+    if searched:  # no layout published: the planner's search picks one (flagged)
+        row.free.append("layout")
     dp = _int(raw, "dp") or gpus // (tp * pp * cp)
     if dp * tp * pp * cp != gpus:
         row.reason = f"layout tp*pp*dp*cp = {tp * pp * dp * cp} != {gpus} GPUs"
         return row
     mbs, gb = _int(raw, "micro_batch"), _int(raw, "global_batch_seqs")
+    key = match_model(raw.get("model_name", ""))
+    if gb is None and mbs is None and key is not None and MODELS[key].train_batch:
+        gb = MODELS[key].train_batch  # the model's published training batch
+        row.filled["global_batch_seqs"] = f"{key} training batch {gb}"
     if gb is None:
         if mbs is None:
             row.reason = "neither global batch nor micro-batch given"
             return row
         gb = mbs * dp
+    if pp > 1 and mbs is not None and gb // (dp * mbs) < pp and mbs % pp == 0:
+        # The published micro-batch is the data-parallel rank's whole batch (torchtitan's
+        # local batch size): a pipeline splits it into pp micro-batches (torchtitan's default
+        # pipeline_parallel_microbatches is the pipeline degree), so micro-batch = local / pp.
+        row.rules.append(f"pipeline splits the local batch of {mbs} into {pp} micro-batches")
+        mbs //= pp
     vpp = _int(raw, "vpp") or 1
     year = source_year(raw.get("source", ""))
     rc = recompute_mode(raw.get("recompute", ""))
@@ -242,8 +290,8 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
                         zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), micro_batch=mbs or 1,
                         recompute=rc or "none",
                         pp_schedule="interleaved" if vpp > 1 else "1f1b", pp_virtual=vpp)
-    row.free = ((["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
-                + (["sp"] if tp > 1 and not sp_given and modern else []))
+    row.free += ((["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
+                 + (["sp"] if tp > 1 and not sp_given and modern else []))
     row.hw = hw
     return row
 
@@ -252,6 +300,10 @@ def predict(row: Row) -> Plan:
     """The row's layout; blank knobs completed with the fastest choice that fits."""
     assert row.work and row.layout and row.hw
     base = row.layout
+    if "layout" in row.free:  # nothing published: the search's fastest layout that fits
+        top = search(row.work, base.world_size, row.hw, top=1, tp_overlap=base.tp_overlap)
+        if top:
+            return top[0]
     options = [base]
     if row.free:
         mbs_opts = ([d for d in range(1, 129) if (row.work.global_batch // base.dp) % d == 0]
@@ -330,6 +382,7 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
         entry = {**base, "metric": row.metric, "reported": row.reported, "predicted": pred,
                  "error": err, "mfu_error": mfu_err, "within": abs(mfu_err) <= TOLERANCE,
                  "layout": plan.layout.describe(), "completed": row.free,
+                 "filled": row.filled, "rules": row.rules,
                  "fits": plan.fits, "memory_gib": plan.memory.total / GIB,
                  "predicted_mfu": plan.time.mfu, "step_time_s": plan.time.step}
         mem = reported_memory_gib(raw)
@@ -352,6 +405,10 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
         results.append(entry)
     within = sum(r["within"] for r in results)
     given = [r for r in results if not r["completed"]]
+    # rows predicted from published numbers alone (nothing filled from the catalogue, no
+    # modelling rule, no searched layout) vs the rest
+    published = [r for r in results if not r["filled"] and not r["rules"]
+                 and "layout" not in r["completed"]]
     summary = {
         "csv": path.name,  # the file name only: results do not record machine paths
         "rows": len(raws), "predicted": len(results), "skipped": len(skipped),
@@ -359,6 +416,11 @@ def run(path: Path, do_search: bool = True) -> dict[str, Any]:
         "given_layout_rows": len(given),
         "given_layout_within_20pct": sum(r["within"] for r in given),
         "median_abs_mfu_error": _median([abs(r["mfu_error"]) for r in results]),
+        "within_10pct": sum(abs(r["mfu_error"]) <= 0.10 for r in results),
+        "published_rows": len(published),
+        "published_within_20pct": sum(r["within"] for r in published),
+        "completed_rows": len(results) - len(published),
+        "completed_within_20pct": within - sum(r["within"] for r in published),
     }
     mems = [r["memory_error"] for r in results if "memory_error" in r]
     summary["memory_rows"] = len(mems)
@@ -383,6 +445,9 @@ def print_table(report: dict[str, Any]) -> None:
         fmt = ".3f" if r["metric"] in ("mfu", "step_time_s") else ".1f"
         speed = f"{r['search_speedup']:.2f}" if r.get("search_speedup") else "-"
         done = " (completed: " + ",".join(r["completed"]) + ")" if r["completed"] else ""
+        done += (" (filled: " + ", ".join(f"{k} <- {v}" for k, v in r["filled"].items()) + ")"
+                 if r["filled"] else "")
+        done += "".join(f" ({rule})" for rule in r["rules"])
         print(f"{r['row']:>3} {r['model_name'][:34]:<34} {r['num_gpus']:>5} {r['metric']:<12} "
               f"{r['reported']:>10{fmt}} {r['predicted']:>10{fmt}} {r['mfu_error']:>+7.1%} "
               f"{mark:>3} {speed:>8}  {r['layout']}{done}")
@@ -391,7 +456,10 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{r['row']:>3} {str(r['model_name'])[:34]:<34} {r['reason']}")
     s = report["summary"]
     print(f"\n{s['within_20pct']}/{s['predicted']} predicted rows within 20 % "
-          f"({s['fraction_within_20pct']:.0%}); rows with the whole layout given: "
+          f"({s['fraction_within_20pct']:.0%}), {s['within_10pct']} within 10 %; from "
+          f"published numbers alone: {s['published_within_20pct']}/{s['published_rows']}; "
+          f"completed (catalogue, rules, searched layout): {s['completed_within_20pct']}/"
+          f"{s['completed_rows']}; rows with the whole layout given: "
           f"{s['given_layout_within_20pct']}/{s['given_layout_rows']}; median |error| "
           f"{s['median_abs_mfu_error']:.1%}; {s['skipped']} rows not predicted")
     if s["memory_rows"]:
@@ -412,6 +480,8 @@ def print_markdown(report: dict[str, Any]) -> None:
         fmt = ".3f" if r["metric"] in ("mfu", "step_time_s") else ".1f"
         src = re.split(r"[;('\"]", r["source"])[0].strip()[:32]
         done = f" ({', '.join(r['completed'])})" if r["completed"] else ""
+        done += (f"; {', '.join(k for k in r['filled'])} from {next(iter(r['filled'].values()))}"
+                 if r["filled"] else "") + "".join(f"; {rule}" for rule in r["rules"])
         fits = "" if r["fits"] else " -- predicted not to fit"
         speed = f"{r['search_speedup']:.2f}" if r.get("search_speedup") else "-"
         print(f"| {r['row']} | {r['model_name']} -- {src} | {r['num_gpus']} | "

@@ -410,19 +410,23 @@ def check_model(ckpt: ShardedCheckpoint, expected: dict[str, tuple[int, ...]]) -
 
 
 def load_into(ckpt: ShardedCheckpoint, engine: Engine, device: torch.device,
-              log: Callable[[str], None] | None = None, prefix: str = "") -> None:
+              log: Callable[[str], None] | None = None, prefix: str = "") -> bool:
     """Fill this rank's weights and (when stored) AdamW moments from ``ckpt``: each rank reads
     only the boxes of the ranges it holds. ``prefix`` (``islandK/``): an island's own weights
-    and moments when the checkpoint holds them, else the common ones."""
+    and moments when the checkpoint holds them, else the common ones. Returns whether the
+    optimizer state was found (a checkpoint of another optimizer, or of islands resumed
+    without them, has none for this run: it starts fresh)."""
     if prefix and not ckpt.holds(prefix + "weight"):
         prefix = ""
     weights = ckpt.source(prefix + "weight")
     for spec, lo, hi, view in engine.held():
         view.copy_(read_local(weights, spec, lo, hi, device))
     kinds = engine.state_kinds()  # (a checkpoint of another optimizer: its state is not ours)
-    if all(ckpt.holds(prefix + k) for k in kinds):
-        step = int(ckpt.trainer.get("adam_step", ckpt.trainer["step"]))
-        sources = {k: ckpt.source(prefix + k) for k in kinds}
-        for o in engine.owned():
-            engine.set_moments(o, step, {k: read_local(s, o.spec, o.lo, o.hi, device)
-                                         for k, s in sources.items()})
+    if not all(ckpt.holds(prefix + k) for k in kinds):
+        return False
+    step = int(ckpt.trainer.get("adam_step", ckpt.trainer["step"]))
+    sources = {k: ckpt.source(prefix + k) for k in kinds}
+    for o in engine.owned():
+        engine.set_moments(o, step, {k: read_local(s, o.spec, o.lo, o.hi, device)
+                                     for k, s in sources.items()})
+    return True

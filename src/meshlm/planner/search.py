@@ -65,9 +65,11 @@ class Plan:
 
 def evaluate(work: Workload, layout: Layout, hw: Accelerator, world: int | None = None,
              strict: bool = False) -> Plan:
-    """Memory and time of one layout (time is left out when the layout is invalid)."""
+    """Memory and time of one layout (time is left out when the layout is invalid). A tensor-
+    parallel group wider than a node is evaluated (its collectives at the network's rate, as
+    published runs such as nanotron's tp=16 did); the search never proposes one."""
     problems = layout.problems(work.model.config, work.seq_len, work.global_batch, world,
-                               None if hw.is_cpu else hw.gpus_per_node, strict)
+                               None, strict)
     mem = memory(work, layout, hw) if not problems else _empty_memory(hw)
     t = step_time(work, layout, hw) if not problems else None
     return Plan(layout, mem, t, problems)

@@ -185,13 +185,21 @@ def model_from_mapping(data: dict[str, Any], origin: str) -> ModelSpec:
 
 
 def load_model_spec(name_or_path: str) -> ModelSpec:
-    """A preset name, or a TOML file with the model's dims (a ``[model]`` table or top level)."""
+    """A preset name, a published model (``models/published.py``: ``gpt3-175b``, ...), or a
+    TOML file with the model's dims (a ``[model]`` table or top level)."""
+    from ..models.published import CATALOGUE
+
     if name_or_path in PRESETS:
         return ModelSpec(PRESETS[name_or_path])
+    if name_or_path in CATALOGUE:
+        entry = CATALOGUE[name_or_path]
+        return ModelSpec(entry.config, gated_mlp=entry.gated_mlp)
     path = Path(name_or_path).expanduser()
     if not path.is_file():
         raise ConfigError(f"--model {name_or_path!r} is neither a preset "
-                          f"({', '.join(PRESETS)}) nor a TOML file")
+                          f"({', '.join(PRESETS)}), a published model "
+                          f"({', '.join(k for k in CATALOGUE if k not in PRESETS)}) nor a "
+                          "TOML file")
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

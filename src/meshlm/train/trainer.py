@@ -403,7 +403,10 @@ class Trainer:
                 raise CheckpointError(f"{directory / 'trainer.json'}: no sampler state (a "
                                       "weights-only checkpoint: use it as model.init_from)")
             check_model(ckpt, self.param_shapes)
-            load_into(ckpt, self.engine, self.device, prefix=island_prefix(self.mesh))
+            if not load_into(ckpt, self.engine, self.device, prefix=island_prefix(self.mesh)):
+                self.log(f"checkpoint {directory.name} holds no {' / '.join(self.engine.state_kinds())}"
+                         f" for this run (another optimizer, or DiLoCo islands): the optimizer "
+                         "state starts fresh")
             if self.diloco is not None:
                 self.diloco.load(lambda kind, o: (read_local(ckpt.source(kind), o.spec, o.lo,
                                                              o.hi, self.device)
