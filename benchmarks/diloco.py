@@ -107,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--inner", type=int, nargs="*", default=[10, 50, 100])
     ap.add_argument("--json", default="benchmarks/results/diloco.json")

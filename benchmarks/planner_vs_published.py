@@ -214,12 +214,28 @@ def recompute_mode(text: str) -> str | None:
     return "none"
 
 
+# Kernel families (planner Workload.kernels): fused memory-bound kernels in Megatron-LM /
+# Megatron-Core (apex / Transformer Engine fused norms, bias-GeLU, fused softmax; also under
+# Megatron-DeepSpeed), NeMo, nanotron (flash-attn's fused RMSNorm and rotary kernels) and
+# torch.compile'd torchtitan; eager PyTorch otherwise (torchtitan without compile,
+# llm-foundry's MPT blocks). Read from the row's text, never from its error.
+FUSED_STACKS = ("megatron", "nemo", "transformer engine", "nanotron", "compile")
+
+
+def kernel_family(raw: dict[str, str], mode: str) -> str:
+    """``mode`` "family": by :data:`FUSED_STACKS`; "eager" / "fused": that for every row."""
+    if mode != "family":
+        return mode
+    text = " ".join(raw.get(k, "") for k in ("source", "model_name", "notes")).lower()
+    return "fused" if any(k in text for k in FUSED_STACKS) else "eager"
+
+
 def source_year(source: str) -> int | None:
     years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", source)]
     return years[0] if years else None
 
 
-def build_row(index: int, raw: dict[str, str]) -> Row:
+def build_row(index: int, raw: dict[str, str], kernels: str = "eager") -> Row:
     row = Row(index, raw)
     # Measured quantities first: they carry no FLOP convention that could be misread.
     for key, metric in (("reported_tokens_per_sec_per_gpu", "tokens_per_s_per_gpu"),
@@ -283,7 +299,8 @@ def build_row(index: int, raw: dict[str, str]) -> Row:
     fused = bool(re.search(r"fused[ _-]?(cross[ _-]?entropy|ce\b|loss)|loss[ _-]fusion", text)
                  or "llm-foundry" in raw.get("source", "").lower())
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
-                        profile="megatron", flash=modern, loss="fused" if fused else "torch")
+                        profile="megatron", flash=modern, loss="fused" if fused else "torch",
+                        kernels=kernel_family(raw, kernels))
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
                         tp_overlap=any(k in text.replace(" ", "")
                                        for k in ("tp-comm-overlap", "asynctp")),
@@ -359,13 +376,13 @@ def reported_memory_gib(raw: dict[str, str]) -> float | None:
     return value if "unit: gib" in raw.get("notes", "").lower() else value * 1e9 / GIB
 
 
-def run(path: Path, do_search: bool = True) -> dict[str, Any]:
+def run(path: Path, do_search: bool = True, kernels: str = "eager") -> dict[str, Any]:
     with path.open(newline="") as f:
         raws = list(csv.DictReader(f))
     results, skipped = [], []
     search_cache: dict[tuple, Plan | None] = {}
     for i, raw in enumerate(raws):
-        row = build_row(i, raw)
+        row = build_row(i, raw, kernels)
         base = {"row": i, "source": raw.get("source", ""), "table_ref": raw.get("table_ref"),
                 "model_name": raw.get("model_name"), "num_gpus": _int(raw, "num_gpus"),
                 "hardware": raw.get("hardware", "")}
@@ -508,8 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print the docs/planner.md tables")
     ap.add_argument("--no-search", action="store_true", help="skip the layout search check")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
+    ap.add_argument("--kernels", choices=["family", "eager", "fused"], default="eager",
+                    help="memory-bound kernels of every row: eager (default), fused, or by "
+                         "the source's framework family")
     args = ap.parse_args(argv)
-    report = run(args.csv, do_search=not args.no_search)
+    report = run(args.csv, do_search=not args.no_search, kernels=args.kernels)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

@@ -23,7 +23,7 @@ from ..layout import Layout
 from .hardware import GIB, Accelerator, get_accelerator
 from .memory import memory
 from .search import Plan, evaluate, search
-from .workload import LOSSES, ModelSpec, Workload, load_model_spec, parse_layout
+from .workload import KERNELS, LOSSES, ModelSpec, Workload, load_model_spec, parse_layout
 
 DEFAULT_BATCH_TOKENS = 2**20  # the Ultra-Scale Playbook's benchmark batch: 1M tokens
 
@@ -53,6 +53,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--loss", choices=LOSSES, default="torch",
                    help="cross-entropy: torch (fp32 logits, as meshlm) or fused (gradient "
                         "written in place: flash-attn, Megatron-Core loss fusion)")
+    p.add_argument("--kernels", choices=KERNELS, default="eager",
+                   help="memory-bound kernels: eager (one PyTorch kernel per op, as meshlm "
+                        "runs) or fused (Megatron-Core / Transformer Engine, torch.compile)")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--calibrate", action="store_true",
@@ -82,7 +85,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     spec = load_model_spec(args.model)
     hw = get_accelerator(args.gpu, args.calibration)
     work = build_workload(spec, hw, args.seq_len, args.global_batch_tokens, args.precision,
-                          args.states, args.loss)
+                          args.states, args.loss, args.kernels)
     if args.layout:
         plan = evaluate(work, parse_layout(args.layout, args.gpus), hw, args.gpus)
         if plan.problems:
@@ -103,7 +106,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
                    batch_tokens: int | None, precision: str | None, states: str,
-                   loss: str = "torch") -> Workload:
+                   loss: str = "torch", kernels: str = "eager") -> Workload:
     c = spec.config
     seq = seq_len or min(c.max_seq_len, 256 if hw.is_cpu else 2048)
     if seq < 1 or seq > c.max_seq_len:
@@ -114,7 +117,8 @@ def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
         raise ConfigError(f"--global-batch-tokens={tokens} is less than one sequence of "
                           f"{seq} tokens")
     dtype = precision or ("fp32" if hw.is_cpu else "bf16")
-    return Workload(spec, seq, tokens // seq, dtype=dtype, states=states, loss=loss)
+    return Workload(spec, seq, tokens // seq, dtype=dtype, states=states, loss=loss,
+                    kernels=kernels)
 
 
 def context(work: Workload, hw: Accelerator, gpus: int) -> dict[str, Any]:

@@ -18,9 +18,14 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   7.6 in fp32 (7.5 for ``tiny``), 11.0 under bf16 autocast (its casts and fp32
   norms; fp16 and fp8 assumed the same); a test recounts both. It is the traffic of an eager
   PyTorch Llama block: fused kernels (Megatron, torch.compile) move less, and the planner does
-  not credit them. Under tensor parallelism the saved bytes split as the work does (norms over
-  sequence shards with sp, the regions' interior over tp); tp adds 4 activation copies per
-  layer (the clones around its all-reduces, ``parallel/tensor_comm.py``);
+  not credit them unless the workload says ``kernels="fused"``: then the traffic is counted
+  per fused kernel, each reading its inputs and writing its outputs once per token
+  (:data:`FUSED_ELEMENTS`: two RMSNorms, rotary on q and k, SwiGLU / GELU, two residual
+  adds, forward and backward) -- Megatron-Core with Transformer Engine, NeMo, flash-attn's
+  kernels, torch.compile'd blocks. Under tensor parallelism the saved bytes split as the work
+  does (norms over sequence shards with sp, the regions' interior over tp); tp adds 4
+  activation copies per layer (the clones around its all-reduces,
+  ``parallel/tensor_comm.py``);
 - the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient), or
   ``FUSED_CE_PASSES`` over the logits in their dtype for a fused loss; on CPU
   the measured per-element cost of (vocab-parallel) cross-entropy forward + backward;
@@ -95,6 +100,14 @@ C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0, "fp8": 11.0}  # fp16/fp8: 
 CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
 FUSED_CE_PASSES = 3.0  # fused loss: read the logits (forward), read + write them (gradient)
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
+# ``kernels="fused"``: elements read + written per token by a fused block's memory-bound
+# kernels, forward + backward, as (per hidden h, per KV width, per MLP hidden f, per MLP input
+# of a non-gated MLP). Forward: RMSNorm 2h (x2), rotary 2(h + kv), residual add 3h (x2),
+# SwiGLU 3f (read both halves, write the product; GELU 2f); backward: RMSNorm 3h (x2: x, dy
+# -> dx), rotary 2(h + kv), residual gradient adds 3h (x2), SwiGLU 5f (GELU 3f). Sum:
+# 26 h + 4 kv + 8 f (SwiGLU) or 5 f (GELU). Counted per kernel, not measured.
+FUSED_ELEMENTS = {"h": 26.0, "kv": 4.0, "f_gated": 8.0, "f_plain": 5.0}
+FUSED_KERNELS_PER_LAYER = 20  # norms, rotary, activation, adds, attention, GEMMs, fwd + bwd
 KERNELS_PER_LAYER = 96  # of which launch a kernel (the rest are views)
 OPTIM_BYTES = 40.0  # AdamW: read p, g, m, v and write p, m, v (28) + zero_grad and clipping
 
@@ -216,7 +229,15 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     # tensor parallelism copies each region's output before its all-reduce, forward and
     # backward (parallel/tensor_comm.py): 4 activation copies (read + write) per layer
     copies = 4 * 2 * tensor / (lo.tp if lo.sp else 1) if t > 1 else 0.0
-    elem = (C_TRAFFIC[work.dtype] * eager_saved(work, lo, moe) + copies) / rates.bandwidth(tensor)
+    if work.kernels == "fused":
+        f_width = (c.expert_hidden * c.moe_topk if moe else c.ffn_hidden) / t
+        per_token = (FUSED_ELEMENTS["h"] * h / (t if lo.sp else 1) + FUSED_ELEMENTS["kv"] * kv / t
+                     + FUSED_ELEMENTS["f_gated" if work.model.gated_mlp else "f_plain"]
+                     * f_width)
+        traffic = per_token * tokens * a
+    else:
+        traffic = C_TRAFFIC[work.dtype] * eager_saved(work, lo, moe)
+    elem = (traffic + copies) / rates.bandwidth(tensor)
     out = {"gemm": gemm, "attention": 3 * attn_fwd, "memory-bound": elem}
     if lo.recompute == "full":
         out["recompute"] = gemm / 3 + attn_fwd + elem / 3
@@ -228,7 +249,8 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     if rates.serial_ops:
         out["op overhead"] = OPS_PER_LAYER * rates.op_overhead
     else:  # launches overlap kernels; a layer cannot run faster than it can launch them
-        launch = KERNELS_PER_LAYER * rates.op_overhead
+        kernels = FUSED_KERNELS_PER_LAYER if work.kernels == "fused" else KERNELS_PER_LAYER
+        launch = kernels * rates.op_overhead
         busy = sum(out.values())
         if launch > busy:
             out["op overhead"] = launch - busy

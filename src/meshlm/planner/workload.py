@@ -27,6 +27,7 @@ DTYPES = ("fp32", "bf16", "fp16", "fp8")
 STATES = ("fp32", "mixed")
 PROFILES = ("meshlm", "megatron")
 LOSSES = ("torch", "fused", "chunked")
+KERNELS = ("eager", "fused")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,10 @@ class Workload:
     (``F.cross_entropy`` on fp32 logits, as meshlm) or ``fused`` (one kernel that keeps the
     logits in their dtype and writes the gradient in place: flash-attn's, Megatron-Core's
     ``--cross-entropy-loss-fusion``) or ``chunked`` (meshlm's ``train.loss=chunked``: the head
-    and loss over ``loss_chunk`` tokens at a time, gradients formed in forward).
+    and loss over ``loss_chunk`` tokens at a time, gradients formed in forward). ``kernels``
+    is the family of the memory-bound kernels: ``eager`` (meshlm's PyTorch block, one kernel
+    per op: what meshlm itself runs) or ``fused`` (Megatron-Core / Transformer Engine, NeMo,
+    flash-attn's and torch.compile's fused norms, rotary, SwiGLU and residual adds).
     """
 
     model: ModelSpec
@@ -95,6 +99,7 @@ class Workload:
     flash: bool = True
     loss: str = "torch"
     loss_chunk: int = 1024  # tokens per chunk of the ``chunked`` loss
+    kernels: str = "eager"  # eager | fused (memory-bound kernels; see planner/timing.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -110,6 +115,8 @@ class Workload:
             out.append(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.profile not in PROFILES:
             out.append(f"profile {self.profile!r} is not one of {', '.join(PROFILES)}")
+        if self.kernels not in KERNELS:
+            out.append(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.seq_len < 1 or self.global_batch < 1:
             out.append(f"seq_len={self.seq_len} and global_batch={self.global_batch} must be >= 1")
         return out
