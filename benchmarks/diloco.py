@@ -7,7 +7,9 @@ schedule for every run (``meshlm train`` command lines, fp32, 4 local gloo worke
   "island": every byte of that all-reduce crosses islands);
 - ``diloco-H``: 4 islands of one rank (``parallel.islands=4``), H inner AdamW steps alone, then
   one all-reduce of the pseudo-gradient and the outer Nesterov step (outer lr 0.7, momentum
-  0.9), for H in 10, 50, 100 (and any ``--inner`` given).
+  0.9), for H in 10, 50, 100 (and any ``--inner`` given);
+- ``average-H``: the same islands with outer lr 1 and no momentum: the islands' weights are
+  averaged every H steps (local SGD / FedAvg), for H = 50 (``--average``).
 
 Reported per run: the validation loss at every evaluation (every ``--eval-every`` steps; for
 DiLoCo on island 0's weights, which at a synchronisation step are the islands' common
@@ -15,7 +17,8 @@ model) and at the end; the bytes that crossed islands in all (every rank's sends
 ``all_reduce/dp`` bytes of DDP, ``island_bytes_total`` x islands for DiLoCo) per training
 token; the wall time. Writes JSON and a loss-curve plot.
 
-    python benchmarks/diloco.py [--steps 500] [--inner 10 50 100]
+    python benchmarks/diloco.py [--steps 500] [--inner 10 50 100] [--average 50] [--no-ddp]
+        [--merge]
         [--json benchmarks/results/diloco.json] [--plot docs/img/diloco_loss.png]
 """
 
@@ -44,11 +47,16 @@ def common(steps: int, eval_every: int, seq_len: int, global_batch: int) -> list
             "--train.eval_batches=8", "--run.sample_tokens=0", "--train.log_every=50"]
 
 
-def runs(inner: list[int]) -> dict[str, list[str]]:
-    out = {"ddp": [f"--parallel.dp={WORKERS}"]}
+def runs(inner: list[int], averaging: list[int], ddp: bool = True) -> dict[str, list[str]]:
+    """DDP, DiLoCo at each H (outer Nesterov lr 0.7, momentum 0.9), and plain averaging of
+    the islands (outer lr 1, no momentum: local SGD / FedAvg) at each H of ``averaging``."""
+    out = {"ddp": [f"--parallel.dp={WORKERS}"]} if ddp else {}
+    islands = [f"--parallel.islands={WORKERS}", "--parallel.dp=1"]
     for h in inner:
-        out[f"diloco-H{h}"] = [f"--parallel.islands={WORKERS}", "--parallel.dp=1",
-                               f"--diloco.inner_steps={h}"]
+        out[f"diloco-H{h}"] = [*islands, f"--diloco.inner_steps={h}"]
+    for h in averaging:
+        out[f"average-H{h}"] = [*islands, f"--diloco.inner_steps={h}", "--diloco.outer_lr=1",
+                                "--diloco.outer_momentum=0"]
     return out
 
 
@@ -110,15 +118,23 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--inner", type=int, nargs="*", default=[10, 50, 100])
+    ap.add_argument("--average", type=int, nargs="*", default=[50],
+                    help="H of plain-averaging runs (outer lr 1, no momentum)")
+    ap.add_argument("--no-ddp", action="store_true", help="skip the DDP run")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of --json that this invocation does not rerun")
     ap.add_argument("--json", default="benchmarks/results/diloco.json")
     ap.add_argument("--plot", default="docs/img/diloco_loss.png")
     a = ap.parse_args()
     base = common(a.steps, a.eval_every, a.seq_len, a.global_batch)
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-diloco-"))
     t0 = time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    todo = runs(a.inner, a.average, ddp=not a.no_ddp)
+    if a.merge and Path(a.json).is_file():
+        rows = [r for r in json.loads(Path(a.json).read_text())["rows"] if r["run"] not in todo]
     try:
-        for name, args in runs(a.inner).items():
+        for name, args in todo.items():
             rows.append(measure(name, args, base, tmp))
             Path(a.json).write_text(json.dumps({"args": vars(a), "base": base, "rows": rows,
                                                 "wall_s": time.perf_counter() - t0}, indent=1))

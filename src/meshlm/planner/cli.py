@@ -249,9 +249,10 @@ def config_memory(cfg: Config) -> list[str]:
 
 
 def fit_micro_batch(cfg: Config) -> str | None:
-    """An automatic ``train.micro_batch`` (left at 0: global / dp) made the largest divisor of
-    global / dp whose layout the planner says fits this machine's device; the line saying so
-    (None: unchanged). Nothing fits even at 1: left at 1 for the memory check to report."""
+    """An automatic ``train.micro_batch`` (left at 0: global / (dp x islands)) made the
+    largest divisor of global / (dp x islands) whose layout the planner says fits this
+    machine's device; the line saying so (None: unchanged). Nothing fits even at 1: left at 1
+    for the memory check to report."""
     if not cfg.micro_batch_auto:
         return None
     try:
@@ -259,7 +260,7 @@ def fit_micro_batch(cfg: Config) -> str | None:
     except ConfigError:
         return None
     work = config_workload(cfg, config_vocab(cfg))
-    per_rank = cfg.train.global_batch // cfg.layout().dp
+    per_rank = cfg.train.global_batch // (cfg.layout().dp * cfg.parallel.islands)
     for m in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
         cfg.train.micro_batch = m
         if memory(work, cfg.layout(), hw).fits or m == 1:
