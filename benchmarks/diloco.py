@@ -77,7 +77,7 @@ def measure(name: str, args: list[str], base: list[str], tmp: Path) -> dict[str,
         return row
     recs = read_metrics(run_dir / "metrics.jsonl")
     tokens = recs[-1]["tokens_seen"]
-    sent = cross_island_bytes(recs, name.startswith("diloco"))
+    sent = cross_island_bytes(recs, any(a.startswith("--parallel.islands") for a in args))
     row.update(
         tokens=tokens, val=[(r["tokens_seen"], r["val_loss"]) for r in recs if "val_loss" in r],
         final_val_loss=recs[-1]["val_loss"], final_train_loss=recs[-1]["loss"],
