@@ -108,6 +108,9 @@ class TrainSection:
     # output kept) | full (whole decoder layers); see parallel/recompute.py
     recompute: str = "none"
     loss: str = "torch"  # torch (whole logits) | chunked (LM head + loss over token chunks)
+    # torch.compile each decoder block, the final norm + head and the loss after
+    # parallelisation (inductor; needs a C++ compiler on CPU); see parallel/compile.py
+    compile: bool = False
     loss_chunk: int = 1024  # tokens per chunk of the chunked loss
     # a non-finite loss or gradient norm: stop (error, nothing saved) | skip (drop the step) |
     # rollback (reload the last checkpoint, skip the offending batches); see train/nonfinite.py
@@ -456,6 +459,15 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
            f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(NONFINITE)}")
     _check(t.max_skips >= 1, f"train.max_skips={t.max_skips} must be >= 1")
     skip_batches(t.skip_batches)  # (raises ConfigError)
+    if t.compile:
+        import torch
+
+        from .toolchain import CompileError, check_compiler
+
+        try:
+            check_compiler("cuda" if torch.cuda.is_available() else "cpu")
+        except CompileError as e:
+            raise ConfigError(str(e)) from None
     d_ = cfg.distributed
     for key in ("timeout_s", "init_timeout_s"):
         _check(getattr(d_, key) > 0, f"distributed.{key}={getattr(d_, key)} must be positive")

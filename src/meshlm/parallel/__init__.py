@@ -1,7 +1,7 @@
 """Parallelism applied to a plain model: ``parallelize(model, mesh, comm, config)``.
 
 Order (torchtitan's): tensor/sequence parallel -> context parallel -> expert parallel ->
-pipeline split -> activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
+pipeline split -> torch.compile of each block (``train.compile``) -> activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
 returned owns gradients and the optimizer.
@@ -26,6 +26,7 @@ from ..distributed.comm import Comm
 from ..distributed.source import TensorSource, assign, read_local
 from ..distributed.spec import attach_specs, spec_of
 from ..models.llama import Transformer
+from .compile import apply_compile
 from .context import ContextParallel, apply_context_parallel
 from .data import DDPEngine
 from .engine import Engine, LocalEngine
@@ -84,6 +85,8 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)
+    if train.compile:  # (before recomputation wraps the blocks: see compile.py)
+        apply_compile(model)
     apply_recompute(model, train.recompute)  # (this rank's layers)
     device = comm.mesh.device()
     if parallel.zero == 3:

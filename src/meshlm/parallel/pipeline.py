@@ -12,7 +12,8 @@ axis, each run of consecutive send/recv actions as one batch; shapes are known a
 are waited at the end of the step, receives at once. Zero-bubble ``I``/``W`` passes: ``I``
 runs autograd for the stage input and the non-matmul weights only while hooks capture each
 linear layer's input and output gradient; ``W`` then forms the linear weight gradients
-``dy^T x`` directly.
+``dy^T x`` directly. With compiled blocks (``train.compile``) one compiled backward forms every
+gradient, so ``I`` keeps the linear weight gradients and ``W`` accumulates them.
 
 Communication per micro-batch and stage boundary: one activation forward and one gradient
 backward of ``b s h`` fp32 values (``b s h / tp`` with sequence parallelism).
@@ -99,6 +100,7 @@ class _Slot:
     out: torch.Tensor | None = None
     aux: torch.Tensor | None = None
     linears: list = field(default_factory=list)  # ZB: [module, input, output grad]
+    deferred: list = field(default_factory=list)  # ZB, compiled: (linear weight, its grad)
 
 
 class PipelineExecutor:
@@ -106,17 +108,20 @@ class PipelineExecutor:
 
     def __init__(self, pipe: PipelineModel, comm: Comm, schedule: str, m: int, v: int,
                  act_shape: tuple[int, ...], loss_fn: Callable, autocast: Callable,
-                 device: torch.device) -> None:
+                 device: torch.device, compiled: bool = False) -> None:
         self.pipe, self.comm, self.m = pipe, comm, m
         self.pp, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.actions = build_schedule(schedule, self.pp, m, v)[self.rank]
         self.act_shape, self.loss_fn, self.autocast, self.device = (
             act_shape, loss_fn, autocast, device)
         self.split = schedule == "zb"
+        # compiled blocks (train.compile) form every gradient in one backward: I then forms
+        # the linear weight gradients too, and W accumulates them (no capture hooks)
+        self.capture = self.split and not compiled
         if device.type == "cuda":
             self.RECV_AHEAD = 0
         self._capture: list | None = None
-        if self.split:
+        if self.capture:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
                     for lin in mod.modules():
@@ -231,7 +236,7 @@ class PipelineExecutor:
         else:
             x = self._received(("F", a.mb, a.stage)).requires_grad_(True)
             slot.inp = x
-        if self.split:
+        if self.capture:
             self._capture = slot.linears
         with self.autocast():
             out, aux = self.pipe.forward(a.stage, x, self.seq_len)
@@ -269,19 +274,29 @@ class PipelineExecutor:
         slot = self.slots[(a.mb, a.stage)]
         roots, grads = self._roots(a, slot)
         linear_weights = {id(rec[0].weight) for rec in slot.linears}
-        others = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
-                  if p.requires_grad and id(p) not in linear_weights]
+        params = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
+                  if p.requires_grad]
+        others = [p for p in params if id(p) not in linear_weights]
         wrt = ([slot.inp] if slot.inp is not None else []) + others
         got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         if slot.inp is not None:
             self.to_send[("B", a.mb, a.stage)] = got[0]
             got = got[1:]
+        if not self.capture:  # compiled: every gradient is here; W adds the matmul weights'
+            deferred = {id(p) for mod in self.pipe.stage_modules(a.stage)
+                        for lin in mod.modules() if isinstance(lin, nn.Linear)
+                        for p in lin.parameters()}
+            slot.deferred = [(p, g) for p, g in zip(others, got, strict=True)
+                             if id(p) in deferred]
+            got = [None if id(p) in deferred else g for p, g in zip(others, got, strict=True)]
         for p, g in zip(others, got, strict=True):
             _accumulate(p, g)
         slot.out = slot.aux = slot.inp = None  # the graph is released; W needs only linears
 
     def _do_W(self, a: Action) -> None:
         slot = self.slots.pop((a.mb, a.stage))
+        for p, g in slot.deferred:
+            _accumulate(p, g)
         for mod, x, dy in slot.linears:
             if dy is None:  # the output did not reach the loss (unused branch)
                 continue

@@ -58,6 +58,8 @@ class _Replayed:
         self.fn, self.calls = fn, 0
 
     def __call__(self, *args: Any) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced into a compiled block: AOTAutograd
+            return self.fn(*args)  # recomputes from the graph, never calling this again
         self.calls += 1
         if self.calls == 1:
             return self.fn(*args)
@@ -110,6 +112,7 @@ def apply_recompute(model: Transformer, mode: str) -> None:
         moe = isinstance(block.feed_forward, MoE)
         if mode == "selective" or (mode == "op" and moe):
             block.attention.core = checkpointed(block.attention.core)
-        else:  # the layer's own forward (module hooks -- tp regions, ZeRO-3 -- stay around it)
-            forward = functools.partial(Block.forward, block)
+        else:  # the layer's own forward (module hooks -- tp regions, ZeRO-3 -- stay around it;
+            # a compiled block's forward is recomputed compiled, see parallel/compile.py)
+            forward = vars(block).get("forward", functools.partial(Block.forward, block))
             block.forward = checkpointed(forward, _op_policy() if mode == "op" else None)

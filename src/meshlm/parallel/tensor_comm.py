@@ -10,7 +10,8 @@ over the mesh's ``tp`` axis. With activations laid out (batch, seq, hidden):
 - ``gather_last``     forward all-gather along the last dim (vocab shards -> full logits), no
   gradient (generation only)
 
-Each moves one (b, s, h) activation per call (bytes in the comm log: ``4 b s h`` in fp32);
+The collectives are ``meshlm.distributed.traceable`` custom ops, so a compiled block traces
+through these functions without a graph break. Each moves one (b, s, h) activation per call (bytes in the comm log: ``4 b s h`` in fp32);
 an all-reduce costs what an all-gather plus a reduce-scatter cost, which is why sequence
 parallelism keeps the volume of plain tensor parallelism while sharding the activations
 outside the attention and MLP blocks.
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..distributed import traceable
 from ..distributed.comm import Comm
 
 AXIS = "tp"
@@ -35,17 +37,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        grad = grad.contiguous().clone()
-        ctx.comm.all_reduce(grad, AXIS)
-        return grad, None
+        return traceable.all_reduce(grad, traceable.key_of(ctx.comm), AXIS), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: ANN001
-        out = x.contiguous().clone()
-        comm.all_reduce(out, AXIS)
-        return out
+        return traceable.all_reduce(x, traceable.key_of(comm), AXIS)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
@@ -56,8 +54,7 @@ def _all_gather_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """(b, s/t, h) on each rank -> (b, s, h), rank r's chunk at seq positions [r s/t, ...)."""
     t = comm.size(AXIS)
     b, s_local, h = x.shape
-    out = torch.empty((t * b, s_local, h), dtype=x.dtype, device=x.device)
-    comm.all_gather(out, x.contiguous().view(b, s_local, h), AXIS)  # (t*b, s/t, h)
+    out = traceable.all_gather(x, traceable.key_of(comm), AXIS)  # (t*b, s/t, h)
     return out.view(t, b, s_local, h).transpose(0, 1).reshape(b, t * s_local, h)
 
 
@@ -66,9 +63,7 @@ def _reduce_scatter_seq(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     t = comm.size(AXIS)
     b, s, h = x.shape
     chunks = x.reshape(b, t, s // t, h).transpose(0, 1).contiguous()  # (t, b, s/t, h)
-    out = torch.empty((b, s // t, h), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter(out, chunks.view(t * b, s // t, h), AXIS)
-    return out
+    return traceable.reduce_scatter(chunks.view(t * b, s // t, h), traceable.key_of(comm), AXIS)
 
 
 def _conjugate(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:

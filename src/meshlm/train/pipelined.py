@@ -34,7 +34,7 @@ class PipelineRunner:
         self.executor = PipelineExecutor(
             pipe, comm, p.pp_schedule, cfg.grad_accum, p.pp_virtual,
             self.activation_shape(cfg.train.micro_batch, self.seq_len),
-            loss_fn, precision.autocast, device)
+            loss_fn, precision.autocast, device, compiled=cfg.train.compile)
         self.bubble = 0.0
 
     def activation_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:

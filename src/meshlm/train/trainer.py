@@ -36,7 +36,7 @@ from ..checkpoint.sharded import (
 )
 from ..checkpoint.state import CheckpointError, latest_valid
 from ..config import Config, resolve_world, skip_batches, to_toml
-from ..data import DataBundle, build_data
+from ..data import DataBundle, build_data, default_cache_root
 from ..data.sampler import StepSampler, val_batches
 from ..distributed import faults
 from ..distributed.comm import Comm, CommLog
@@ -48,6 +48,7 @@ from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..optim import lr_at
 from ..parallel import parallelize
+from ..parallel.compile import compile_loss, compile_stats, configure_cache
 from ..parallel.context import context_summary
 from ..parallel.diloco import Diloco
 from ..parallel.engine import Engine
@@ -111,9 +112,15 @@ class Trainer:
         self.flight = self.open_flight()
         self.data = self.build_data()
         self.memory = PhasePeaks(self.device)
+        if cfg.train.compile:
+            self.compile_cache = configure_cache(
+                Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir
+                else default_cache_root())
         self.build_model()
         self.engine.reduce_dtype = DTYPES[cfg.precision.grad_reduce_dtype]
         self.loss_fn = build_loss(self.model, self.tp, cfg.train.loss, cfg.train.loss_chunk)
+        if cfg.train.compile:
+            self.loss_fn = compile_loss(self.loss_fn)
         pr = cfg.precision
         self.precision = Precision(pr.dtype, self.device.type, pr.loss_scale,
                                    pr.loss_scale_window)
@@ -282,6 +289,15 @@ class Trainer:
         for phase, peaks in self.memory.per_rank.items():
             self.log(f"peak memory at {phase}: largest rank {max(peaks) / 2**20:,.0f} MiB "
                      f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in peaks)} MiB)")
+
+    def log_compile(self, first_step_s: float) -> dict[str, float]:
+        """The start-up log line of ``train.compile`` (after the first step, which compiles)."""
+        stats = compile_stats()
+        self.log(f"compile: {stats['compile_s']:.1f} s in the first step ({first_step_s:.1f} s), "
+                 f"{stats['graphs']:.0f} graphs, {stats['graph_breaks']:.0f} graph breaks, "
+                 f"FX graph cache {stats['cache_hits']:.0f} hits / {stats['cache_misses']:.0f} "
+                 f"misses ({self.compile_cache})")
+        return stats
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> tuple[float, float | None]:
@@ -540,6 +556,8 @@ class Trainer:
                     if step == start + 1:  # this process's start-up peaks, once
                         rec.update({f"mem_{k}_bytes": v for k, v in self.memory.phases.items()
                                     if k != "steps"})
+                        if cfg.compile:
+                            rec["compile"] = self.log_compile(dt)
                     if self.is_eval_step(step) and not self.stop_agreed:
                         rec["val_loss"] = result.val_losses[step] = self.evaluate()
                     if self.is_save_step(step) or self.stop_agreed:
@@ -549,8 +567,9 @@ class Trainer:
                     if writer is not None:
                         writer.write(rec)
                     result.losses[step] = loss
-                    recent = (recent + [dt])[-20:]
-                    bar.update(rec, eta_s=sum(recent) / len(recent) * (cfg.steps - step))
+                    if not (cfg.compile and step == start + 1):  # (compiling is not a step)
+                        recent = (recent + [dt])[-20:]
+                    bar.update(rec, eta_s=(sum(recent) / len(recent) if recent else dt) * (cfg.steps - step))
                     profiler.end_step(step)
                     if self.stop_agreed and step < cfg.steps:
                         result.stopped_by = self.stop.name or "a stop request to another rank"

@@ -1,0 +1,133 @@
+"""Per-block ``torch.compile`` (``train.compile = true``), applied after parallelisation.
+
+Granularity (torchtitan's): each decoder block's forward is one compiled graph, and the final
+norm + LM head and the loss are one more each. Identical blocks share one compiled graph (dynamo
+caches per code object and parameters are graph inputs), so compile time does not grow with
+depth. Inductor fuses each block's RMSNorms, rotary embedding, SiLU gate and residual adds into
+a few loops around the matmuls and the attention kernel, and the loss's log-softmax into its
+backward.
+
+Composition with the layouts:
+
+- module hooks stay outside the graphs: ZeRO-3's gather / free hooks on a block, the DDP and
+  ZeRO gradient hooks on parameters, pipeline stages calling ``run_layers``;
+- tensor / sequence parallel collectives inside a block are custom ops
+  (``distributed/traceable.py``): a tp block is still one graph, the comm log unchanged;
+- ``recompute=full``: ``torch.utils.checkpoint`` around the compiled block (the recomputation
+  re-runs the compiled forward); ``selective`` and ``op`` are traced into the block's graph as
+  checkpointed regions (AOTAutograd recomputes them in backward);
+- zero-bubble pipeline: a compiled backward forms every gradient of the block at once, so the
+  ``I`` pass also forms the linear weight gradients and ``W`` accumulates them (exact; the
+  schedule's order and communication are kept, its bubble is that of 1F1B);
+- graph breaks by design, each around eager communication with data-dependent shapes: a MoE
+  feed-forward (expert dispatch) and a context-parallel attention core (ring / all-to-all).
+
+Only calls that record gradients use compiled code: evaluation and sampling (other shapes, no
+backward) run the eager forward and cause no recompilation.
+
+Caches: inductor's FX graph cache and the AOTAutograd cache live in ``<cache dir>/inductor``
+(``TORCHINDUCTOR_CACHE_DIR`` set to the cache root of the data, ``data.cache_dir``), so a second run of the same model
+and layout starts without compiling kernels.
+
+Communication: none added. Memory: the compiled backward may keep different activations than
+eager (AOTAutograd's partitioner recomputes cheap elementwise results instead of saving them):
+usually fewer bytes per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models.llama import Block, Transformer
+from ..models.moe import MoE
+
+
+def configure_cache(root: Path) -> Path:
+    """Point inductor's caches at ``root / "inductor"`` (``TORCHINDUCTOR_CACHE_DIR``) and make
+    sure the FX graph and AOTAutograd caches are on.
+
+    Also starts this process's compilation afresh -- dynamo's in-memory code cache, counters
+    and timings cleared -- so a run's statistics are its own and a second run in the same
+    process compiles through the on-disk caches as a new process would."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import compilation_time_metrics, counters
+    from torch._inductor.utils import clear_caches
+
+    torch._dynamo.reset()
+    counters.clear()
+    compilation_time_metrics.clear()
+    folder = root / "inductor"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    clear_caches()  # (in-memory caches of the previous folder)
+
+    inductor_config.fx_graph_cache = True
+    functorch_config.enable_autograd_cache = True
+    return folder
+
+
+class GradOnly:
+    """Calls ``compiled`` when gradients are being recorded, ``eager`` otherwise."""
+
+    def __init__(self, eager: Callable[..., Any], compiled: Callable[..., Any]) -> None:
+        self.eager, self.compiled = eager, compiled
+        functools.update_wrapper(self, eager)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled(*args) if torch.is_grad_enabled() else self.eager(*args)
+
+
+def compile_fn(fn: Callable[..., Any]) -> GradOnly:
+    """``fn`` compiled for the training step (static shapes), eager elsewhere."""
+    return GradOnly(fn, torch.compile(fn, dynamic=False))
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile every decoder block this rank holds, and the final norm + head, in place.
+
+    Runs before activation recomputation wraps the blocks (see module docstring). A MoE
+    feed-forward and a replaced (context-parallel) attention core stay eager.
+    """
+    for block in model.layers.values():
+        assert isinstance(block, Block)
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward.forward = torch.compiler.disable(block.feed_forward.forward)
+        if "core" in vars(block.attention):  # context parallel: ring / all-to-all exchange
+            block.attention.core = torch.compiler.disable(block.attention.core)
+        block.forward = compile_fn(block.forward)
+    if "head" not in vars(model):
+        model.head = compile_fn(model.head)
+
+
+def compile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The plain (whole-logits, tp = 1) loss compiled; other losses are returned as they are:
+    the vocab-parallel and chunked losses are autograd functions with their own collectives and
+    loops, already written to move each logit once."""
+    from .loss import cross_entropy
+
+    return compile_fn(cross_entropy) if loss_fn is cross_entropy else loss_fn
+
+
+def compile_stats() -> dict[str, float]:
+    """Counters of this process: seconds spent compiling (dynamo + AOTAutograd + inductor,
+    cache loads included), graphs compiled, graph breaks, FX-graph cache hits / misses."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"compile_s": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 2),
+            "graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "cache_hits": int(counters["inductor"]["fxgraph_cache_hit"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
+
+
+__all__ = ["GradOnly", "apply_compile", "compile_fn", "compile_loss", "compile_stats",
+           "configure_cache"]
