@@ -4,6 +4,11 @@ Each implementation runs in its own spawned gloo world (so a rank's peak memory 
 ``rounds`` times, alternating with the others; the fastest run counts, and a step counts at
 the pace of its slowest rank. Memory is the growth of peak resident memory (max over ranks)
 over the resident memory a rank had before building its model.
+
+An implementation named ``<impl>-compiled`` is ``<impl>`` with ``train.compile=true``: its first
+step compiles (excluded, like every warm-up step, from the median; kernels come from the
+inductor cache in the data cache folder when an earlier run wrote them). Its peak resident
+memory includes the compiler's own.
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ from pathlib import Path
 
 from meshlm.testing import run_world
 from meshlm.train.trainer import Trainer
+
+COMPILED = "-compiled"
+
+
+def split_compiled(impl: str) -> tuple[str, list[str]]:
+    """(the implementation without ``-compiled``, the config overrides it adds)."""
+    if impl.endswith(COMPILED):
+        return impl[: -len(COMPILED)], ["--train.compile=true"]
+    return impl, []
 
 
 def rss_bytes() -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, summary
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
 
 from meshlm.config import load_config
 from meshlm.data import build_data
@@ -29,13 +29,14 @@ from meshlm.models import build_model
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
+    impl, extra = split_compiled(impl)
     zero = {"meshlm-ddp": 0, "meshlm-zero1": 1, "meshlm-zero2": 2, "meshlm-zero3": 3}.get(impl, 0)
     return load_config(None, [
         f"--model.preset={args['preset']}", f"--data.seq_len={args['seq']}",
         f"--train.global_batch={args['batch']}", f"--train.micro_batch={args['batch'] // args['world']}",
         "--train.steps=1000000", "--train.eval_every=0", f"--parallel.dp={args['world']}",
         f"--parallel.zero={zero}", f"--run.dir={run_dir}", "--run.sample_tokens=0",
-        "--train.peak_flops=1e12",
+        "--train.peak_flops=1e12", *extra,
     ])
 
 
@@ -95,15 +96,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="benchmarks/results/data_parallel.json")
+    ap.add_argument("--only", default="", help="comma-separated implementations to run "
+                    "(default: all)")
     a = ap.parse_args()
     args = vars(a)
     build_data(config(args, "meshlm-ddp", "unused").data)  # cache the data once
     impls = ["meshlm-ddp", "torch-ddp", "meshlm-zero1", "meshlm-zero2", "meshlm-zero3",
-             "torch-fsdp2"]
+             "torch-fsdp2", "meshlm-ddp-compiled", "meshlm-zero3-compiled"]
+    if a.only:
+        unknown = set(a.only.split(",")) - set(impls)
+        if unknown:
+            ap.error(f"--only: unknown implementation(s) {', '.join(sorted(unknown))}")
+        impls = [i for i in impls if i in a.only.split(",")]
     best = best_of(a.world, worker, impls, args, a.rounds)
     tokens = a.batch * a.seq
     pairs = {"meshlm-ddp": "torch-ddp", "meshlm-zero1": "torch-fsdp2",
-             "meshlm-zero2": "torch-fsdp2", "meshlm-zero3": "torch-fsdp2"}
+             "meshlm-zero2": "torch-fsdp2", "meshlm-zero3": "torch-fsdp2",
+             "meshlm-ddp-compiled": "torch-ddp", "meshlm-zero3-compiled": "torch-fsdp2"}
     print(f"model {a.preset}, world {a.world} (gloo, 1 thread/rank), global batch {a.batch} x "
           f"{a.seq}, fp32, median of steps 3..{a.steps}, best of {a.rounds} runs")
     rows = []

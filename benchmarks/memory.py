@@ -87,7 +87,8 @@ def train_args(model: str, run: str, run_dir: Path) -> list[str]:
     return ["--model.preset=small", *over, *args, f"--data.seq_len={seq}",
             f"--data.vocab_size={vocab}", f"--train.global_batch={batch}",
             f"--train.micro_batch={batch // ranks}", f"--train.steps={STEPS}",
-            "--train.eval_every=0", "--run.sample_tokens=0", f"--run.dir={run_dir}"]
+            "--train.eval_every=0", "--run.sample_tokens=0", f"--run.dir={run_dir}",
+            "--run.malloc_mmap_kb=128"]  # freed buffers go back to the OS: RSS = live memory
 
 
 def predicted(model: str, run: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, summary
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
 from torch import nn
 
 from meshlm.config import load_config
@@ -35,10 +35,12 @@ TORCH = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
 MESHLM = {"meshlm-afab": "afab", "meshlm-1f1b": "1f1b", "meshlm-interleaved": "interleaved",
           "meshlm-zb": "zb"}
 PAIRS = {"meshlm-afab": "torch-gpipe", "meshlm-1f1b": "torch-1f1b",
-         "meshlm-interleaved": "torch-interleaved"}
+         "meshlm-interleaved": "torch-interleaved", "meshlm-1f1b-compiled": "torch-1f1b",
+         "meshlm-zb-compiled": "torch-1f1b"}
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
+    impl, extra = split_compiled(impl)
     schedule = MESHLM.get(impl, "interleaved" if "interleaved" in impl else "1f1b")
     v = 2 if schedule == "interleaved" else 1
     return load_config(None, [
@@ -48,7 +50,7 @@ def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
         f"--train.micro_batch={args['batch'] // args['microbatches']}",
         "--train.steps=1000000", "--train.eval_every=0", f"--parallel.pp={args['world']}",
         f"--parallel.pp_schedule={schedule}", f"--parallel.pp_virtual={v}",
-        f"--run.dir={run_dir}", "--run.sample_tokens=0", "--train.peak_flops=1e12",
+        f"--run.dir={run_dir}", "--run.sample_tokens=0", "--train.peak_flops=1e12", *extra,
     ])
 
 
@@ -142,11 +144,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="benchmarks/results/pipeline.json")
+    ap.add_argument("--only", default="", help="comma-separated implementations to run "
+                    "(default: all)")
     a = ap.parse_args()
     args = vars(a)
     build_data(config(args, "meshlm-1f1b", "unused").data)
     impls = ["meshlm-afab", "torch-gpipe", "meshlm-1f1b", "torch-1f1b", "meshlm-interleaved",
-             "torch-interleaved", "meshlm-zb"]
+             "torch-interleaved", "meshlm-zb", "meshlm-1f1b-compiled", "meshlm-zb-compiled"]
+    if a.only:
+        unknown = set(a.only.split(",")) - set(impls)
+        if unknown:
+            ap.error(f"--only: unknown implementation(s) {', '.join(sorted(unknown))}")
+        impls = [i for i in impls if i in a.only.split(",")]
     best = best_of(a.world, worker, impls, args, a.rounds)
     tokens = a.batch * a.seq
     rows = []

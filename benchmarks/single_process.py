@@ -4,8 +4,10 @@ Both sides train the same `Transformer` (same preset, seed and initial weights) 
 the same token memmap, with AdamW (same hyper-parameters and decay groups), gradient clipping
 and a loss read back every step. The meshlm side is the trainer's own step plus its per-step
 metrics record and metrics.jsonl write (everything `Trainer.fit` does per step except drawing
-the progress line). Blocks of steps alternate between the two so that machine noise hits both
-alike; the median step time decides.
+the progress line). A third side is the same trainer with ``train.compile=true`` (per-block
+torch.compile; its compilation, in the warm-up, is reported apart). Blocks of steps alternate
+between the sides so that machine noise hits all alike; the median step time decides. MFU is
+against this CPU's measured fp32 (or bf16) matmul rate at the same thread count.
 
     python benchmarks/single_process.py [--preset small] [--steps 15] [--rounds 3]
         [--dtype fp32] [--json benchmarks/results/single_process.json]
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from meshlm.config import load_config
 from meshlm.models import build_model
+from meshlm.parallel.compile import compile_stats
 from meshlm.precision import DTYPES
 from meshlm.train.metrics import MetricsWriter
 from meshlm.train.peak import peak_flops
@@ -79,38 +82,53 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/single_process.json")
     args = ap.parse_args()
 
-    run_dir = Path(tempfile.mkdtemp(prefix="meshlm-bench-")) / "run"
-    cfg = load_config(None, [
-        f"--model.preset={args.preset}", f"--data.seq_len={args.seq}",
-        f"--train.global_batch={args.batch}", f"--train.micro_batch={args.batch}",
-        f"--train.steps={10**6}", "--train.eval_every=0", f"--precision.dtype={args.dtype}",
-        f"--run.dir={run_dir}", "--run.sample_tokens=0",
-    ])
-    trainer = Trainer(cfg, log=lambda _m: None, progress=False)
-    writer = MetricsWriter(run_dir)
+    root = Path(tempfile.mkdtemp(prefix="meshlm-bench-"))
+
+    def trainer_of(name: str, extra: list[str]) -> tuple[Trainer, MetricsWriter]:
+        cfg = load_config(None, [
+            f"--model.preset={args.preset}", f"--data.seq_len={args.seq}",
+            f"--train.global_batch={args.batch}", f"--train.micro_batch={args.batch}",
+            f"--train.steps={10**6}", "--train.eval_every=0", f"--precision.dtype={args.dtype}",
+            f"--run.dir={root / name}", "--run.sample_tokens=0", *extra,
+        ])
+        return Trainer(cfg, log=lambda _m: None, progress=False), MetricsWriter(root / name)
+
+    # the compiled trainer first: its configure_cache resets dynamo for this process
+    compiled, cwriter = trainer_of("compiled", ["--train.compile=true"])
+    trainer, writer = trainer_of("eager", [])
+    cfg = trainer.cfg
     plain_model = build_model(trainer.model_cfg, cfg.train.seed)
     tokens, dtype = trainer.data.train_tokens, DTYPES[args.dtype]
 
-    # Warm-up both sides (allocator, thread pool, autograd caches).
+    # Warm-up every side (allocator, thread pool, autograd caches; compilation).
+    t0 = time.perf_counter()
+    meshlm_steps(compiled, cwriter, 1, 1)
+    compile_step_s = time.perf_counter() - t0
+    compile_s = compile_stats()["compile_s"]
+    meshlm_steps(compiled, cwriter, 2, 1)
     meshlm_steps(trainer, writer, 1, 2)
     plain_loop(plain_model, tokens, 2, args.batch, args.seq, dtype, 0)
-    mesh_t, plain_t, step = [], [], 3
+    mesh_t, plain_t, comp_t, step = [], [], [], 3
     for r in range(args.rounds):
         mesh_t += meshlm_steps(trainer, writer, step, args.steps)
+        comp_t += meshlm_steps(compiled, cwriter, step, args.steps)
         step += args.steps
         plain_t += plain_loop(plain_model, tokens, args.steps, args.batch, args.seq, dtype, r + 1)
     writer.close()
+    cwriter.close()
 
     peak, source = peak_flops(torch.device("cpu"), args.dtype)
     tokens_per_step = args.batch * args.seq
     fpt = trainer.model_cfg.flops_per_token(args.seq)
     rows = []
-    for name, times in (("plain PyTorch loop", plain_t), ("meshlm trainer", mesh_t)):
+    for name, times in (("plain PyTorch loop", plain_t), ("meshlm trainer", mesh_t),
+                        ("meshlm compiled", comp_t)):
         med = statistics.median(times)
         tps = tokens_per_step / med
         rows.append({"impl": name, "step_time_s": med, "tokens_per_s": tps,
                      "mfu": tps * fpt / peak, "steps": len(times)})
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    speedup = rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"]
     print(f"model {args.preset} ({trainer.model_cfg.num_params() / 1e6:.2f} M params), batch "
           f"{args.batch} x {args.seq}, {args.dtype}, {torch.get_num_threads()} thread(s), "
           f"peak {peak / 1e9:.0f} GFLOP/s ({source})")
@@ -120,10 +138,14 @@ def main() -> None:
         print(f"| {r['impl']:<20} | {r['step_time_s']:>13.4f} | {r['tokens_per_s']:>9.0f} | "
               f"{100 * r['mfu']:>5.1f}% |")
     print(f"meshlm / plain throughput ratio: {ratio:.3f} (goal >= 0.97)")
+    print(f"compiled / eager meshlm: {speedup:.3f} (goal >= 1.25); compiling took "
+          f"{compile_s:.1f} s of a {compile_step_s:.1f} s first step")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "peak_flops": peak, "peak_source": source,
-                               "rows": rows, "ratio": ratio}, indent=1))
+                               "rows": rows, "ratio": ratio, "compiled_speedup": speedup,
+                               "compile_s": compile_s, "compile_step_s": compile_step_s},
+                              indent=1))
     print(f"wrote {out}")
 
 

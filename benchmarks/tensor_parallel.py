@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, summary
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
 
 from meshlm.config import load_config
 from meshlm.data import build_data
@@ -31,12 +31,13 @@ from meshlm.models import build_model
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
+    impl, extra = split_compiled(impl)
     return load_config(None, [
         f"--model.preset={args['preset']}", f"--data.seq_len={args['seq']}",
         f"--train.global_batch={args['batch']}", f"--train.micro_batch={args['batch']}",
         "--train.steps=1000000", "--train.eval_every=0", f"--parallel.tp={args['world']}",
         f"--parallel.sp={'true' if impl == 'meshlm-tp-sp' else 'false'}",
-        f"--run.dir={run_dir}", "--run.sample_tokens=0", "--train.peak_flops=1e12",
+        f"--run.dir={run_dir}", "--run.sample_tokens=0", "--train.peak_flops=1e12", *extra,
     ])
 
 
@@ -123,10 +124,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default="benchmarks/results/tensor_parallel.json")
+    ap.add_argument("--only", default="", help="comma-separated implementations to run "
+                    "(default: all)")
     a = ap.parse_args()
     args = vars(a)
     build_data(config(args, "meshlm-tp", "unused").data)
-    impls = ["meshlm-tp", "torch-dtensor-tp", "meshlm-tp-sp"]
+    impls = ["meshlm-tp", "torch-dtensor-tp", "meshlm-tp-sp", "meshlm-tp-compiled",
+             "meshlm-tp-sp-compiled"]
+    if a.only:
+        unknown = set(a.only.split(",")) - set(impls)
+        if unknown:
+            ap.error(f"--only: unknown implementation(s) {', '.join(sorted(unknown))}")
+        impls = [i for i in impls if i in a.only.split(",")]
     best = best_of(a.world, worker, impls, args, a.rounds)
     ref = best["torch-dtensor-tp"]
     tokens = a.batch * a.seq

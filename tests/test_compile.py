@@ -10,9 +10,11 @@ a missed gradient or a lost collective moves the loss by orders of magnitude mor
 fall by ~1e-2 per step here).
 
 Layouts (one spawned world of 2 gloo ranks runs them all): dp=2 ZeRO-3, tp=2 with sequence
-parallelism, pp=2 1F1B and zero-bubble (4 micro-batches), and dp=2 ZeRO-3 with full
-recomputation. Every dense layout compiles without a graph break (dynamo's counters, written
-to the first step's metrics record).
+parallelism, pp=2 1F1B and zero-bubble (4 micro-batches), dp=2 ZeRO-3 with full recomputation
+and ZeRO-1 with op-level recomputation. Every dense layout compiles without a graph break
+(dynamo's counters, written to the first step's metrics record). Context parallelism (ring
+attention) and MoE layers (``tiny-moe``, one process and dp=2) compile around their eager
+communication: they match eager as closely, with the graph breaks they are designed to have.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ LAYOUTS = {
     "pp2-1f1b": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b", "--train.micro_batch=2"],
     "pp2-zb": ["--parallel.pp=2", "--parallel.pp_schedule=zb", "--train.micro_batch=2"],
     "dp2-zero3-full": ["--parallel.dp=2", "--parallel.zero=3", "--train.recompute=full"],
+    "dp2-zero1-op": ["--parallel.dp=2", "--parallel.zero=1", "--train.recompute=op"],
+}
+# layouts whose blocks break the graph by design, around eager communication with
+# data-dependent shapes: the context-parallel attention core, the MoE feed-forward
+BREAKING = {
+    "cp2-zigzag": ["--parallel.cp=2", "--parallel.cp_attention=zigzag"],
 }
 
 
@@ -73,10 +81,12 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
         "compiled-selective": base + ["--train.micro_batch=8", "--train.compile=true",
                                       "--train.recompute=selective"],
     }
+    moe = ["--model.preset=tiny-moe", "--train.micro_batch=8"]
+    runs.update({"moe-eager": base + moe, "moe-compiled": base + moe + ["--train.compile=true"]})
     losses = {k: _train(v + [f"--run.dir={root / k}"]) for k, v in runs.items()}
-    par = [base + v + ["--train.compile=true", f"--run.dir={root / k}"]
-           for k, v in LAYOUTS.items()]
-    losses.update(zip(LAYOUTS, run_world(2, _train_all, par)[0], strict=True))
+    par = {**LAYOUTS, **BREAKING, "moe-dp2": ["--model.preset=tiny-moe", "--parallel.dp=2"]}
+    argv = [base + v + ["--train.compile=true", f"--run.dir={root / k}"] for k, v in par.items()]
+    losses.update(zip(par, run_world(2, _train_all, argv)[0], strict=True))
     return root, losses
 
 
@@ -126,6 +136,21 @@ def test_compiled_layout_matches_eager(layout: str, world) -> None:  # noqa: ANN
     rec = _compile_record(root, layout)
     assert rec["graph_breaks"] == 0, (layout, rec)
     assert rec["graphs"] >= 1, (layout, rec)  # (rank 0 of a pipeline: blocks only)
+
+
+def test_context_parallel_compiles_around_the_ring(world) -> None:  # noqa: ANN001
+    root, losses = world
+    assert _rel(losses["cp2-zigzag"], losses["eager"]) < _tolerance(losses)
+    rec = _compile_record(root, "cp2-zigzag")
+    # each block: before the core, after it (the ring runs eagerly between them)
+    assert rec["graph_breaks"] > 0 and rec["graphs"] >= 3, rec
+
+
+@pytest.mark.parametrize("run", ["moe-compiled", "moe-dp2"])
+def test_moe_compiles_around_the_experts(run: str, world) -> None:  # noqa: ANN001
+    root, losses = world
+    assert _rel(losses[run], losses["moe-eager"]) < _tolerance(losses), run
+    assert _compile_record(root, run)["graph_breaks"] > 0
 
 
 def test_missing_compiler_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

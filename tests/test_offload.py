@@ -181,6 +181,7 @@ def test_disk_offload_drops_the_moments_from_resident_memory(corpus_dir: Path, c
         "--data.vocab_size=512", "--data.seq_len=32", "--train.steps=3",
         "--train.global_batch=4", "--train.micro_batch=4", "--train.eval_every=0",
         "--run.sample_tokens=0", "--train.peak_flops=1e10",
+        "--run.malloc_mmap_kb=128",  # freed buffers go back to the OS: RSS = live memory
     ]
     build_data(load_config(None, args).data, log=lambda _m: None)  # cached before the runs
     procs = {kind: subprocess.Popen(
