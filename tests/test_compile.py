@@ -153,6 +153,24 @@ def test_moe_compiles_around_the_experts(run: str, world) -> None:  # noqa: ANN0
     assert _compile_record(root, run)["graph_breaks"] > 0
 
 
+def test_bf16_autocast_compiles(corpus_dir: Path, cache_dir: Path, tmp_path: Path) -> None:
+    """Under bf16 autocast the compiled run stays within REORDERINGS of a bf16 reordering."""
+    base = base_args(corpus_dir, cache_dir) + ["--precision.dtype=bf16", "--train.steps=3"]
+    got = {name: train(load_config(None, base + extra + [f"--run.dir={tmp_path / name}"]),
+                       log=lambda _m: None, progress=False).losses
+           for name, extra in (("eager", ["--train.micro_batch=8"]),
+                               ("eager-reordered", ["--train.micro_batch=4"]),
+                               ("compiled", ["--train.micro_batch=8", "--train.compile=true"]))}
+
+    def rel(a: dict[int, float], b: dict[int, float]) -> float:
+        return max(abs(a[k] - b[k]) / abs(b[k]) for k in b)
+
+    reorder = rel(got["eager-reordered"], got["eager"])
+    assert reorder > 0.0
+    assert got["compiled"] != got["eager"]
+    assert rel(got["compiled"], got["eager"]) < REORDERINGS * reorder
+
+
 def test_missing_compiler_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(ConfigError, match="train.compile=true needs a C\\+\\+ compiler"):

@@ -48,7 +48,7 @@ _PIP = ("installs into the current environment (package index, minutes); the vir
 
 # README commands not run here, with the reason (the key is the command as the README shows it).
 NOT_RUN: dict[str, str] = {
-    "make train": "sets up .venv and trains `small` for 500 steps (~5 min on 2 cores): too slow "
+    "make train": "sets up .venv and trains `small` for 400 steps (~4 min on 2 cores): too slow "
                   "for a test; its target is checked in test_make_targets_exist and the "
                   "`meshlm train` it runs is run below",
     'make train ARGS="--train.steps=100"': "as `make train` (ARGS checked in "
