@@ -316,6 +316,25 @@ def test_communication_volumes_follow_the_engines_docstrings() -> None:
     assert z3["reduce_scatter/dp"] == 2 * psi
 
 
+def test_island_volume_is_the_owned_shard_once_per_round() -> None:
+    """DiLoCo: per step, owned elements x reduce dtype size / H, over the ``island`` axis;
+    synchronous traffic inside each island is that of its inner layout."""
+    spec = ModelSpec(PRESETS["small"])
+    n = spec.num_params()
+    work = Workload(spec, 256, 16, dtype="fp32", states="fp32", inner_steps=50)
+    plain = comm_volumes(work, Layout(islands=4, micro_batch=4))
+    assert plain == {"all_reduce/island": n * 4 / 50}
+    half = Workload(spec, 256, 16, dtype="fp32", states="fp32", inner_steps=10,
+                    island_dtype="bf16")
+    z1 = comm_volumes(half, Layout(islands=2, dp=2, zero=1, micro_batch=4))
+    assert z1["all_reduce/island"] == pytest.approx(n / 2 * 2 / 10)
+    assert z1["reduce_scatter/dp"] == z1["all_gather/dp"] == n * 4
+    # exposed: the step time grows by the all-reduce's time over H
+    hw = CATALOGUE["h100-sxm"]
+    with_islands = step_time(work, Layout(islands=4, micro_batch=4), hw)
+    assert with_islands.comm["islands"] > 0
+
+
 def test_more_data_parallel_bandwidth_never_slower_and_tp_prefers_nvlink() -> None:
     lo = Layout(tp=8, dp=16, micro_batch=1)
     work = WORKS[0]

@@ -54,6 +54,8 @@ NOT_RUN: dict[str, str] = {
     'make train ARGS="--train.steps=100"': "as `make train` (ARGS checked in "
                                            "test_make_targets_exist)",
     "make test": "runs the whole test suite, this file included",
+    "make setup": "creates .venv as `make train` and `make test` do first (target checked in "
+                  "test_make_targets_exist)",
     "pip install .": _PIP,
     "pip install -c constraints.txt torch==2.13.0": _PIP,
     "pip install -c constraints.txt .": _PIP,

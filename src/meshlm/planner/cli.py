@@ -210,7 +210,8 @@ def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
     (meshlm keeps fp32 weights, gradients and Adam moments)."""
     return Workload(ModelSpec(cfg.model_config(vocab_size)), cfg.data.seq_len,
                     cfg.train.global_batch, dtype=cfg.precision.dtype, states="fp32",
-                    loss=cfg.train.loss, loss_chunk=cfg.train.loss_chunk)
+                    loss=cfg.train.loss, loss_chunk=cfg.train.loss_chunk,
+                    inner_steps=cfg.diloco.inner_steps, island_dtype=cfg.diloco.reduce_dtype)
 
 
 def config_vocab(cfg: Config) -> int:

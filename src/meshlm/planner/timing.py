@@ -56,6 +56,8 @@ do it:
 - ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight: forward gathers hide
   behind the forward, backward gathers and reduce-scatters behind the backward, the first
   layer's gather never;
+- DiLoCo islands (``islands`` > 1): each rank's owned shard all-reduced across islands once
+  every ``inner_steps`` steps, in the cross-island dtype -- exposed, its time divided by H;
 - tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed
   (with ``tp_overlap`` -- async TP, published runs only -- they hide behind the GEMMs);
 - ring attention (cp, ``zigzag``/``ring``) passes K/V beside the attention of the previous
@@ -116,7 +118,7 @@ OPTIM_BYTES = 40.0  # AdamW: read p, g, m, v and write p, m, v (28) + zero_grad 
 class CommEvent:
     """One kind of collective of a step: ``calls`` calls of ``nbytes`` (comm log bytes)."""
 
-    name: str  # dimension: dp, tp, pp, cp, ep
+    name: str  # dimension: dp, tp, pp, cp, ep, islands
     op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send
     axis: str  # comm-log axis name
     nbytes: float
@@ -356,7 +358,20 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     if lo.cp > 1:
         ev += cp_events(work, lo, stage, tokens, m)
     ev += moe_events(work, lo, stage, tokens, m)
+    if lo.islands > 1:
+        ev.append(island_event(work, lo, p.total))
     return ev
+
+
+def island_event(work: Workload, lo: Layout, params: float) -> CommEvent:
+    """DiLoCo's synchronisation, per step: every ``inner_steps`` steps each rank all-reduces the
+    pseudo-gradient of the elements it owns (its ZeRO shard of this stage's tp slices, or all of
+    them) with the ranks owning the same elements in the other islands, in ``island_dtype``
+    (streaming fragments split a round's bytes over staggered steps: the same mean per step).
+    Islands are the outermost axis: the group's members are ``inner_size`` ranks apart."""
+    owned = params / (lo.dp * lo.cp if lo.zero >= 1 else 1)
+    return CommEvent("islands", "all_reduce", "island", owned * ACT_BYTES[work.island_dtype],
+                     1 / work.inner_steps, lo.islands, lo.inner_size, "exposed")
 
 
 def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int

@@ -100,6 +100,10 @@ class Workload:
     loss: str = "torch"
     loss_chunk: int = 1024  # tokens per chunk of the ``chunked`` loss
     kernels: str = "eager"  # eager | fused (memory-bound kernels; see planner/timing.py)
+    # DiLoCo islands (layouts with islands > 1): steps between synchronisations (H) and the
+    # dtype of the cross-island all-reduce (diloco.inner_steps, diloco.reduce_dtype)
+    inner_steps: int = 50
+    island_dtype: str = "fp32"
 
     @property
     def tokens_per_step(self) -> int:

@@ -16,9 +16,21 @@ import torch
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
+    """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU.
+
+    On Linux the kernel's ``VmHWM`` (what ``/proc/self/clear_refs`` resets), not
+    ``getrusage``'s ``ru_maxrss``: that one also keeps the high-water mark of the moment any
+    thread of the process exited (a tokenizer, compiler or collective thread), which no reset
+    clears -- a start-up peak would then hide every later step's."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
