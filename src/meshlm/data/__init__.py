@@ -50,9 +50,13 @@ def default_cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "meshlm"
 
 
+def cache_root(cfg: DataSection) -> Path:
+    """The cache folder of ``data.cache_dir`` (default: :func:`default_cache_root`)."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_root()
+
+
 def _cache_dir(cfg: DataSection, fp: str) -> Path:
-    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_root()
-    path = root / fp[:16]  # 64 bits of the digest: ample to keep corpora apart, short to read
+    path = cache_root(cfg) / fp[:16]  # 64 bits of the digest: ample to keep corpora apart, short to read
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

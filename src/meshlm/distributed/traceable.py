@@ -59,36 +59,37 @@ def _(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _resized(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """An empty tensor like ``x`` with ``rows`` rows (dim 0)."""
+    return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+
 @torch.library.custom_op("meshlm::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in axis order."""
     comm = _comm(key)
-    out = torch.empty((comm.size(axis) * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                      device=x.device)
+    out = _resized(x, comm.size(axis) * x.shape[0])
     comm.all_gather(out, x.contiguous(), axis)
     return out
 
 
 @all_gather.register_fake
 def _(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
-    n = _comm(key).size(axis)
-    return torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return _resized(x, _comm(key).size(axis) * x.shape[0])
 
 
 @torch.library.custom_op("meshlm::reduce_scatter", mutates_args=())
 def reduce_scatter(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
     """This rank's 1/n slice (along dim 0) of the sum of ``x`` over ``axis``."""
     comm = _comm(key)
-    out = torch.empty((x.shape[0] // comm.size(axis), *x.shape[1:]), dtype=x.dtype,
-                      device=x.device)
+    out = _resized(x, x.shape[0] // comm.size(axis))
     comm.reduce_scatter(out, x.contiguous(), axis)
     return out
 
 
 @reduce_scatter.register_fake
 def _(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
-    n = _comm(key).size(axis)
-    return torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return _resized(x, x.shape[0] // _comm(key).size(axis))
 
 
 __all__ = ["all_gather", "all_reduce", "key_of", "reduce_scatter"]

@@ -121,6 +121,10 @@ class PipelineExecutor:
         if device.type == "cuda":
             self.RECV_AHEAD = 0
         self._capture: list | None = None
+        # compiled ZB: the linear weights whose gradients W accumulates
+        self._linear_weights = {id(p) for s in pipe.stages for mod in pipe.stage_modules(s)
+                                for lin in mod.modules() if isinstance(lin, nn.Linear)
+                                for p in lin.parameters()} if self.split and compiled else set()
         if self.capture:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
@@ -274,21 +278,18 @@ class PipelineExecutor:
         slot = self.slots[(a.mb, a.stage)]
         roots, grads = self._roots(a, slot)
         linear_weights = {id(rec[0].weight) for rec in slot.linears}
-        params = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
-                  if p.requires_grad]
-        others = [p for p in params if id(p) not in linear_weights]
+        others = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
+                  if p.requires_grad and id(p) not in linear_weights]
         wrt = ([slot.inp] if slot.inp is not None else []) + others
         got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         if slot.inp is not None:
             self.to_send[("B", a.mb, a.stage)] = got[0]
             got = got[1:]
-        if not self.capture:  # compiled: every gradient is here; W adds the matmul weights'
-            deferred = {id(p) for mod in self.pipe.stage_modules(a.stage)
-                        for lin in mod.modules() if isinstance(lin, nn.Linear)
-                        for p in lin.parameters()}
+        if self._linear_weights:  # compiled: every gradient is here; W adds the linears'
             slot.deferred = [(p, g) for p, g in zip(others, got, strict=True)
-                             if id(p) in deferred]
-            got = [None if id(p) in deferred else g for p, g in zip(others, got, strict=True)]
+                             if id(p) in self._linear_weights]
+            got = [None if id(p) in self._linear_weights else g
+                   for p, g in zip(others, got, strict=True)]
         for p, g in zip(others, got, strict=True):
             _accumulate(p, g)
         slot.out = slot.aux = slot.inp = None  # the graph is released; W needs only linears

@@ -36,7 +36,7 @@ from ..checkpoint.sharded import (
 )
 from ..checkpoint.state import CheckpointError, latest_valid
 from ..config import Config, resolve_world, skip_batches, to_toml
-from ..data import DataBundle, build_data, default_cache_root
+from ..data import DataBundle, build_data, cache_root
 from ..data.sampler import StepSampler, val_batches
 from ..distributed import faults
 from ..distributed.comm import Comm, CommLog
@@ -113,9 +113,7 @@ class Trainer:
         self.data = self.build_data()
         self.memory = PhasePeaks(self.device)
         if cfg.train.compile:
-            self.compile_cache = configure_cache(
-                Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir
-                else default_cache_root())
+            self.compile_cache = configure_cache(cache_root(cfg.data))
         self.build_model()
         self.engine.reduce_dtype = DTYPES[cfg.precision.grad_reduce_dtype]
         self.loss_fn = build_loss(self.model, self.tp, cfg.train.loss, cfg.train.loss_chunk)
