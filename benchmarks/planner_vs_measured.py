@@ -68,6 +68,25 @@ LAYOUTS: list[tuple[str, str, Layout, list[str]]] = [
     ("pp2-tp2-sp", "small", Layout(pp=2, tp=2, sp=True, micro_batch=4), UNTIE),
     ("tiny-dp2", "tiny", Layout(dp=2, micro_batch=8), TINY_VOCAB),
     ("tiny-tp2", "tiny", Layout(tp=2, micro_batch=16), TINY_VOCAB),
+    # recomputation (one process, both cores)
+    ("single-selective", "small", Layout(micro_batch=16, recompute="selective"), []),
+    ("single-op", "small", Layout(micro_batch=16, recompute="op"), []),
+    ("single-full", "small", Layout(micro_batch=16, recompute="full"), []),
+    # context parallelism: each rank holds seq / cp tokens of every sequence
+    ("cp2-zigzag", "small", Layout(cp=2, micro_batch=16, cp_attention="zigzag"), []),
+    ("cp2-ring", "small", Layout(cp=2, micro_batch=16, cp_attention="ring"), []),
+    ("cp2-ulysses", "small", Layout(cp=2, micro_batch=16, cp_attention="ulysses"), []),
+    ("cp2-dp2-zero1", "small", Layout(cp=2, dp=2, zero=1, micro_batch=8), []),
+    # expert parallelism (tiny-moe: 4 experts, top-2)
+    ("moe-single", "tiny-moe", Layout(micro_batch=16), TINY_VOCAB),
+    ("moe-ep2", "tiny-moe", Layout(dp=2, ep=2, micro_batch=8), TINY_VOCAB),
+    ("moe-ep2-zero1", "tiny-moe", Layout(dp=2, ep=2, zero=1, micro_batch=8), TINY_VOCAB),
+    # AdamW moments in a memmapped file per rank (ZeRO-Infinity's NVMe tier)
+    ("dp2-zero1-offload-disk", "small", Layout(dp=2, zero=1, micro_batch=8, offload="disk"),
+     []),
+    # DiLoCo: 2 islands of one rank, synchronising every 4 steps (the step time is the mean
+    # over the steps, so one synchronisation in 4 counts a quarter)
+    ("islands2-H4", "small", Layout(islands=2, micro_batch=8), ["--diloco.inner_steps=4"]),
 ]
 SEQ, BATCH = 256, 16
 WARMUP = 2
@@ -80,7 +99,10 @@ def overrides(preset: str, lo: Layout, run_dir: str, extra: list[str]) -> list[s
         f"--parallel.dp={lo.dp}", f"--parallel.tp={lo.tp}",
         f"--parallel.sp={'true' if lo.sp else 'false'}", f"--parallel.pp={lo.pp}",
         f"--parallel.pp_schedule={lo.pp_schedule}", f"--parallel.pp_virtual={lo.pp_virtual}",
-        f"--parallel.zero={lo.zero}", f"--run.dir={run_dir}", "--run.sample_tokens=0",
+        f"--parallel.zero={lo.zero}", f"--parallel.cp={lo.cp}",
+        f"--parallel.cp_attention={lo.cp_attention}", f"--parallel.ep={lo.ep}",
+        f"--parallel.offload={lo.offload}", f"--parallel.islands={lo.islands}",
+        f"--train.recompute={lo.recompute}", f"--run.dir={run_dir}", "--run.sample_tokens=0",
         "--train.peak_flops=1e12", *extra,
     ]
 
@@ -146,7 +168,9 @@ def worker(preset: str, lo_dict: dict, extra: list[str], run_dir: str, steps: in
         trainer.train_step(step)
     comm = trainer.comm.log.bytes_by_op()
     states = trainer.engine.state_bytes()
-    return {"step_time_s": statistics.median(times[WARMUP:]), "states": states,
+    # DiLoCo: the mean (a synchronisation every H steps is part of the cost); else the median
+    pick = statistics.mean if lo.islands > 1 else statistics.median
+    return {"step_time_s": pick(times[WARMUP:]), "states": states,
             "activations": saved.peak, "comm": comm, "pp_rank": trainer.mesh.local_rank("pp"),
             "model": trainer.model_cfg.to_dict()}
 
@@ -174,10 +198,12 @@ def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, ro
     return best
 
 
-def predict(lo: Layout, model: dict, hw_path: str | None) -> tuple[Workload, Any, Any]:
+def predict(lo: Layout, model: dict, extra: list[str], hw_path: str | None
+            ) -> tuple[Workload, Any, Any]:
     hw = get_accelerator("cpu", hw_path)
+    inner = [int(a.split("=", 1)[1]) for a in extra if a.startswith("--diloco.inner_steps=")]
     work = Workload(ModelSpec(ModelConfig.from_dict(model)), SEQ, BATCH, dtype="fp32",
-                    states="fp32", profile="meshlm")
+                    states="fp32", profile="meshlm", inner_steps=inner[0] if inner else 50)
     return work, hw, step_time(work, lo, hw)
 
 
@@ -191,7 +217,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.only and name not in args.only:
             continue
         m = measure(name, preset, lo, extra, args.steps, args.rounds)
-        work, hw, t = predict(lo, m["ranks"][0]["model"], args.calibration)
+        work, hw, t = predict(lo, m["ranks"][0]["model"], extra, args.calibration)
         state_err = act_err = 0.0
         per_rank = []
         for rk in m["ranks"]:

@@ -158,3 +158,45 @@ def test_blank_fields_are_completed_and_flagged(bench) -> None:  # noqa: ANN001
     row = bench.build_row(3, pipe)
     assert row.layout.micro_batch == 2 and row.rules
     assert not bench.predict(row).problems
+
+
+def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
+        bench, tmp_path: Path) -> None:  # noqa: ANN001
+    """Hand-built case: two sources whose rows need the power cap (reported = the capped
+    prediction) and one llm-foundry row (reported = its fused-loss prediction). Held out,
+    each power-capped source keeps the cap (the other source shows it is needed); the
+    llm-foundry row loses its own rule (no other row gives evidence for it) and is scored
+    with torch's cross-entropy."""
+    gpt = {"model_name": "GPT-1.3B", "params_B": "1.3", "layers": "24", "hidden": "2048",
+           "heads": "16", "vocab": "50257", "seq_len": "2048", "precision": "bf16",
+           "global_batch_seqs": "256"}
+    capped = {**gpt, "hardware": "H100 SXM @350W", "num_gpus": "16", "tp": "2", "dp": "8",
+              "micro_batch": "4"}
+    raws = [{**capped, "source": "alpha (2024)"}, {**capped, "source": "beta (2024)"},
+            {**gpt, "hardware": "A100-SXM-80GB", "num_gpus": "8", "dp": "8",
+             "micro_batch": "8", "source": "mosaicml/llm-foundry README"}]
+
+    def tokens(raw: dict[str, str], rules) -> float:  # noqa: ANN001
+        row = bench.build_row(0, {**raw, "reported_tokens_per_sec_per_gpu": "1"}, rules=rules)
+        return bench.predict(row).time.tokens_per_s / row.layout.world_size
+
+    on = bench.Rules()
+    for r in raws:
+        r["reported_tokens_per_sec_per_gpu"] = f"{tokens(r, on):.6f}"
+    uncapped = tokens(raws[0], bench.Rules(power_cap=False))
+    assert uncapped / tokens(raws[0], on) - 1 > 0.2  # the cap matters beyond the tolerance
+    torch_loss = tokens(raws[2], bench.Rules(foundry_loss=False))
+    _write(tmp_path / "runs.csv", raws)
+    loso = bench.leave_one_source_out(tmp_path / "runs.csv")
+    by = {s["source"]: s for s in loso["sources"]}
+    assert set(by) == {"alpha", "beta", "mosaicml/llm-foundry README"}
+    for name in ("alpha", "beta"):
+        assert "power_cap" not in by[name]["rules"], by[name]
+        assert by[name]["within_20pct"] == 1
+        assert abs(by[name]["errors"][0]) < 1e-5
+    foundry = by["mosaicml/llm-foundry README"]
+    assert "foundry_loss" in foundry["rules"].split("off: ")[1]
+    expected = torch_loss / float(raws[2]["reported_tokens_per_sec_per_gpu"]) - 1
+    assert abs(expected) > 1e-3  # the fused loss changes the prediction: the rule was off
+    assert foundry["errors"][0] == pytest.approx(expected, rel=1e-6)
+    assert loso["rows"] == 3 and loso["in_sample_within_20pct"] == 3
