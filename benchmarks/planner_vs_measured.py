@@ -3,23 +3,29 @@
     OMP_NUM_THREADS=1 python benchmarks/planner_vs_measured.py [--calibration PATH]
         [--steps 8] [--rounds 2] [--only NAME ...] [--json benchmarks/results/planner_vs_measured.json]
 
-For each layout (``tiny``/``small``, every parallel dimension training supports: dp with ZeRO
-0-3, tp with and without sp, pp with 1F1B / interleaved / ZB-H1, and their products), the
-trainer's own ``train_step`` runs in a spawned gloo world (one thread per rank; a one-process
-layout runs here with every core, as ``meshlm train`` does):
+For each layout (``tiny``/``small``/``tiny-moe``, every dimension training supports: dp with
+ZeRO 0-3, tp with and without sp, pp with 1F1B / interleaved / ZB-H1, cp ring / zigzag /
+Ulysses, ep, recomputation selective / op / full, AdamW moments offloaded to disk, DiLoCo
+islands, and products of these), the trainer's own ``train_step`` runs in a spawned gloo world
+(one thread per rank; a one-process layout runs here with every core, as ``meshlm train``
+does); with islands each step is followed by the trainer's ``outer_sync``:
 
-- step time: the median over ``--steps`` steps after 2 warm-up steps, the slowest rank's,
-  best of ``--rounds`` runs (the machine is shared; others' jobs only slow a run down), each
-  run started on a quiet machine;
+- step time: the median over ``--steps`` steps after 2 warm-up steps (with islands the mean,
+  so the synchronisation every H steps counts), the slowest rank's, best of ``--rounds`` runs
+  (the machine is shared; others' jobs only slow a run down), each run started on a quiet
+  machine;
 - states: this rank's parameter, gradient and optimizer bytes (``Engine.state_bytes``, exact);
 - activations: the peak, over one training step, of the bytes of tensors saved for backward
   (``torch.autograd.graph.saved_tensors_hooks``; unique storages, parameters and buffers
-  excluded; a saved tensor counts until autograd releases it) -- with pipelining this includes
-  every in-flight micro-batch;
-- communication: the comm log's bytes per ``op/axis`` of one step (rank 0).
+  excluded; a saved tensor counts until autograd releases it; op-level recomputation's
+  selective-checkpoint cache counted too) -- with pipelining this includes every in-flight
+  micro-batch;
+- communication: the comm log's bytes per ``op/axis`` of one step (rank 0; with islands, of
+  one outer round divided by H).
 
 The planner predicts each from the calibrated ``cpu`` entry (``meshlm plan --calibrate``) and
-the layout alone. Acceptance: step time within 25 %, states within 5 %, activations within 25 %.
+the layout alone. Acceptance: step time within 25 %, per-rank memory (states + activations)
+within 15 %; states within 5 %, activations within 25 %.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ from meshlm.planner.workload import ModelSpec, Workload
 # (name, preset, layout, extra config overrides). pp needs untied embeddings in meshlm.
 UNTIE = ["--model.tie_embeddings=false"]
 TINY_VOCAB = ["--data.vocab_size=512"]  # the tiny preset's vocabulary (the trainer's BPE size)
+SMALL_MOE = ["--model.moe_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden=256",
+             "--model.moe_shared_experts=1"]
 LAYOUTS: list[tuple[str, str, Layout, list[str]]] = [
     ("single", "small", Layout(micro_batch=16), []),
     ("dp2", "small", Layout(dp=2, micro_batch=8), []),
@@ -81,6 +89,9 @@ LAYOUTS: list[tuple[str, str, Layout, list[str]]] = [
     ("moe-single", "tiny-moe", Layout(micro_batch=16), TINY_VOCAB),
     ("moe-ep2", "tiny-moe", Layout(dp=2, ep=2, micro_batch=8), TINY_VOCAB),
     ("moe-ep2-zero1", "tiny-moe", Layout(dp=2, ep=2, zero=1, micro_batch=8), TINY_VOCAB),
+    # and on `small` with every MLP a MoE layer (4 experts of width 256, top-2, one shared)
+    ("small-moe-single", "small", Layout(micro_batch=16), SMALL_MOE),
+    ("small-moe-ep2", "small", Layout(dp=2, ep=2, micro_batch=8), SMALL_MOE),
     # AdamW moments in a memmapped file per rank (ZeRO-Infinity's NVMe tier)
     ("dp2-zero1-offload-disk", "small", Layout(dp=2, zero=1, micro_batch=8, offload="disk"),
      []),
@@ -108,11 +119,33 @@ def overrides(preset: str, lo: Layout, run_dir: str, extra: list[str]) -> list[s
 
 
 class SavedBytes:
-    """Live and peak bytes of tensors autograd saves (unique storages, no parameters)."""
+    """Live and peak bytes of tensors autograd saves (unique storages, no parameters).
+
+    Op-level recomputation keeps its saved matmul outputs in torch's selective-checkpoint
+    cache, not through autograd's saved-tensor hooks: :func:`track_sac_caches` records those
+    caches, and their live tensors count too.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model, self.live, self.peak = model, 0, 0
         self.refs: dict[int, int] = {}
+
+    def _sac_bytes(self) -> int:
+        seen, total = set(self.refs), 0
+        for ref in list(SAC_CACHES):
+            cache = ref()
+            if cache is None:
+                SAC_CACHES.remove(ref)
+                continue
+            for by_index in cache.values():
+                for entry in by_index.values():
+                    t = getattr(entry, "val", None)
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr not in seen and ptr not in self._excluded():
+                            seen.add(ptr)
+                            total += t.untyped_storage().nbytes()
+        return total
 
     def _excluded(self) -> set[int]:
         return {t.untyped_storage().data_ptr()
@@ -127,8 +160,8 @@ class SavedBytes:
             return box
         if self.refs.get(ptr, 0) == 0:
             self.live += t.untyped_storage().nbytes()
-            self.peak = max(self.peak, self.live)
         self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        self.peak = max(self.peak, self.live + (self._sac_bytes() if SAC_CACHES else 0))
         weakref.finalize(box, self._release, ptr, t.untyped_storage().nbytes())
         return box
 
@@ -140,6 +173,39 @@ class SavedBytes:
     @staticmethod
     def unpack(box: _Box) -> torch.Tensor:
         return box.t
+
+
+SAC_CACHES: list[weakref.ref] = []  # torch's selective-checkpoint caches of this process
+
+
+def track_sac_caches() -> None:
+    """Record the cache of every selective-checkpoint context meshlm creates (op-level
+    recomputation), so :class:`SavedBytes` counts the outputs it keeps."""
+    from meshlm.parallel import recompute
+
+    make = recompute.create_selective_checkpoint_contexts
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        caching, cached = make(*args, **kwargs)
+        holder = _CacheHolder(caching.storage)
+        # the holder lives as long as either mode: the cached one until backward replays
+        caching._meshlm_holder = cached._meshlm_holder = holder
+        SAC_CACHES.append(weakref.ref(holder))
+        return caching, cached
+
+    recompute.create_selective_checkpoint_contexts = tracked
+
+
+class _CacheHolder:
+    """Weakly referenceable holder of one selective-checkpoint cache."""
+
+    __slots__ = ("storage", "__weakref__")
+
+    def __init__(self, storage: dict) -> None:
+        self.storage = storage
+
+    def values(self) -> Any:
+        return self.storage.values()
 
 
 class _Box:
@@ -154,19 +220,28 @@ def worker(preset: str, lo_dict: dict, extra: list[str], run_dir: str, steps: in
     from meshlm.train.trainer import Trainer
 
     lo = Layout(**lo_dict)
+    track_sac_caches()
     cfg = load_config(None, overrides(preset, lo, run_dir, extra))
     trainer = Trainer(cfg, log=lambda _m: None, progress=False)
+    def one_step(step: int) -> None:  # the trainer's step, and DiLoCo's outer step when due
+        loss, _ = trainer.train_step(step)
+        if trainer.diloco is not None:
+            trainer.outer_sync(step, loss)
+
     times = []
     for step in range(1, WARMUP + steps + 1):
         t0 = time.perf_counter()
-        trainer.train_step(step)
+        one_step(step)
         times.append(time.perf_counter() - t0)
-    step = WARMUP + steps + 1
+    # comm and saved bytes over one step -- DiLoCo: over one outer round of H steps, the
+    # bytes divided by H (the planner's per-step average)
+    window = cfg.diloco.inner_steps if lo.islands > 1 else 1
     trainer.comm.log.reset()
     saved = SavedBytes(trainer.model)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        trainer.train_step(step)
-    comm = trainer.comm.log.bytes_by_op()
+        for step in range(WARMUP + steps + 1, WARMUP + steps + 1 + window):
+            one_step(step)
+    comm = {k: v / window for k, v in trainer.comm.log.bytes_by_op().items()}
     states = trainer.engine.state_bytes()
     # DiLoCo: the mean (a synchronisation every H steps is part of the cost); else the median
     pick = statistics.mean if lo.islands > 1 else statistics.median
@@ -249,20 +324,28 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def memory_error(row: dict[str, Any]) -> float:
+    """Largest relative error over the ranks of per-rank memory: states + activations."""
+    return max(abs(rel(r["states_predicted"] + r["activations_predicted"],
+                       r["states_measured"] + r["activations_measured"])) for r in row["ranks"])
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("\n| layout | ranks | step measured (s) | step predicted (s) | error | states err "
-          "(max rank) | activations err (max rank) | comm bytes err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| layout | ranks | step measured (s) | step predicted (s) | error | memory err "
+          "(max rank) | states err | activations err | comm bytes err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} (`{r['layout']}`) | {r['world']} | {r['step_measured_s']:.3f} | "
-              f"{r['step_predicted_s']:.3f} | {r['step_error']:+.1%} | "
+              f"{r['step_predicted_s']:.3f} | {r['step_error']:+.1%} | {memory_error(r):.1%} | "
               f"{r['states_max_error']:.2%} | {r['activations_max_error']:.1%} | "
               f"{r['comm_max_error']:.1%} |")
     ok_t = sum(abs(r["step_error"]) <= 0.25 for r in rows)
+    ok_m = sum(memory_error(r) <= 0.15 for r in rows)
     ok_s = sum(r["states_max_error"] <= 0.05 for r in rows)
     ok_a = sum(r["activations_max_error"] <= 0.25 for r in rows)
-    print(f"\nstep time within 25 %: {ok_t}/{len(rows)}; states within 5 %: {ok_s}/{len(rows)}; "
-          f"activations within 25 %: {ok_a}/{len(rows)}")
+    print(f"\nstep time within 25 %: {ok_t}/{len(rows)}; per-rank memory within 15 %: "
+          f"{ok_m}/{len(rows)}; states within 5 %: {ok_s}/{len(rows)}; activations within "
+          f"25 %: {ok_a}/{len(rows)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,7 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, help="layout names to run")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--table", type=Path, default=None,
+                    help="print the table of a JSON this script wrote, and run nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        print_table(json.loads(args.table.read_text())["rows"])
+        return 0
     rows = run(args)
     print_table(rows)
     if args.json:

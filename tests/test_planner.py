@@ -39,7 +39,17 @@ from meshlm.planner.memory import (
     stage_layers,
     state_bytes,
 )
-from meshlm.planner.timing import C_TRAFFIC, OPS_PER_LAYER, collective_time
+from meshlm.planner.timing import (
+    C_TRAFFIC,
+    HOST_ADAM,
+    HOST_LINK,
+    MOE_OPS,
+    OPS_PER_LAYER,
+    OPTIM_BYTES,
+    collective_time,
+    moe_ops,
+    offload_time,
+)
 
 H100 = CATALOGUE["h100-sxm"]
 A100 = CATALOGUE["a100-80gb"]
@@ -392,6 +402,81 @@ def test_traffic_and_op_constants_recount_on_meshlm_block(dtype: str) -> None:
     assert Count.traffic / saved == pytest.approx(C_TRAFFIC[dtype], rel=0.1)
     if dtype == "fp32":
         assert Count.ops == pytest.approx(OPS_PER_LAYER, rel=0.1)
+
+
+@pytest.mark.parametrize("experts, shared", [(4, 1), (8, 1), (4, 0)])
+def test_moe_saved_bytes_and_ops_recount_on_meshlm_layer(experts: int, shared: int) -> None:
+    """A MoE layer's saved bytes (memory.layer_activations, the dispatch's routed copies and
+    routing tensors included) and its extra eager ops (MOE_OPS) recounted on meshlm's model:
+    saved-tensor hooks (unique storages, no parameters) and TorchDispatchMode, one process
+    (the expert-parallel exchange's 34 ops are counted in planner_vs_measured's ep rows)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def run(cfg: ModelConfig) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = build_model(cfg, 0)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        ids = torch.randint(0, cfg.vocab_size, (8, 129))
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        class Count(TorchDispatchMode):
+            ops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                Count.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        def step() -> torch.Tensor:
+            logits = model(ids[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+        with Count():  # (saved-tensor hooks add alias ops of their own: counted apart)
+            step().backward()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()
+        return sum(seen.values()), Count.ops
+
+    moe_cfg = PRESETS["tiny-moe"].with_(moe_experts=experts, moe_shared_experts=shared,
+                                        moe_ffn_hidden=96, n_layers=1)
+    dense_cfg = moe_cfg.with_(moe_experts=0)
+    (moe_saved, moe_n), (dense_saved, dense_n) = run(moe_cfg), run(dense_cfg)
+    lo = Layout(micro_batch=8)
+    work = Workload(ModelSpec(moe_cfg), 128, 8, dtype="fp32", states="fp32")
+    dense = Workload(ModelSpec(dense_cfg), 128, 8, dtype="fp32", states="fp32")
+    predicted = (sum(layer_activations(work, lo, moe=True).values())
+                 - sum(layer_activations(dense, lo).values()))
+    assert (moe_saved - dense_saved) == pytest.approx(predicted, rel=0.05)
+    # a block's ops beyond the dense block's (OPS_PER_LAYER, recounted above)
+    assert moe_n - dense_n == pytest.approx(moe_ops(moe_cfg, lo), abs=4)
+    assert moe_ops(moe_cfg, Layout(ep=2)) == pytest.approx(
+        moe_ops(moe_cfg, lo) - MOE_OPS["expert"] * experts / 2 + MOE_OPS["exchange"])
+
+
+def test_offload_time_by_hand() -> None:
+    """disk: 16 bytes per owned parameter at the fresh-buffer rate; cpu on a GPU: 12 bytes over
+    the host link plus AdamW's bytes at the host rate; cpu on a CPU run: nothing."""
+    cpu = get_accelerator("cpu")
+    rates = cpu.rates(2, 1)
+    owned = 3e6
+    disk = offload_time(Layout(dp=2, zero=1, offload="disk"), cpu, rates, owned)
+    assert disk == pytest.approx(16 * owned / rates.mem_bw[max(rates.mem_bw)])
+    assert offload_time(Layout(offload="cpu"), cpu, rates, owned) == 0.0
+    h100 = H100.rates(8, 1)
+    assert offload_time(Layout(offload="cpu"), H100, h100, owned) == pytest.approx(
+        12 * owned / HOST_LINK["gen5"] + OPTIM_BYTES * owned / HOST_ADAM)
+    assert offload_time(Layout(offload="cpu"), A100, A100.rates(8, 1), owned) == pytest.approx(
+        12 * owned / HOST_LINK["gen4"] + OPTIM_BYTES * owned / HOST_ADAM)
+    # and the step: the term is added once, as "optimizer offload"
+    work = Workload(ModelSpec(PRESETS["small"]), 256, 16, dtype="fp32", states="fp32")
+    t = step_time(work, Layout(offload="disk", micro_batch=16), cpu)
+    assert t.items["optimizer offload"] > 0
+    assert "optimizer offload" not in step_time(work, Layout(micro_batch=16), cpu).items
 
 
 # ---------------------------------------------------------------------- search

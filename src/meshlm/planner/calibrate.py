@@ -21,9 +21,10 @@ training runs stay predictions:
   32 tensors of 128 Ki parameters, seconds per parameter;
 - op overhead: a chain of 200 tiny multiplications with autograd, forward + backward, per op;
 - gloo collectives over loopback for groups of 2 and 4 processes (one thread each):
-  all-reduce, all-gather, reduce-scatter at 64 KiB, 1 MiB and 16 MiB (comm-log bytes, i.e. the
-  full buffer); ``t = latency + bytes / bandwidth`` with the bandwidth from the slope between
-  1 and 16 MiB (the sizes of meshlm's buckets and activations) and the latency from 64 KiB.
+  all-reduce, all-gather, reduce-scatter, all-to-all at 64 KiB, 1 MiB and 16 MiB (comm-log
+  bytes, i.e. the full buffer); ``t = latency + bytes / bandwidth`` with the bandwidth from the
+  slope between 1 and 16 MiB (the sizes of meshlm's buckets and activations) and the latency
+  from 64 KiB; calls timed back to back after one barrier, as a training step issues them.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def _bench_collectives(sizes: tuple[int, ...], reps: int) -> dict[str, dict[int,
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     n = dist.get_world_size()
     out: dict[str, dict[int, float]] = {}
-    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         out[op] = {}
         for size in sizes:
             numel = size // 4 // n * n
@@ -232,16 +233,26 @@ def _bench_collectives(sizes: tuple[int, ...], reps: int) -> dict[str, dict[int,
             elif op == "all_gather":
                 def call(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
                     all_gather(full, shard)
+            elif op == "all_to_all":  # the comm log's bytes: the whole input buffer
+                recv = torch.empty(numel)
+
+                def call(full: torch.Tensor = full, recv: torch.Tensor = recv) -> None:
+                    dist.all_to_all_single(recv, full)
             else:
                 def call(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
                     reduce_scatter(shard, full)
+            # Back to back after one barrier, as a training step issues them: timing each call
+            # from its own barrier finds only the transfer (at 2 ranks ~0.4 of the 1.3 ms a
+            # small all-reduce takes in a loop: gloo's wake-ups are part of every call).
+            call()
+            call()  # two warm-up calls
             times = []
-            for i in range(reps + 2):
+            for _ in range(3):
                 dist.barrier()
                 t0 = time.perf_counter()
-                call()
-                if i >= 2:  # two warm-up calls
-                    times.append(time.perf_counter() - t0)
+                for _ in range(max(1, reps // 3)):
+                    call()
+                times.append((time.perf_counter() - t0) / max(1, reps // 3))
             out[op][size] = statistics.median(times)
     return out
 

@@ -207,6 +207,12 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
         items["mlp"] = (4 if gated else 2) * f * a / t
         # SDPA's log-sum-exp per head (fp32); eager attention keeps the softmax output
         items["scores"] = (heads * 4 if work.flash else 2 * heads * work.seq_len / lo.cp * a) / t
+        if moe:  # the dispatch (models/moe.py), counted: per routed copy the gathered expert
+            # input, its sorted-order copy and the expert's output (for the weighted combine);
+            # fp32 router probabilities, top-k indices (int64) and weights, the sort's indices
+            k = c.moe_topk
+            items["routed copies"] = 3 * k * h * a
+            items["routing"] = 4 * c.moe_experts + k * (8 + 4 + 4) + 2 * k * 8 + 12
     return {k: v * tokens for k, v in items.items()}
 
 

@@ -85,6 +85,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..layout import Layout
+from ..models.config import ModelConfig
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
     ACT_BYTES,
@@ -102,6 +103,11 @@ C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0, "fp8": 11.0}  # fp16/fp8: 
 CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
 FUSED_CE_PASSES = 3.0  # fused loss: read the logits (forward), read + write them (gradient)
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
+# A MoE layer's extra aten ops, forward + backward (counted with TorchDispatchMode on
+# tiny-moe with 4 and 8 experts, with and without a shared expert, ep 1 and 2): routing
+# (router, top-k, sort, scatter) 24, each local expert 40, a shared expert 35, the
+# expert-parallel exchange (split sizes, two all-to-alls, regrouping) 34.
+MOE_OPS = {"routing": 24, "expert": 40, "shared": 35, "exchange": 34}
 # ``kernels="fused"``: elements read + written per token by a fused block's memory-bound
 # kernels, forward + backward, as (per hidden h, per KV width, per MLP hidden f, per MLP input
 # of a non-gated MLP). Forward: RMSNorm 2h (x2), rotary 2(h + kv), residual add 3h (x2),
@@ -111,6 +117,11 @@ OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (
 FUSED_ELEMENTS = {"h": 26.0, "kv": 4.0, "f_gated": 8.0, "f_plain": 5.0}
 FUSED_KERNELS_PER_LAYER = 20  # norms, rotary, activation, adds, attention, GEMMs, fwd + bwd
 KERNELS_PER_LAYER = 96  # of which launch a kernel (the rest are views)
+# Host link per GPU for ZeRO-Offload's copies: PCIe Gen4 / Gen5 x16, ~80 % of 32 / 64 GB/s per
+# direction (nvbandwidth host-to-device figures); host AdamW: ~100 GB/s of a 2-socket host's
+# memory bandwidth shared by 8 GPUs (DeepSpeed's CPU-Adam is bandwidth-bound)
+HOST_LINK = {"gen4": 25e9, "gen5": 50e9}
+HOST_ADAM = 12.5e9
 OPTIM_BYTES = 40.0  # AdamW: read p, g, m, v and write p, m, v (28) + zero_grad and clipping
 
 
@@ -197,6 +208,13 @@ def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
     return sum(layer_activations(replace(work, profile="meshlm"), lo, moe).values())
 
 
+def moe_ops(c: ModelConfig, lo: Layout) -> float:
+    """Eager ops a MoE layer adds to a dense block's :data:`OPS_PER_LAYER` on one rank."""
+    return (MOE_OPS["routing"] + MOE_OPS["expert"] * c.moe_experts / lo.ep
+            + MOE_OPS["shared"] * (c.moe_shared_experts > 0)
+            + MOE_OPS["exchange"] * (lo.ep > 1))
+
+
 def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe: bool
                   ) -> dict[str, float]:
     """Seconds of one (dense or MoE) layer for one micro-batch: forward + backward +
@@ -249,7 +267,8 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         # (materialised scores are not kept either: their forward is redone too)
         out["recompute"] = sum(per_linear[1::2]) / 3 + elem / 3 + (0 if work.flash else attn_fwd)
     if rates.serial_ops:
-        out["op overhead"] = OPS_PER_LAYER * rates.op_overhead
+        ops = OPS_PER_LAYER + (moe_ops(c, lo) if moe else 0)
+        out["op overhead"] = ops * rates.op_overhead
     else:  # launches overlap kernels; a layer cannot run faster than it can launch them
         kernels = FUSED_KERNELS_PER_LAYER if work.kernels == "fused" else KERNELS_PER_LAYER
         launch = kernels * rates.op_overhead
@@ -501,6 +520,9 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         out.items["optimizer"] = rates.adam * owned * oversub
     else:
         out.items["optimizer"] = OPTIM_BYTES * owned / rates.bandwidth(4 * owned / tensors)
+    offload = offload_time(lo, hw, rates, owned)
+    if offload:
+        out.items["optimizer offload"] = offload * (oversub if hw.cpu is not None else 1)
     out.step = sum(out.items.values())
     tokens = work.tokens_per_step
     out.tokens_per_s = tokens / out.step
@@ -512,6 +534,25 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         v for k, v in out.items.items() if k.startswith("compute:") and k != "compute: recompute"
     )))
     return out
+
+
+def offload_time(lo: Layout, hw: Accelerator, rates: Rates, owned: float) -> float:
+    """Seconds per step that optimizer-state offload (``parallel/offload.py``) adds, exposed:
+
+    - ``disk``: both moments (8 bytes per owned parameter) paged in and written back, 16 bytes
+      per owned parameter through the page cache, at the rate of fresh (page-faulting) buffers;
+    - ``cpu`` on a GPU (ZeRO-Offload): weights + gradients to the host and weights back, 12
+      bytes per owned parameter over the host link (:data:`HOST_LINK`), and AdamW on the host
+      at :data:`HOST_ADAM` bytes/s per GPU; on a CPU run ``cpu`` is ``none`` (the moments are
+      already in host memory).
+    GPU-only figures (``cpu``) are assumptions with sources, not validated here.
+    """
+    if lo.offload == "disk":
+        return 16 * owned / rates.bandwidth(max(rates.mem_bw))
+    if lo.offload == "cpu" and hw.cpu is None:
+        link = HOST_LINK["gen4" if hw.name.startswith("a100") else "gen5"]
+        return 12 * owned / link + OPTIM_BYTES * owned / HOST_ADAM
+    return 0.0
 
 
 def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
