@@ -671,3 +671,18 @@ def test_auto_layout_turns_on_recomputation_only_when_memory_needs_it(
         chosen.set_layout(layout)
         assert chosen.train.recompute == layout.recompute
         validate(chosen, check_paths=False)
+
+
+def test_collective_calibration_times_each_op_in_a_steps_pattern() -> None:
+    """`meshlm plan --calibrate`'s collective microbenchmark on 2 gloo ranks: every op (the
+    all-to-all included) gets a positive time per size, and a 64x larger buffer takes
+    longer (the fit's bandwidth is positive)."""
+    from meshlm.distributed.spawn import run_world
+    from meshlm.planner.calibrate import _bench_collectives
+
+    sizes = (64 * 1024, 4 * 1024 * 1024)
+    per_rank = run_world(2, _bench_collectives, sizes, 3)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        t = {s: max(r[op][s] for r in per_rank) for s in sizes}
+        assert all(v > 0 for v in t.values()), (op, t)
+        assert t[sizes[1]] > t[sizes[0]], (op, t)

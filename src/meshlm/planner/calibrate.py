@@ -24,7 +24,8 @@ training runs stay predictions:
   all-reduce, all-gather, reduce-scatter, all-to-all at 64 KiB, 1 MiB and 16 MiB (comm-log
   bytes, i.e. the full buffer); ``t = latency + bytes / bandwidth`` with the bandwidth from the
   slope between 1 and 16 MiB (the sizes of meshlm's buckets and activations) and the latency
-  from 64 KiB; calls timed back to back after one barrier, as a training step issues them.
+  from 64 KiB; each call timed as a training step issues it: on fresh buffers, after ~1 ms of
+  matmul (the loop's time minus that of the matmul and allocation alone).
 """
 
 from __future__ import annotations
@@ -213,47 +214,57 @@ def op_overhead(n_ops: int = 200) -> float:
 
 
 def _bench_collectives(sizes: tuple[int, ...], reps: int) -> dict[str, dict[int, float]]:
-    """Run inside a gloo world: median seconds per (op, size)."""
+    """Run inside a gloo world: median seconds per (op, size), each call as a training step
+    issues it -- on fresh buffers, between stretches of computation.
+
+    Both matter on a small CPU machine: gloo sets up every new buffer address it is handed
+    (a 1 MiB all-reduce on a fresh tensor took 3.1 ms at 2 ranks, on a reused one 0.9 ms), and
+    a peer's transport threads compete with this rank's computation for the cores (a 1 MiB
+    all-reduce after each ~1 ms matmul added 2.4 ms, not 0.9). Measured: the loop of (matmul,
+    fresh buffers, collective) minus the loop of (matmul, fresh buffers).
+    """
     import torch.distributed as dist
 
     # torch 2.13 renamed the tensor collectives (as in meshlm.distributed.comm).
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     n = dist.get_world_size()
+    work = torch.randn(384, 384)  # ~1 ms of matmul per call: a step's compute between calls
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        fn()  # two warm-up calls
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(max(1, reps // 3)):
+                fn()
+            times.append((time.perf_counter() - t0) / max(1, reps // 3))
+        return statistics.median(times)
+
     out: dict[str, dict[int, float]] = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         out[op] = {}
         for size in sizes:
             numel = size // 4 // n * n
-            full = torch.ones(numel)
-            shard = torch.ones(numel // n)
-            if op == "all_reduce":
-                def call(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
-                    dist.all_reduce(full)
-            elif op == "all_gather":
-                def call(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
-                    all_gather(full, shard)
-            elif op == "all_to_all":  # the comm log's bytes: the whole input buffer
-                recv = torch.empty(numel)
 
-                def call(full: torch.Tensor = full, recv: torch.Tensor = recv) -> None:
-                    dist.all_to_all_single(recv, full)
-            else:
-                def call(full: torch.Tensor = full, shard: torch.Tensor = shard) -> None:
+            def buffers(numel: int = numel) -> tuple[torch.Tensor, torch.Tensor]:
+                work @ work
+                return torch.ones(numel), torch.ones(numel // n)
+
+            def call(op: str = op, buffers: Callable = buffers) -> None:
+                full, shard = buffers()
+                if op == "all_reduce":
+                    dist.all_reduce(full)
+                elif op == "all_gather":
+                    all_gather(full, shard)
+                elif op == "all_to_all":  # the comm log's bytes: the whole input buffer
+                    dist.all_to_all_single(torch.empty_like(full), full)
+                else:
                     reduce_scatter(shard, full)
-            # Back to back after one barrier, as a training step issues them: timing each call
-            # from its own barrier finds only the transfer (at 2 ranks ~0.4 of the 1.3 ms a
-            # small all-reduce takes in a loop: gloo's wake-ups are part of every call).
-            call()
-            call()  # two warm-up calls
-            times = []
-            for _ in range(3):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(max(1, reps // 3)):
-                    call()
-                times.append((time.perf_counter() - t0) / max(1, reps // 3))
-            out[op][size] = statistics.median(times)
+
+            out[op][size] = max(0.0, timed(call) - timed(buffers))
     return out
 
 

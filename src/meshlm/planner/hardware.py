@@ -363,16 +363,17 @@ DEFAULT_CPU = CpuProfile(
     ce_tp={1: 6.7e-9, 2: 3.6e-9},
     adam={1: 4.5e-9, 2: 2.4e-9},
     op_overhead=3.0e-6,
-    # collectives timed back to back (as a step issues them), 2026-11-25, 2-core AMD EPYC
+    # collectives timed as a step issues them (fresh buffers, between computation), 2026-11-25,
+    # on a 2-core AMD EPYC
     collectives={
-        "all_reduce": {2: (605e-6, 1.53e9), 4: (4.46e-3, 0.85e9)},
-        "all_gather": {2: (316e-6, 2.25e9), 4: (3.35e-3, 0.98e9)},
-        "reduce_scatter": {2: (278e-6, 1.01e9), 4: (5.44e-3, 0.65e9)},
-        "all_to_all": {2: (134e-6, 2.63e9), 4: (1.90e-3, 1.62e9)},
+        "all_reduce": {2: (2.34e-3, 1.38e9), 4: (7.45e-3, 0.75e9)},
+        "all_gather": {2: (0.93e-3, 1.53e9), 4: (5.30e-3, 0.86e9)},
+        "reduce_scatter": {2: (1.41e-3, 1.03e9), 4: (7.59e-3, 0.75e9)},
+        "all_to_all": {2: (0.23e-3, 2.33e9), 4: (2.78e-3, 1.39e9)},
     },
     source="meshlm plan --calibrate on the project CI machine (2-core Xeon with AVX-512 and "
            "AMX-BF16, torch 2.13.0+cpu), 2026-11-22, mean of two calibrations; collectives "
-           "(back to back, all-to-all added) on a 2-core AMD EPYC, 2026-11-25",
+           "(in a step's pattern, all-to-all added) on a 2-core AMD EPYC, 2026-11-25",
 )
 
 
