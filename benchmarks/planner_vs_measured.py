@@ -131,7 +131,7 @@ class SavedBytes:
         self.refs: dict[int, int] = {}
 
     def _sac_bytes(self) -> int:
-        seen, total = set(self.refs), 0
+        seen, total = set(self.refs) | self._excluded(), 0
         for ref in list(SAC_CACHES):
             cache = ref()
             if cache is None:
@@ -142,7 +142,7 @@ class SavedBytes:
                     t = getattr(entry, "val", None)
                     if isinstance(t, torch.Tensor) and t.numel():
                         ptr = t.untyped_storage().data_ptr()
-                        if ptr not in seen and ptr not in self._excluded():
+                        if ptr not in seen:
                             seen.add(ptr)
                             total += t.untyped_storage().nbytes()
         return total
@@ -223,6 +223,7 @@ def worker(preset: str, lo_dict: dict, extra: list[str], run_dir: str, steps: in
     track_sac_caches()
     cfg = load_config(None, overrides(preset, lo, run_dir, extra))
     trainer = Trainer(cfg, log=lambda _m: None, progress=False)
+
     def one_step(step: int) -> None:  # the trainer's step, and DiLoCo's outer step when due
         loss, _ = trainer.train_step(step)
         if trainer.diloco is not None:
@@ -247,7 +248,7 @@ def worker(preset: str, lo_dict: dict, extra: list[str], run_dir: str, steps: in
     pick = statistics.mean if lo.islands > 1 else statistics.median
     return {"step_time_s": pick(times[WARMUP:]), "states": states,
             "activations": saved.peak, "comm": comm, "pp_rank": trainer.mesh.local_rank("pp"),
-            "model": trainer.model_cfg.to_dict()}
+            "model": trainer.model_cfg.to_dict(), "inner_steps": cfg.diloco.inner_steps}
 
 
 def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, rounds: int
@@ -273,12 +274,11 @@ def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, ro
     return best
 
 
-def predict(lo: Layout, model: dict, extra: list[str], hw_path: str | None
+def predict(lo: Layout, model: dict, inner_steps: int, hw_path: str | None
             ) -> tuple[Workload, Any, Any]:
     hw = get_accelerator("cpu", hw_path)
-    inner = [int(a.split("=", 1)[1]) for a in extra if a.startswith("--diloco.inner_steps=")]
     work = Workload(ModelSpec(ModelConfig.from_dict(model)), SEQ, BATCH, dtype="fp32",
-                    states="fp32", profile="meshlm", inner_steps=inner[0] if inner else 50)
+                    states="fp32", profile="meshlm", inner_steps=inner_steps)
     return work, hw, step_time(work, lo, hw)
 
 
@@ -292,7 +292,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.only and name not in args.only:
             continue
         m = measure(name, preset, lo, extra, args.steps, args.rounds)
-        work, hw, t = predict(lo, m["ranks"][0]["model"], extra, args.calibration)
+        work, hw, t = predict(lo, m["ranks"][0]["model"], m["ranks"][0]["inner_steps"],
+                           args.calibration)
         state_err = act_err = 0.0
         per_rank = []
         for rk in m["ranks"]:

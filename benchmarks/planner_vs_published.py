@@ -409,6 +409,11 @@ def predicted_metric(row: Row, plan: Plan) -> float:
     return flops / peak
 
 
+def mfu_error(row: Row, pred: float) -> float:
+    """Relative error of the implied MFU (for a step time: reported / predicted - 1)."""
+    return row.reported / pred - 1 if row.metric == "step_time_s" else pred / row.reported - 1
+
+
 def reported_memory_gib(raw: dict[str, str]) -> float | None:
     """Reported peak memory per GPU in GiB (the notes say "[unit: GiB]"; else GB)."""
     value = _num(raw, "reported_memory_gb")
@@ -436,7 +441,7 @@ def run(path: Path, do_search: bool = True, kernels: str = "eager") -> dict[str,
             continue
         pred = predicted_metric(row, plan)
         err = pred / row.reported - 1
-        mfu_err = (row.reported / pred - 1) if row.metric == "step_time_s" else err
+        mfu_err = mfu_error(row, pred)
         entry = {**base, "metric": row.metric, "reported": row.reported, "predicted": pred,
                  "error": err, "mfu_error": mfu_err, "within": abs(mfu_err) <= TOLERANCE,
                  "layout": plan.layout.describe(), "completed": row.free,
@@ -494,9 +499,9 @@ TOGGLES = tuple(f.name for f in fields(Rules) if f.name != "kernels")
 KERNEL_CHOICES = ("eager", "fused", "family")
 
 
-def source_of(raw: dict[str, str]) -> str:
-    """The source a row comes from (its publication or repository file)."""
-    return re.split(r"[;('\"]", raw.get("source", ""))[0].strip()
+def source_of(source: str) -> str:
+    """The source a row comes from (its publication or repository file), from the CSV text."""
+    return re.split(r"[;('\"]", source)[0].strip()
 
 
 def row_errors(raws: list[dict[str, str]], rules: Rules, cache: dict[str, float | None]
@@ -514,9 +519,7 @@ def row_errors(raws: list[dict[str, str]], rules: Rules, cache: dict[str, float 
             if plan.problems:
                 cache[key] = None
             else:
-                pred = predicted_metric(row, plan)
-                cache[key] = (row.reported / pred - 1 if row.metric == "step_time_s"
-                              else pred / row.reported - 1)
+                cache[key] = mfu_error(row, predicted_metric(row, plan))
         out.append(cache[key])
     return out
 
@@ -544,11 +547,11 @@ def leave_one_source_out(path: Path) -> dict[str, Any]:
     errs = {c: row_errors(raws, c, cache) for c in combos}
     in_sample = errs[Rules()]
     scored = [i for i, e in enumerate(in_sample) if e is not None]
-    sources = sorted({source_of(raws[i]) for i in scored})
+    sources = sorted({source_of(raws[i].get("source", "")) for i in scored})
     out = []
     for src in sources:
-        held = [i for i in scored if source_of(raws[i]) == src]
-        rest = [i for i in scored if source_of(raws[i]) != src]
+        held = [i for i in scored if source_of(raws[i].get("source", "")) == src]
+        rest = [i for i in scored if source_of(raws[i].get("source", "")) != src]
         best = max(combos, key=lambda c, rest=rest: _fitness(errs[c], rest, c))
         e = [errs[best][i] for i in held]
         out.append({"source": src, "rows": len(held), "rules": best.describe(),
@@ -629,7 +632,7 @@ def print_markdown(report: dict[str, Any]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         fmt = ".3f" if r["metric"] in ("mfu", "step_time_s") else ".1f"
-        src = re.split(r"[;('\"]", r["source"])[0].strip()[:32]
+        src = source_of(r["source"])[:32]
         done = f" ({', '.join(r['completed'])})" if r["completed"] else ""
         done += (f"; {', '.join(k for k in r['filled'])} from {next(iter(r['filled'].values()))}"
                  if r["filled"] else "") + "".join(f"; {rule}" for rule in r["rules"])

@@ -477,6 +477,9 @@ def test_offload_time_by_hand() -> None:
     t = step_time(work, Layout(offload="disk", micro_batch=16), cpu)
     assert t.items["optimizer offload"] > 0
     assert "optimizer offload" not in step_time(work, Layout(micro_batch=16), cpu).items
+    # ZeRO-Offload on a GPU: AdamW moves to the host (its term), none left on the device
+    gpu = step_time(work, Layout(offload="cpu", micro_batch=16), H100)
+    assert gpu.items["optimizer"] == 0.0 and gpu.items["optimizer offload"] > 0
 
 
 # ---------------------------------------------------------------------- search

@@ -522,6 +522,8 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         out.items["optimizer"] = OPTIM_BYTES * owned / rates.bandwidth(4 * owned / tensors)
     offload = offload_time(lo, hw, rates, owned)
     if offload:
+        if lo.offload == "cpu":  # AdamW runs on the host instead (counted in the offload term)
+            out.items["optimizer"] = 0.0
         out.items["optimizer offload"] = offload * (oversub if hw.cpu is not None else 1)
     out.step = sum(out.items.values())
     tokens = work.tokens_per_step
