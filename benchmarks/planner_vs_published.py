@@ -108,9 +108,27 @@ class Rules:
       Korthikanti's attention-core recomputation);
     - ``foundry_loss``: llm-foundry's MPT uses flash-attn's fused cross-entropy, its default
       (off: torch's cross-entropy);
-    - ``pipeline_split``: a torchtitan pipeline splits the local batch into pp micro-batches,
-      its default (off: the published micro-batch is taken as it is -- such rows then cannot
-      fill the pipeline and count as misses).
+    - ``pipeline_split``: torchtitan's pipeline defaults -- the local batch is split into pp
+      micro-batches, and a multi-stage (interleaved) schedule whose split is not given runs 2
+      stages per rank (``generate_split_points`` in torchtitan's pipelining utilities)
+      (off: the published micro-batch is taken as it is -- such rows then cannot fill the
+      pipeline and count as misses -- and an interleaved row without vpp is plain 1F1B);
+    - ``p2p_16bit``: pipeline stage boundaries carry activations in the compute dtype -- every
+      published framework keeps 16-bit weights, so a stage's output is 16-bit (off: fp32, as
+      meshlm's executor sends under autocast);
+    - ``p2p_scatter_gather``: a Megatron pipeline with tp > 1 and no sequence parallelism
+      sends 1/tp of each boundary activation per tp rank and all-gathers it over NVLink on the
+      receiving stage (Narayanan et al. 2021, sec. 4.1; on by default there since) (off: every
+      tp rank sends the whole activation);
+    - ``fp32_grad_reduce``: gradients are reduced over data parallelism in fp32 where the
+      framework does so for 16-bit training: Megatron with bf16 (it forces
+      ``accumulate_allreduce_grads_in_fp32``; its fp16 runs reduce in fp16), nanotron's
+      benchmark configs (``ACCUMULATE_GRAD_IN_FP32 = True`` in its scaling_benchmarks.py) and
+      torchtitan (FSDP2 ``reduce_dtype`` = its default ``mixed_precision_reduce`` float32)
+      nanotron's accumulator also adds each micro-batch's gradient into its fp32 buffer in a
+      pass of its own (``FP32GradientAccumulator``; Megatron fuses the accumulation into the
+      weight-gradient GEMM) (off: gradients reduced in the 16-bit dtype of the states, and
+      no accumulation pass).
     """
 
     kernels: str = "eager"
@@ -120,6 +138,9 @@ class Rules:
     op_recompute: bool = True
     foundry_loss: bool = True
     pipeline_split: bool = True
+    p2p_16bit: bool = True
+    p2p_scatter_gather: bool = True
+    fp32_grad_reduce: bool = True
 
     def describe(self) -> str:
         off = [f.name for f in fields(self) if f.name != "kernels" and not getattr(self, f.name)]
@@ -267,6 +288,15 @@ def kernel_family(raw: dict[str, str], mode: str) -> str:
     return "fused" if any(k in text for k in FUSED_STACKS) else "eager"
 
 
+def fp32_reduce(raw: dict[str, str]) -> bool:
+    """Whether the row's framework reduces 16-bit training's gradients in fp32 (see
+    :class:`Rules`): Megatron unless the run is fp16, nanotron, torchtitan."""
+    source = raw.get("source", "").lower()
+    fp16 = "fp16" in raw.get("precision", "").lower()
+    return ("nanotron" in source or "torchtitan" in source
+            or ("megatron" in source and not fp16 and "deepspeed" not in source))
+
+
 def source_year(source: str) -> int | None:
     years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", source)]
     return years[0] if years else None
@@ -327,6 +357,10 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
         row.rules.append(f"pipeline splits the local batch of {mbs} into {pp} micro-batches")
         mbs //= pp
     vpp = _int(raw, "vpp") or 1
+    if (rules.pipeline_split and pp > 1 and vpp == 1 and "torchtitan" in raw.get("source", "")
+            and "interleaved" in raw.get("model_name", "").lower()):
+        vpp = 2  # torchtitan: 2 stages per rank for a multi-stage schedule without a split
+        row.rules.append("interleaved schedule: 2 stages per rank (torchtitan's default)")
     year = source_year(raw.get("source", ""))
     rc = recompute_mode(raw.get("recompute", ""), rules)
     precision = raw.get("precision", "").lower()
@@ -341,7 +375,13 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                  or ("llm-foundry" in raw.get("source", "").lower() and rules.foundry_loss))
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
                         profile="megatron", flash=modern, loss="fused" if fused else "torch",
-                        kernels=kernel_family(raw, rules.kernels))
+                        kernels=kernel_family(raw, rules.kernels),
+                        p2p_dtype="compute" if rules.p2p_16bit else "fp32",
+                        p2p_split=rules.p2p_scatter_gather
+                        and "megatron" in raw.get("source", "").lower(),
+                        fp32_grad_reduce=rules.fp32_grad_reduce and fp32_reduce(raw),
+                        grad_accum_pass=rules.fp32_grad_reduce
+                        and "nanotron" in raw.get("source", "").lower())
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
                         tp_overlap=any(k in text.replace(" ", "")
                                        for k in ("tp-comm-overlap", "asynctp")),

@@ -37,9 +37,11 @@ from meshlm.planner.memory import (
     layer_activations,
     recomputed,
     stage_layers,
+    stage_params,
     state_bytes,
 )
 from meshlm.planner.timing import (
+    ACCUM_BYTES,
     C_TRAFFIC,
     HOST_ADAM,
     HOST_LINK,
@@ -324,6 +326,59 @@ def test_communication_volumes_follow_the_engines_docstrings() -> None:
     root = spec.config.vocab_size * spec.config.dim + spec.config.dim
     assert z3["all_gather/dp"] == pytest.approx(2 * 4 * (2 * (psi / 4 - root) + root))
     assert z3["reduce_scatter/dp"] == 2 * psi
+
+
+def test_pipeline_wire_dtype_and_megatron_scatter_gather_by_hand() -> None:
+    """Stage boundaries: meshlm sends fp32 activations (b s h x 4 bytes per micro-batch and
+    direction); a 16-bit-weight framework sends the compute dtype; Megatron's scatter/gather
+    (tp > 1, no sp) sends 1/tp per rank and all-gathers the whole activation over tp."""
+    spec = gpt(1024, 8, 16, seq=512)
+    b, s, h, m = 2, 512, 1024, 4  # micro-batch, sequence, hidden, micro-batches
+    lo = Layout(pp=2, tp=8, dp=1, micro_batch=b)  # the stages on two nodes
+    mesh = Workload(spec, s, b * m, dtype="bf16", states="mixed")
+    # stage 0 of 2 (1F1B): one activation sent forward and one gradient received per micro-batch
+    assert comm_volumes(mesh, lo)["send/pp"] == m * b * s * h * 4
+    half = Workload(spec, s, b * m, dtype="bf16", states="mixed", p2p_dtype="compute")
+    assert comm_volumes(half, lo)["send/pp"] == m * b * s * h * 2
+    split = Workload(spec, s, b * m, dtype="bf16", states="mixed", p2p_dtype="compute",
+                     p2p_split=True)
+    v = comm_volumes(split, lo)
+    assert v["send/pp"] == m * b * s * h * 2 / 8
+    base = comm_volumes(half, lo)
+    # one gather of the whole activation per received piece (stage 0 receives gradients)
+    assert v["all_gather/tp"] - base.get("all_gather/tp", 0.0) == m * b * s * h * 2
+    # with sequence parallelism the pieces are already 1/tp: no extra gather
+    sp = Layout(pp=2, tp=8, dp=1, sp=True, micro_batch=b)
+    assert comm_volumes(split, sp) == comm_volumes(half, sp)
+    # fewer bytes over the network (the gather is on NVLink): faster
+    assert (step_time(split, lo, H100).step < step_time(half, lo, H100).step
+            < step_time(mesh, lo, H100).step)
+
+
+def test_fp32_gradient_reduction_and_accumulation_pass_by_hand() -> None:
+    """``fp32_grad_reduce``: the data-parallel reduction carries 4 bytes per gradient whatever
+    the states; ``grad_accum_pass``: ACCUM_BYTES (2 + 4 + 4) per stage parameter and
+    micro-batch over memory bandwidth, as its own step item."""
+    spec = gpt(1024, 8, 16, seq=512)
+    n = spec.num_params()
+    lo = Layout(dp=8, micro_batch=2)
+    mixed = Workload(spec, 512, 64, dtype="bf16", states="mixed")  # 4 micro-batches
+    assert comm_volumes(mixed, lo)["all_reduce/dp"] == pytest.approx(n * 2)
+    fp32 = Workload(spec, 512, 64, dtype="bf16", states="mixed", fp32_grad_reduce=True)
+    assert comm_volumes(fp32, lo)["all_reduce/dp"] == pytest.approx(n * 4)
+    z1 = comm_volumes(fp32, Layout(dp=8, zero=1, micro_batch=2))
+    assert z1["reduce_scatter/dp"] == pytest.approx(n * 4)
+    assert z1["all_gather/dp"] == pytest.approx(n * 2)  # the 16-bit weights
+    assert "gradient accumulation" not in step_time(fp32, lo, H100).items
+    acc = Workload(spec, 512, 64, dtype="bf16", states="mixed", grad_accum_pass=True)
+    t = step_time(acc, lo, H100)
+    p = stage_params(acc, lo, 0).total
+    tensors = 2 * 8 * 9 + 3
+    rate = H100.rates(8, 1).bandwidth(4 * p / tensors)
+    assert ACCUM_BYTES == 10
+    assert t.items["gradient accumulation"] == pytest.approx(10 * p * 4 / rate)
+    assert t.step == pytest.approx(step_time(mixed, lo, H100).step
+                                   + t.items["gradient accumulation"])
 
 
 def test_island_volume_is_the_owned_shard_once_per_round() -> None:

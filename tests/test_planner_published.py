@@ -87,6 +87,9 @@ def test_shipped_runs_accuracy_and_search(bench) -> None:  # noqa: ANN001
         assert any(k in r["reason"] for k in ("no reported", "not in the catalogue",
                                                "number of GPUs")), r
     assert s["published_within_20pct"] >= 0.80 * s["published_rows"], s
+    # over every predicted row (completed ones included): 80 % within 20 %, 50 % within 10 %
+    assert s["within_20pct"] >= 0.80 * s["predicted"], s
+    assert s["within_10pct"] >= 0.50 * s["predicted"], s
     assert s["published_rows"] >= 60 and s["completed_rows"] >= 25
     small = [r for r in report["rows"] if r["num_gpus"] == 8]
     assert len(small) >= 8
@@ -158,6 +161,42 @@ def test_blank_fields_are_completed_and_flagged(bench) -> None:  # noqa: ANN001
     row = bench.build_row(3, pipe)
     assert row.layout.micro_batch == 2 and row.rules
     assert not bench.predict(row).problems
+
+
+def test_framework_rules_read_from_the_row(bench) -> None:  # noqa: ANN001
+    """Which rows the framework rules touch: torchtitan's interleaved default (2 stages per
+    rank when the split is not given), Megatron's pipeline scatter/gather, the fp32 gradient
+    reduction (Megatron bf16, nanotron, torchtitan; not Megatron fp16, not llm-foundry) and
+    nanotron's separate accumulation pass; every rule off restores meshlm's own behaviour."""
+    gpt = {"layers": "16", "hidden": "2048", "heads": "16", "vocab": "50257",
+           "seq_len": "2048", "hardware": "H100-80GB", "num_gpus": "16", "tp": "2", "pp": "4",
+           "dp": "2", "micro_batch": "1", "global_batch_seqs": "64", "reported_mfu_pct": "40"}
+    titan = {**gpt, "source": "pytorch/torchtitan benchmarks (2024-12)", "precision": "bf16",
+             "model_name": "X [Interleaved 1F1B, compile]"}
+    row = bench.build_row(0, titan)
+    assert (row.layout.pp_schedule, row.layout.pp_virtual) == ("interleaved", 2)
+    assert row.work.fp32_grad_reduce and not row.work.grad_accum_pass
+    assert row.work.p2p_dtype == "compute" and not row.work.p2p_split
+    assert bench.build_row(0, {**titan, "vpp": "4"}).layout.pp_virtual == 4
+    assert bench.build_row(0, {**titan, "model_name": "X [1F1B]"}).layout.pp_virtual == 1
+    off = bench.Rules(pipeline_split=False, p2p_16bit=False, fp32_grad_reduce=False)
+    row = bench.build_row(0, titan, rules=off)
+    assert row.layout.pp_virtual == 1 and row.work.p2p_dtype == "fp32"
+    assert not row.work.fp32_grad_reduce
+    mega = {**gpt, "source": "Narayanan et al. 2021 (Megatron-LM)", "model_name": "GPT",
+            "precision": "fp16 mixed"}
+    row = bench.build_row(0, mega)
+    assert row.work.p2p_split and not row.work.fp32_grad_reduce  # fp16 reduces in fp16
+    assert bench.build_row(0, {**mega, "precision": "bf16"}).work.fp32_grad_reduce
+    assert not bench.build_row(0, mega, rules=bench.Rules(p2p_scatter_gather=False)
+                               ).work.p2p_split
+    nano = {**gpt, "source": "HF nanotron 'The Ultra-Scale Playbook' (2025)",
+            "model_name": "Llama-like 1B (nanotron)"}
+    row = bench.build_row(0, nano)
+    assert row.work.fp32_grad_reduce and row.work.grad_accum_pass and not row.work.p2p_split
+    foundry = {**gpt, "source": "mosaicml/llm-foundry README", "model_name": "MPT",
+               "precision": "amp_bf16"}
+    assert not bench.build_row(0, foundry).work.fp32_grad_reduce
 
 
 def test_leave_one_source_out_redecides_rules_without_the_held_out_source(

@@ -60,6 +60,13 @@ do it:
   every ``inner_steps`` steps, in the cross-island dtype -- exposed, its time divided by H;
 - tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed
   (with ``tp_overlap`` -- async TP, published runs only -- they hide behind the GEMMs);
+  pipeline sends carry fp32 activations (meshlm's executor) or, for other frameworks
+  (``Workload.p2p_dtype``), the compute dtype, split over tp with Megatron's scatter/gather
+  (``p2p_split``: 1/tp per rank plus an all-gather over tp on the receiving stage);
+- gradients cross data parallelism in the states' gradient dtype, or in fp32
+  (``Workload.fp32_grad_reduce``: Megatron bf16, nanotron, torchtitan); a separate fp32
+  accumulation pass (``grad_accum_pass``, nanotron) costs ``ACCUM_BYTES`` per parameter and
+  micro-batch over memory bandwidth;
 - ring attention (cp, ``zigzag``/``ring``) passes K/V beside the attention of the previous
   block: exposed what exceeds the attention compute; per layer and micro-batch ``cp - 1`` sends
   of one rank's K/V forward, ``cp - 1`` of K/V and ``cp - 1`` of the fp32 dK/dV backward, each
@@ -102,6 +109,9 @@ from .workload import Workload
 C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0, "fp8": 11.0}  # fp16/fp8: bf16's casts
 CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
 FUSED_CE_PASSES = 3.0  # fused loss: read the logits (forward), read + write them (gradient)
+# a separate fp32 gradient accumulation pass (Workload.grad_accum_pass): read the 16-bit
+# gradient, read and write the fp32 buffer, per parameter and micro-batch
+ACCUM_BYTES = 2 + 4 + 4
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
 # A MoE layer's extra aten ops, forward + backward (counted with TorchDispatchMode on
 # tiny-moe with 4 and 8 experts, with and without a shared expert, ep 1 and 2): routing
@@ -328,7 +338,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
             stride = lo.tp * (lo.ep if axis == "edp" else 1)  # an expert's copies: every ep-th
             ev.append(CommEvent("dp", op, axis, nbytes, calls, n, stride, overlap))
 
-        grads, weights = params * g, params * w
+        grads, weights = params * (4 if work.fp32_grad_reduce else g), params * w
         if lo.zero == 0:
             dp("all_reduce", grads, 1, "last_backward")
         elif lo.zero in (1, 2):
@@ -365,7 +375,8 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     if lo.pp > 1:
         # meshlm's executor moves fp32 activations forward and their gradients backward at
         # every stage boundary, one micro-batch at a time (parallel/pipeline.py).
-        act = tokens * c.dim * 4 / (lo.tp if lo.sp else 1)
+        split = lo.sp or (work.p2p_split and lo.tp > 1)
+        act = tokens * c.dim * (4 if work.p2p_dtype == "fp32" else a) / (lo.tp if split else 1)
         last = lo.pp * lo.pp_virtual - 1
         chunks = [k * lo.pp + stage for k in range(lo.pp_virtual)]
         sends = sum((s < last) + (s > 0) for s in chunks)  # activation out, gradient back
@@ -373,6 +384,9 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         stride = lo.tp * lo.cp * lo.dp
         ev.append(CommEvent("pp", "send", "pp", act, sends * m, 2, stride, "exposed"))
         ev.append(CommEvent("pp", "recv", "pp", act, recvs * m, 2, stride, "free"))
+        if split and not lo.sp:  # scatter/gather: the received pieces gathered over tp
+            ev.append(CommEvent("tp", "all_gather", "tp", act * lo.tp, recvs * m, lo.tp, 1,
+                                "exposed"))
         ev.append(CommEvent("pp", "all_reduce", "pp", 8, 1, lo.pp, stride, "exposed"))  # clip
     if lo.cp > 1:
         ev += cp_events(work, lo, stage, tokens, m)
@@ -520,6 +534,9 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         out.items["optimizer"] = rates.adam * owned * oversub
     else:
         out.items["optimizer"] = OPTIM_BYTES * owned / rates.bandwidth(4 * owned / tensors)
+    if work.grad_accum_pass:
+        out.items["gradient accumulation"] = (ACCUM_BYTES * p.total * m
+                                              / rates.bandwidth(4 * p.total / tensors))
     offload = offload_time(lo, hw, rates, owned)
     if offload:
         if lo.offload == "cpu":  # AdamW runs on the host instead (counted in the offload term)

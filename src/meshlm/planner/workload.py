@@ -100,6 +100,21 @@ class Workload:
     loss: str = "torch"
     loss_chunk: int = 1024  # tokens per chunk of the ``chunked`` loss
     kernels: str = "eager"  # eager | fused (memory-bound kernels; see planner/timing.py)
+    # pipeline stage boundaries: ``fp32`` activations (meshlm's executor) or the compute
+    # dtype (frameworks whose weights are 16-bit: Megatron, DeepSpeed, nanotron, torchtitan's
+    # FSDP2 mixed precision); ``p2p_split``: with tp > 1 and no sp, each tp rank sends 1/tp of
+    # the activation and the next stage all-gathers it over tp (Megatron's scatter/gather,
+    # Narayanan et al. 2021, sec. 4.1)
+    p2p_dtype: str = "fp32"
+    p2p_split: bool = False
+    # data-parallel gradient reduction in fp32 whatever ``states`` holds (Megatron's
+    # accumulate_allreduce_grads_in_fp32, forced for bf16; nanotron's accumulate_grad_in_fp32;
+    # torchtitan's FSDP2 reduce_dtype float32): 4 bytes per gradient on the wire
+    fp32_grad_reduce: bool = False
+    # fp32 gradient accumulation as its own pass after each micro-batch's backward (nanotron's
+    # FP32GradientAccumulator adds the 16-bit gradient into an fp32 buffer; Megatron fuses it
+    # into the weight-gradient GEMM, meshlm keeps fp32 gradients): ACCUM_BYTES per parameter
+    grad_accum_pass: bool = False
     # DiLoCo islands (layouts with islands > 1): steps between synchronisations (H) and the
     # dtype of the cross-island all-reduce (diloco.inner_steps, diloco.reduce_dtype)
     inner_steps: int = 50
@@ -119,6 +134,8 @@ class Workload:
             out.append(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.profile not in PROFILES:
             out.append(f"profile {self.profile!r} is not one of {', '.join(PROFILES)}")
+        if self.p2p_dtype not in ("fp32", "compute"):
+            out.append(f"p2p_dtype {self.p2p_dtype!r} is not one of fp32, compute")
         if self.kernels not in KERNELS:
             out.append(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
         if self.seq_len < 1 or self.global_batch < 1:
