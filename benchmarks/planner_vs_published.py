@@ -118,8 +118,9 @@ class Rules:
       meshlm's executor sends under autocast);
     - ``p2p_scatter_gather``: a Megatron pipeline with tp > 1 and no sequence parallelism
       sends 1/tp of each boundary activation per tp rank and all-gathers it over NVLink on the
-      receiving stage (Narayanan et al. 2021, sec. 4.1; on by default there since) (off: every
-      tp rank sends the whole activation);
+      receiving stage (Narayanan et al. 2021, sec. 4.1; on by default there since; not
+      DeepSpeed's pipeline engine, which MT-NLG ran) (off: every tp rank sends the whole
+      activation);
     - ``fp32_grad_reduce``: gradients are reduced over data parallelism in fp32 where the
       framework does so for 16-bit training: Megatron with bf16 (it forces
       ``accumulate_allreduce_grads_in_fp32``; its fp16 runs reduce in fp16), nanotron's
@@ -288,6 +289,13 @@ def kernel_family(raw: dict[str, str], mode: str) -> str:
     return "fused" if any(k in text for k in FUSED_STACKS) else "eager"
 
 
+def megatron_pipeline(raw: dict[str, str]) -> bool:
+    """Whether the row's pipeline is Megatron's (its scatter/gather; see :class:`Rules`), not
+    DeepSpeed's pipeline engine under Megatron's tensor parallelism (MT-NLG)."""
+    source = raw.get("source", "").lower()
+    return "megatron" in source and "deepspeed" not in source
+
+
 def fp32_reduce(raw: dict[str, str]) -> bool:
     """Whether the row's framework reduces 16-bit training's gradients in fp32 (see
     :class:`Rules`): Megatron unless the run is fp16, nanotron, torchtitan."""
@@ -377,8 +385,7 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         profile="megatron", flash=modern, loss="fused" if fused else "torch",
                         kernels=kernel_family(raw, rules.kernels),
                         p2p_dtype="compute" if rules.p2p_16bit else "fp32",
-                        p2p_split=rules.p2p_scatter_gather
-                        and "megatron" in raw.get("source", "").lower(),
+                        p2p_split=rules.p2p_scatter_gather and megatron_pipeline(raw),
                         fp32_grad_reduce=rules.fp32_grad_reduce and fp32_reduce(raw),
                         grad_accum_pass=rules.fp32_grad_reduce
                         and "nanotron" in raw.get("source", "").lower())

@@ -355,6 +355,22 @@ def test_pipeline_wire_dtype_and_megatron_scatter_gather_by_hand() -> None:
             < step_time(mesh, lo, H100).step)
 
 
+def test_flash_attention_time_in_flash_attentions_flop_convention() -> None:
+    """``attn_eff`` is quoted with FlashAttention's backward = 2.5 forwards (3.5 forwards for
+    forward + backward); the time model counts 3 forwards, so its rate is peak x eff x 3 / 3.5
+    and one layer's causal attention (forward + backward) takes 3.5 forwards at peak x eff."""
+    from meshlm.planner.hardware import FA_BWD_FLOPS
+
+    assert FA_BWD_FLOPS == 2.5
+    rate = H100.rates(8, 1).attention(128)
+    assert rate == pytest.approx(989e12 * 0.35 * 3 / 3.5)
+    spec = gpt(4096, 2, 32, seq=8192)
+    work = Workload(spec, 8192, 8, dtype="bf16", states="mixed")
+    t = step_time(work, Layout(dp=8, micro_batch=1), H100)
+    fwd = 0.5 * 4 * 8192 * 8192 * 4096  # causal forward FLOPs of one layer, one sequence
+    assert t.items["compute: attention"] == pytest.approx(2 * 3.5 * fwd / (989e12 * 0.35))
+
+
 def test_fp32_gradient_reduction_and_accumulation_pass_by_hand() -> None:
     """``fp32_grad_reduce``: the data-parallel reduction carries 4 bytes per gradient whatever
     the states; ``grad_accum_pass``: ACCUM_BYTES (2 + 4 + 4) per stage parameter and

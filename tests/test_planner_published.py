@@ -190,6 +190,8 @@ def test_framework_rules_read_from_the_row(bench) -> None:  # noqa: ANN001
     assert bench.build_row(0, {**mega, "precision": "bf16"}).work.fp32_grad_reduce
     assert not bench.build_row(0, mega, rules=bench.Rules(p2p_scatter_gather=False)
                                ).work.p2p_split
+    nlg = {**mega, "source": "Smith et al. 2022 'Using DeepSpeed and Megatron to Train MT-NLG'"}
+    assert not bench.build_row(0, nlg).work.p2p_split  # DeepSpeed's pipeline engine
     nano = {**gpt, "source": "HF nanotron 'The Ultra-Scale Playbook' (2025)",
             "model_name": "Llama-like 1B (nanotron)"}
     row = bench.build_row(0, nano)

@@ -213,7 +213,10 @@ class Accelerator:
             cap = self.power_scale
             gemm = {d: self.peak_flops(d) * self.gemm_eff.get(d, self.gemm_eff["bf16"]) * cap
                     for d in ("fp32", "bf16", "fp16", "fp8")}
-            return Rates(gemm, {1: self.peak_flops("bf16") * self.attn_eff * cap},
+            # attn_eff is quoted in FlashAttention's FLOP convention (backward = 2.5 forwards);
+            # the time model counts forward + backward as 3 forwards: the same seconds
+            attn = self.peak_flops("bf16") * self.attn_eff * cap * 3 / (1 + FA_BWD_FLOPS)
+            return Rates(gemm, {1: attn},
                          {1: self.hbm_bw * self.hbm_eff}, self.launch, serial_ops=False)
         c = self.cpu
         t = threads
@@ -235,6 +238,13 @@ class Accelerator:
 
     def with_(self, **changes: Any) -> Accelerator:
         return replace(self, **changes)
+
+
+# FlashAttention's backward recomputes the scores: 5 matmuls to the forward's 2, so its
+# benchmarks count backward FLOPs as 2.5 forwards (flash-attention's
+# benchmarks/benchmark_flash_attention.py, ``flops(..., mode="bwd")``; FlashAttention-2 paper,
+# sec. 4.1) -- the convention of every published attention efficiency (``attn_eff``).
+FA_BWD_FLOPS = 2.5
 
 
 def _nearest(table: dict[int, float], key: int) -> float:
