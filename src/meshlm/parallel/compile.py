@@ -16,9 +16,13 @@ Composition with the layouts:
 - ``recompute=full``: ``torch.utils.checkpoint`` around the compiled block (the recomputation
   re-runs the compiled forward); ``selective`` and ``op`` are traced into the block's graph as
   checkpointed regions (AOTAutograd recomputes them in backward);
-- zero-bubble pipeline: a compiled backward forms every gradient of the block at once, so the
-  ``I`` pass also forms the linear weight gradients and ``W`` accumulates them (exact; the
-  schedule's order and communication are kept, its bubble is that of 1F1B);
+- zero-bubble pipeline: the executor turns the stage's linears into split linears
+  (``split_linear.py``), two opaque custom ops per linear inside the block's graph. The
+  compiled backward run by ``I`` then forms only input and non-matmul weight gradients, each
+  linear handing its (input, output gradient) to the executor, and ``W`` forms the linear
+  weight gradients ``dy^T x`` eagerly, as eager ZB does: the split and its bubble are kept.
+  No communication is added; each linear's input and output gradient are kept (copied when
+  captured) from ``I`` until ``W``, as eager ZB keeps them;
 - graph breaks by design, each around eager communication with data-dependent shapes: a MoE
   feed-forward (expert dispatch) and a context-parallel attention core (ring / all-to-all).
 

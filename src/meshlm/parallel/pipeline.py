@@ -10,19 +10,25 @@ micro-batches. Activations and their gradients move with ``batch_isend_irecv`` o
 axis, each run of consecutive send/recv actions as one batch; shapes are known ahead
 (micro-batch x sequence [/ tp with SP] x hidden, fp32), so there is no shape handshake. Sends
 are waited at the end of the step, receives at once. Zero-bubble ``I``/``W`` passes: ``I``
-runs autograd for the stage input and the non-matmul weights only while hooks capture each
-linear layer's input and output gradient; ``W`` then forms the linear weight gradients
-``dy^T x`` directly. With compiled blocks (``train.compile``) one compiled backward forms every
-gradient, so ``I`` keeps the linear weight gradients and ``W`` accumulates them.
+runs autograd for the stage input and the non-matmul weights only while each linear layer's
+input and output gradient are captured; ``W`` then forms the linear weight gradients
+``dy^T x`` directly. Eager, module hooks capture them. With compiled blocks (``train.compile``),
+whose backward exposes no output gradient to a hook, the stage's linears become split linears
+(``split_linear.py``): custom ops whose backward -- run by ``I`` inside the block's compiled
+backward -- forms only the input gradient and hands ``(x, dy)`` to the executor. So ``I``
+forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls.
 
 Communication per micro-batch and stage boundary: one activation forward and one gradient
-backward of ``b s h`` fp32 values (``b s h / tp`` with sequence parallelism).
-Memory: a rank holds the activations of its in-flight micro-batches -- m on the first stage for
-AFAB, at most p for 1F1B and ZB-H1 (p + more for interleaved) -- which the executor measures.
+backward of ``b s h`` fp32 values (``b s h / tp`` with sequence parallelism); the I/W split adds
+none. Memory: a rank holds the activations of its in-flight micro-batches -- m on the first
+stage for AFAB, at most p for 1F1B and ZB-H1 (p + more for interleaved) -- which the executor
+measures; ZB-H1 also keeps each linear's input and output gradient from ``I`` until ``W``
+(``b s (h_in + h_out)`` values per linear and micro-batch, eager and compiled alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +41,7 @@ from ..distributed.spec import spec_of, update_spec
 from ..layout import partition_layers
 from ..models.llama import Transformer
 from .schedules import Action, build_schedule
+from .split_linear import capture_into, split_linears
 
 AXIS = "pp"
 
@@ -99,8 +106,7 @@ class _Slot:
     inp: torch.Tensor | None = None
     out: torch.Tensor | None = None
     aux: torch.Tensor | None = None
-    linears: list = field(default_factory=list)  # ZB: [module, input, output grad]
-    deferred: list = field(default_factory=list)  # ZB, compiled: (linear weight, its grad)
+    linears: list = field(default_factory=list)  # ZB: [linear weight, input, output grad]
 
 
 class PipelineExecutor:
@@ -115,16 +121,18 @@ class PipelineExecutor:
         self.act_shape, self.loss_fn, self.autocast, self.device = (
             act_shape, loss_fn, autocast, device)
         self.split = schedule == "zb"
-        # compiled blocks (train.compile) form every gradient in one backward: I then forms
-        # the linear weight gradients too, and W accumulates them (no capture hooks)
+        # ZB, eager: forward hooks capture each linear's input, and its output gradient in I.
+        # ZB, compiled blocks (train.compile): a block's compiled backward exposes no output
+        # gradient to a hook, so the linears become split linears whose backward (in I)
+        # captures both (split_linear.py)
         self.capture = self.split and not compiled
         if device.type == "cuda":
             self.RECV_AHEAD = 0
         self._capture: list | None = None
-        # compiled ZB: the linear weights whose gradients W accumulates
-        self._linear_weights = {id(p) for s in pipe.stages for mod in pipe.stage_modules(s)
-                                for lin in mod.modules() if isinstance(lin, nn.Linear)
-                                for p in lin.parameters()} if self.split and compiled else set()
+        self._split_weights: list[nn.Parameter] = []
+        if self.split and compiled:
+            self._split_weights = split_linears(
+                mod for s in pipe.stages for mod in pipe.stage_modules(s))
         if self.capture:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
@@ -139,7 +147,7 @@ class PipelineExecutor:
     def _capture_linear(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
         if self._capture is None or not torch.is_grad_enabled():
             return
-        rec = [mod, args[0].detach(), None]
+        rec = [mod.weight, args[0].detach(), None]
         self._capture.append(rec)
         out.register_hook(lambda g: rec.__setitem__(2, g))
 
@@ -277,32 +285,36 @@ class PipelineExecutor:
         """Gradient of the stage input and of every non-matmul weight; linears deferred to W."""
         slot = self.slots[(a.mb, a.stage)]
         roots, grads = self._roots(a, slot)
-        linear_weights = {id(rec[0].weight) for rec in slot.linears}
+        # eager: the weights of the linears captured in F are not asked for; split linears
+        # (compiled) return no weight gradient, so asking for theirs costs nothing (None)
+        captured = {id(rec[0]) for rec in slot.linears}
         others = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
-                  if p.requires_grad and id(p) not in linear_weights]
+                  if p.requires_grad and id(p) not in captured]
         wrt = ([slot.inp] if slot.inp is not None else []) + others
-        got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
+        with capture_into(slot.linears) if self._split_weights else contextlib.nullcontext():
+            got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         if slot.inp is not None:
             self.to_send[("B", a.mb, a.stage)] = got[0]
             got = got[1:]
-        if self._linear_weights:  # compiled: every gradient is here; W adds the linears'
-            slot.deferred = [(p, g) for p, g in zip(others, got, strict=True)
-                             if id(p) in self._linear_weights]
-            got = [None if id(p) in self._linear_weights else g
-                   for p, g in zip(others, got, strict=True)]
         for p, g in zip(others, got, strict=True):
             _accumulate(p, g)
         slot.out = slot.aux = slot.inp = None  # the graph is released; W needs only linears
 
     def _do_W(self, a: Action) -> None:
         slot = self.slots.pop((a.mb, a.stage))
-        for p, g in slot.deferred:
-            _accumulate(p, g)
-        for mod, x, dy in slot.linears:
+        # a split linear's backward may see its weight as an alias (a recomputed block's saved
+        # tensors are detached views): it is named by its storage
+        weight_at = {(p.data_ptr(), p.shape): p for p in self._split_weights}
+        for w, x, dy in slot.linears:
             if dy is None:  # the output did not reach the loss (unused branch)
                 continue
+            if weight_at:
+                w = weight_at.get((w.data_ptr(), w.shape))
+                if w is None:
+                    raise RuntimeError("a split linear captured a weight that is not one of "
+                                       "this rank's linear weights")
             dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()
-            _accumulate(mod.weight, dw.to(mod.weight.dtype))
+            _accumulate(w, dw.to(w.dtype))
 
     # -- forward only (evaluation, sampling) -------------------------------------------------------
     @torch.no_grad()
