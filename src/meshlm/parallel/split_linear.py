@@ -30,7 +30,7 @@ was wrong by 60-90 %). The copy moves ``b s (h_in + h_out)`` values per linear a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -88,27 +88,33 @@ def _backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN0
 linear.register_autograd(_backward, setup_context=_setup)
 
 
-class SplitLinear(nn.Linear):
-    """An ``nn.Linear`` through :func:`linear` (same parameters and state dict)."""
+def split_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` through :func:`linear`: the same result, backward with no weight gradient."""
+    # autocast does not reach into the custom op: cast the input as F.linear would
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    y = linear(x, lin.weight)
+    return y if lin.bias is None else y + lin.bias.to(y.dtype)  # (bias: in I)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # autocast does not reach into the custom op: cast the input as F.linear would
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        y = linear(x, self.weight)
-        return y if self.bias is None else y + self.bias.to(y.dtype)  # (bias: in I)
+
+def _bound(lin: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return split_forward(lin, x)
+
+    return forward
 
 
 def split_linears(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """Turn every ``nn.Linear`` inside ``modules`` into a :class:`SplitLinear` (in place);
-    returns their weights."""
+    """Route every ``nn.Linear`` inside ``modules`` through :func:`split_forward` (in place:
+    the instance's ``forward``; class, parameters and state dict unchanged); returns their
+    weights."""
     weights = []
     for mod in modules:
         for lin in mod.modules():
             if isinstance(lin, nn.Linear):
-                lin.__class__ = SplitLinear
+                lin.forward = _bound(lin)
                 weights.append(lin.weight)
     return weights
 
 
-__all__ = ["SplitLinear", "capture_into", "linear", "linear_dx", "split_linears"]
+__all__ = ["capture_into", "linear", "linear_dx", "split_forward", "split_linears"]
