@@ -163,6 +163,25 @@ def test_blank_fields_are_completed_and_flagged(bench) -> None:  # noqa: ANN001
     assert not bench.predict(row).problems
 
 
+def test_pipeline_that_cannot_fill_splits_the_local_batch_for_every_source(
+        bench) -> None:  # noqa: ANN001
+    """Fewer published micro-batches than stages: the published micro-batch is read as the
+    replica's batch, split into pp micro-batches -- from the row's numbers, whatever the
+    source and under every rule setting; a batch that pp does not divide stays a miss."""
+    row = {"layers": "16", "hidden": "2048", "heads": "16", "vocab": "50257",
+           "seq_len": "2048", "hardware": "H100-80GB", "num_gpus": "16", "tp": "2", "pp": "4",
+           "dp": "2", "micro_batch": "8", "global_batch_seqs": "16", "reported_mfu_pct": "40",
+           "source": "Some lab (2024)", "precision": "bf16"}
+    for rules in (bench.Rules(), bench.Rules(**{t: False for t in bench.TOGGLES})):
+        built = bench.build_row(0, row, rules=rules)
+        assert built.layout.micro_batch == 2 and built.rules
+        assert not bench.predict(built).problems
+    filled = bench.build_row(0, {**row, "micro_batch": "2", "global_batch_seqs": "16"})
+    assert filled.layout.micro_batch == 2 and not filled.rules  # 4 micro-batches: as published
+    odd = bench.build_row(0, {**row, "micro_batch": "6", "global_batch_seqs": "12"})
+    assert odd.layout.micro_batch == 6 and bench.predict(odd).problems
+
+
 def test_framework_rules_read_from_the_row(bench) -> None:  # noqa: ANN001
     """Which rows the framework rules touch: torchtitan's interleaved default (2 stages per
     rank when the split is not given), Megatron's pipeline scatter/gather, the fp32 gradient
@@ -179,7 +198,7 @@ def test_framework_rules_read_from_the_row(bench) -> None:  # noqa: ANN001
     assert row.work.p2p_dtype == "compute" and not row.work.p2p_split
     assert bench.build_row(0, {**titan, "vpp": "4"}).layout.pp_virtual == 4
     assert bench.build_row(0, {**titan, "model_name": "X [1F1B]"}).layout.pp_virtual == 1
-    off = bench.Rules(pipeline_split=False, p2p_16bit=False, fp32_grad_reduce=False)
+    off = bench.Rules(interleaved_default=False, p2p_16bit=False, fp32_grad_reduce=False)
     row = bench.build_row(0, titan, rules=off)
     assert row.layout.pp_virtual == 1 and row.work.p2p_dtype == "fp32"
     assert not row.work.fp32_grad_reduce
@@ -215,7 +234,9 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
               "micro_batch": "4"}
     raws = [{**capped, "source": "alpha (2024)"}, {**capped, "source": "beta (2024)"},
             {**gpt, "hardware": "A100-SXM-80GB", "num_gpus": "8", "dp": "8",
-             "micro_batch": "8", "source": "mosaicml/llm-foundry README"}]
+             "micro_batch": "8", "source": "mosaicml/llm-foundry README"},
+            {**gpt, "hardware": "A100-SXM-80GB", "num_gpus": "8", "dp": "8",
+             "micro_batch": "8", "source": "gamma (2021)"}]
 
     def tokens(raw: dict[str, str], rules) -> float:  # noqa: ANN001
         row = bench.build_row(0, {**raw, "reported_tokens_per_sec_per_gpu": "1"}, rules=rules)
@@ -227,10 +248,11 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
     uncapped = tokens(raws[0], bench.Rules(power_cap=False))
     assert uncapped / tokens(raws[0], on) - 1 > 0.2  # the cap matters beyond the tolerance
     torch_loss = tokens(raws[2], bench.Rules(foundry_loss=False))
+    flash_2021 = tokens(raws[3], bench.Rules(era=False))
     _write(tmp_path / "runs.csv", raws)
     loso = bench.leave_one_source_out(tmp_path / "runs.csv")
     by = {s["source"]: s for s in loso["sources"]}
-    assert set(by) == {"alpha", "beta", "mosaicml/llm-foundry README"}
+    assert set(by) == {"alpha", "beta", "mosaicml/llm-foundry README", "gamma"}
     for name in ("alpha", "beta"):
         assert "power_cap" not in by[name]["rules"], by[name]
         assert by[name]["within_20pct"] == 1
@@ -240,4 +262,14 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
     expected = torch_loss / float(raws[2]["reported_tokens_per_sec_per_gpu"]) - 1
     assert abs(expected) > 1e-3  # the fused loss changes the prediction: the rule was off
     assert foundry["errors"][0] == pytest.approx(expected, rel=1e-6)
-    assert loso["rows"] == 3 and loso["in_sample_within_20pct"] == 3
+    assert loso["rows"] == 4 and loso["in_sample_within_20pct"] == 4
+    # The universal facts (the row's date: no FlashAttention in 2021) stay on in the issue's
+    # procedure; the strict one re-decides them too, and no other source needs the era rule.
+    assert loso["universal_kept"] == ["era", "p2p_16bit"]
+    assert abs(by["gamma"]["errors"][0]) < 1e-5 and "era" not in by["gamma"]["rules"]
+    strict = {s["source"]: s for s in loso["strict"]["sources"]}
+    assert "era" in strict["gamma"]["rules"].split("off: ")[1]
+    expected = flash_2021 / float(raws[3]["reported_tokens_per_sec_per_gpu"]) - 1
+    assert abs(expected) > 1e-3
+    assert strict["gamma"]["errors"][0] == pytest.approx(expected, rel=1e-6)
+    assert loso["strict"]["combinations"] == 4 * loso["combinations"]
