@@ -366,7 +366,8 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
         mbs //= pp
     vpp = _int(raw, "vpp") or 1
     if (rules.interleaved_default and pp > 1 and vpp == 1
-            and "torchtitan" in raw.get("source", "") and "interleaved" in raw.get("model_name", "").lower()):
+            and "torchtitan" in raw.get("source", "")
+            and "interleaved" in raw.get("model_name", "").lower()):
         vpp = 2  # torchtitan: 2 stages per rank for a multi-stage schedule without a split
         row.rules.append("interleaved schedule: 2 stages per rank (torchtitan's default)")
     year = source_year(raw.get("source", ""))
