@@ -85,6 +85,8 @@ def test_toml_file_and_round_trip(tmp_path: Path) -> None:
         ("--run.resume=true", "run.resume=true needs run.dir"),
         ("--run.resume=auto", "run.resume=auto needs run.dir"),
         ("--checkpoint.keep=-1", "checkpoint.keep=-1 must be >= 0"),
+        ("--run.malloc_keep=true --run.malloc_mmap_kb=128",
+         "run.malloc_keep=true and run.malloc_mmap_kb=128 contradict each other"),
         ("--model.init_from=/no/such/model", "model.init_from='/no/such/model' does not exist"),
     ],
 )

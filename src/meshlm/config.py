@@ -199,6 +199,10 @@ class RunSection:
     # mmapped and returned to the OS when freed, so peak RSS measures live memory and stays
     # flat step after step, at the cost of page faults (small CPU runs: ~1.6x slower steps)
     malloc_mmap_kb: int = 0
+    # CPU memory (glibc): true -> freed buffers stay in the process (no mmap below 1 GiB, no
+    # trim), so a step reuses last step's pages instead of faulting in fresh ones: eager CPU
+    # steps ~10 % faster, compiled ones about the same; peak RSS then counts freed memory too
+    malloc_keep: bool = False
 
 
 @dataclass
@@ -464,6 +468,9 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(t.max_skips >= 1, f"train.max_skips={t.max_skips} must be >= 1")
     _check(cfg.run.malloc_mmap_kb >= 0,
            f"run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} must be >= 0 (0: malloc's own policy)")
+    _check(not (cfg.run.malloc_keep and cfg.run.malloc_mmap_kb),
+           f"run.malloc_keep=true and run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} contradict "
+           "each other (keep freed memory vs return it): set one")
     skip_batches(t.skip_batches)  # (raises ConfigError)
     if t.compile:
         import torch
