@@ -10,7 +10,8 @@ the eager and the compiled trainer), then times the two trainers alternating ste
 Two levers that act on the matmul and attention share are measured too:
 
 - ``--gemm``: each of the step's linear shapes (forward + both backward matmuls) eager, compiled
-  by default, and compiled with ``max_autotune`` (inductor's C++ GEMM template vs ATen);
+  by default, and compiled with ``max_autotune`` over the ``CPP,ATEN`` GEMM backends (in torch
+  2.13 the C++ template needs a constant weight, so training matmuls stay ATen's ``mm``);
 - ``--chunked-attention``: a third trainer, compiled, whose attention is written as matmuls and
   a softmax over query chunks that skip the keys above the diagonal (8 chunks: 56 % of the
   dense score FLOPs), which inductor fuses instead of the CPU flash kernel.
