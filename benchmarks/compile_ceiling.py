@@ -75,8 +75,10 @@ def profile_steps(trainer: Trainer, start: int, steps: int) -> dict[str, float]:
             trainer.train_step(step)
     rows = [(e.key, e.self_cpu_time_total / 1e6) for e in prof.key_averages()]
     split = split_by_kernel(rows)
-    return {k: (v / steps if not k.endswith("_share") and k != "total" else v)
-            for k, v in split.items()} | {"total_per_step_s": split["total"] / steps}
+    per_step = {k: split[k] / steps for k in ("matmul", "attention", "other")}
+    shares = {k: v for k, v in split.items() if k.endswith("_share")}
+    return {**per_step, **shares, "total": split["total"],
+            "total_per_step_s": split["total"] / steps}
 
 
 def chunked_core(self: llama.Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
