@@ -15,6 +15,7 @@ import torch
 
 from meshlm import load_model
 from meshlm.checkpoint import CheckpointError, ShardedCheckpoint, validate
+from meshlm.checkpoint.sharded import read_local
 from meshlm.config import load_config
 from meshlm.testing import final_weights, max_relative_difference, relative_difference, run_world
 from meshlm.train.trainer import Trainer, train
@@ -151,9 +152,15 @@ def test_reshard_to_other_layouts(source_run) -> None:  # noqa: ANN001
     got = run_world(4, resume_elsewhere, base, root / "src",
                     [("zero3", ["--parallel.dp=4", "--parallel.zero=3",
                                 "--train.micro_batch=2"]),
-                     ("tp4", ["--parallel.tp=4", "--train.micro_batch=4"])])
+                     ("tp4", ["--parallel.tp=4", "--train.micro_batch=4"]),
+                     # written by the fused AdamW, resumed by the foreach one
+                     ("zero3-foreach", ["--parallel.dp=4", "--parallel.zero=3",
+                                        "--train.micro_batch=2", "--train.adamw_impl=foreach"])])
     got0 = got[0]
-    got0.update(resume_elsewhere(base, root / "src", [("one", ["--train.micro_batch=8"])]))
+    got0.update(resume_elsewhere(base, root / "src", [("one", ["--train.micro_batch=8"]),
+                                                      ("one-foreach", [
+                                                          "--train.micro_batch=8",
+                                                          "--train.adamw_impl=foreach"])]))
     for name, r in got0.items():
         assert relative_difference(r["logits"], ref_logits) < 1e-6, name
         assert sorted(r["losses"]) == list(range(HALF + 1, STEPS + 1)), name
@@ -169,6 +176,36 @@ def test_reshard_to_other_layouts(source_run) -> None:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------- construction memory
+def test_foreach_checkpoint_resumes_under_fused_adamw(corpus_dir: Path, cache_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """A checkpoint written by the foreach AdamW resumes under the fused one: the state it
+    installs is the saved one (step count, both moments, bit for bit; ``step`` where the
+    fused kernel keeps it) and the losses and weights that follow are the foreach run's."""
+    base = base_args(corpus_dir, cache_dir) + ["--train.micro_batch=8"]
+    src = tmp_path / "src"
+    full = train_one(base, ["--train.adamw_impl=foreach", f"--run.dir={src}"])
+    cut = tmp_path / "cut"
+    cut_copy(src, cut, HALF)
+    trainer = Trainer(load_config(None, base + [f"--run.dir={cut}", "--run.resume=true"]),
+                      log=_quiet, progress=False)
+    opt = trainer.engine.optimizer
+    assert all(g["fused"] for g in opt.param_groups)
+    with ShardedCheckpoint(cut / "checkpoints" / f"step_{HALF:07d}") as ckpt:
+        for o in trainer.engine.owned():
+            state = opt.state[o.key]
+            assert state["step"].dtype == torch.float32 and float(state["step"]) == HALF
+            assert state["step"].device == o.key.device
+            for kind in ("exp_avg", "exp_avg_sq"):
+                saved = read_local(ckpt.source(kind), o.spec, o.lo, o.hi, o.key.device)
+                assert torch.equal(state[kind].reshape(-1), saved), (o.spec.name, kind)
+    resumed = trainer.fit().losses
+    assert sorted(resumed) == list(range(HALF + 1, STEPS + 1))
+    for step, loss in resumed.items():
+        assert abs(loss - full[step]) / full[step] < 1e-5, step
+    worst, tensor = max_relative_difference(final_weights(cut), final_weights(src))
+    assert worst < 1e-5, (tensor, worst)
+
+
 def construct_zero3(dims: dict, zero: int) -> dict:
     """World body: shard-only construction of a ~27 M-parameter model; peak RSS growth."""
     import resource

@@ -59,11 +59,14 @@ def cut_copy(src: Path, dst: Path, keep_step: int) -> None:
 
 
 # ---------------------------------------------------------------------- the optimizer alone
+@pytest.mark.parametrize("kernels", ["fused", "foreach"])
 @pytest.mark.parametrize("store", ["disk", "cpu"])
-def test_chunked_steps_equal_torch_adamw_bit_for_bit(store: str, tmp_path: Path) -> None:
+def test_chunked_steps_equal_torch_adamw_bit_for_bit(store: str, kernels: str,
+                                                     tmp_path: Path) -> None:
     """Parameters cut across chunks (chunk = 256 elements), a parameter without gradient on
-    one step, two weight-decay groups: weights and moments equal torch's AdamW exactly. With
-    ``cpu`` the step goes through the host staging buffer of GPU runs (here CPU to CPU)."""
+    one step, two weight-decay groups: weights and moments equal torch's AdamW with the same
+    kernels (fused or foreach) exactly. With ``cpu`` the step goes through the host staging
+    buffer of GPU runs (here CPU to CPU)."""
     shapes = [(300, 7), (1000,), (64, 64), (5,), (3000,)]
 
     def params() -> list[torch.nn.Parameter]:
@@ -74,10 +77,12 @@ def test_chunked_steps_equal_torch_adamw_bit_for_bit(store: str, tmp_path: Path)
         return [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]
 
     a, b = params(), params()
-    ref = torch.optim.AdamW(groups(a), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-    fresh = torch.optim.AdamW(groups(b), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    kw = {kernels: True}
+    ref = torch.optim.AdamW(groups(a), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kw)
+    fresh = torch.optim.AdamW(groups(b), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kw)
     off = OffloadedAdamW.like(fresh, store, tmp_path / "rank_00000.adam", chunk=256,
                               staged=store == "cpu")
+    assert off.fused == (kernels == "fused")
     size = 8 * sum(p.numel() for p in b)
     if store == "disk":
         assert (tmp_path / "rank_00000.adam").stat().st_size == size

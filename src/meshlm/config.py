@@ -90,6 +90,9 @@ class TrainSection:
     # adamw | sgd (SGD with momentum beta1 and L2 weight decay: linear in the gradient, so
     # e.g. DiLoCo with one inner step and outer lr 1 is exactly synchronous training)
     optimizer: str = "adamw"
+    # AdamW's kernels: auto (torch's fused AdamW where it has one for the device: CUDA, CPU) |
+    # fused | foreach (multi-tensor; a temporary as large as the moments); see optim.py
+    adamw_impl: str = "auto"
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 50
@@ -286,6 +289,7 @@ ISLAND_DTYPES = ("fp32", "bf16", "fp16")
 LOSSES = ("torch", "chunked")
 NONFINITE = ("stop", "skip", "rollback")
 OPTIMIZERS = ("adamw", "sgd")
+ADAMW_IMPLS = ("auto", "fused", "foreach")
 OFFLOADS = ("none", "cpu", "disk")
 
 
@@ -495,6 +499,8 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(t.eps > 0, f"train.eps={t.eps} must be positive")
     _check(t.optimizer in OPTIMIZERS,
            f"train.optimizer={t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    _check(t.adamw_impl in ADAMW_IMPLS,
+           f"train.adamw_impl={t.adamw_impl!r} is not one of {', '.join(ADAMW_IMPLS)}")
     _check(t.optimizer == "adamw" or p.offload == "none",
            f"parallel.offload={p.offload} offloads AdamW moments: it needs train.optimizer=adamw")
     _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")

@@ -4,6 +4,14 @@ Parameters are kept in fp32 (the master copy); lower-precision compute comes fro
 so the optimizer always steps fp32 tensors. Memory per rank: 4 bytes of weights + 8 bytes of
 Adam moments per parameter (Ψ(4+8) in the ZeRO paper's notation, plus 4Ψ of fp32 gradients).
 Weight decay applies to matrices only (not to norm weights), as in GPT-2/Llama training.
+
+AdamW's kernels (``train.adamw_impl``): ``fused`` is torch's single-kernel AdamW
+(``fused=True``: one pass over weights, gradient and both moments, no temporaries; CUDA and
+CPU), ``foreach`` its multi-tensor one (about ten kernels per group, and ``_foreach_sqrt``
+allocates a temporary as large as the moments it steps: 4 bytes per parameter of the group);
+``auto`` takes ``fused`` wherever torch has it for the parameters' device. Both keep the same
+state (``step``, ``exp_avg``, ``exp_avg_sq``), so a checkpoint written under one resumes under
+the other; the fused kernel keeps ``step`` on the parameters' device.
 With ``parallel.offload`` = ``cpu`` or ``disk`` the engines' AdamW is swapped for
 ``parallel.offload.OffloadedAdamW``: the same groups and hyper-parameters, the moments off the
 device.
@@ -55,20 +63,59 @@ def state_kinds(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return STATE_KINDS["sgd" if isinstance(optimizer, torch.optim.SGD) else "adamw"]
 
 
+def fused_supported(device: torch.device) -> bool:
+    """Whether torch has a fused AdamW kernel for parameters on ``device``."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return device.type in _get_fused_kernels_supported_devices()
+
+
+def adamw_impl(cfg: TrainSection, device: torch.device) -> str:
+    """The AdamW kernels ``train.adamw_impl`` picks for parameters on ``device``: ``fused`` or
+    ``foreach`` (``auto``: fused where torch has it)."""
+    if cfg.adamw_impl == "auto":
+        return "fused" if fused_supported(device) else "foreach"
+    if cfg.adamw_impl == "fused" and not fused_supported(device):
+        raise ValueError(f"train.adamw_impl=fused: torch has no fused AdamW for {device.type} "
+                         "parameters (use auto or foreach)")
+    return cfg.adamw_impl
+
+
 def adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainSection
           ) -> torch.optim.Optimizer:
-    """``train.optimizer`` over two groups, decayed then not (``foreach`` kernels: one launch
-    per group): AdamW, or SGD with momentum ``beta1``."""
+    """``train.optimizer`` over two groups, decayed then not: AdamW with the kernels of
+    :func:`adamw_impl` (fused: one kernel per group), or SGD with momentum ``beta1``."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, momentum=cfg.beta1, foreach=True)
+    first = next((p for p in (*decay, *no_decay)), None)
+    impl = adamw_impl(cfg, first.device if first is not None else torch.device("cpu"))
+    kernels = {"fused": True} if impl == "fused" else {"foreach": True}
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True,
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernels,
     )
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps with torch's fused kernels (its ``step`` lives on the
+    parameters' device)."""
+    return any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
+
+
+def step_tensor(optimizer: torch.optim.Optimizer, step: int | float, device: torch.device
+                ) -> torch.Tensor:
+    """AdamW's ``step`` state as ``optimizer`` keeps it: a float32 scalar on the parameters'
+    device for the fused kernels, a CPU scalar of the default dtype for foreach (what torch
+    makes at the first step; a checkpoint stores the count, not the tensor)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if is_fused(optimizer):
+        return torch.tensor(float(step), dtype=_get_scalar_dtype(is_fused=True), device=device)
+    return torch.tensor(float(step), dtype=_get_scalar_dtype())
 
 
 def build_optimizer(model: nn.Module, cfg: TrainSection) -> torch.optim.Optimizer:

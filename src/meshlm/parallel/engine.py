@@ -21,7 +21,14 @@ from torch import nn
 from ..config import TrainSection
 from ..distributed.comm import Comm
 from ..distributed.spec import ShardSpec, attach_specs, norm_axes, spec_of
-from ..optim import STATE_KINDS, build_optimizer, canonical_params, set_lr, state_kinds
+from ..optim import (
+    STATE_KINDS,
+    build_optimizer,
+    canonical_params,
+    set_lr,
+    state_kinds,
+    step_tensor,
+)
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
@@ -144,7 +151,8 @@ class Engine:
         """Install optimizer state for an owned range (1-D tensors of ``hi - lo`` elements)."""
         kinds = self.state_kinds()
         self.optimizer.state[o.key] = {
-            **({"step": torch.tensor(float(step))} if "exp_avg" in kinds else {}),
+            **({"step": step_tensor(self.optimizer, step, o.key.device)}
+               if "exp_avg" in kinds else {}),
             **{k: values[k].to(o.key.device).view(o.key.shape).clone() for k in kinds}}
 
 

@@ -12,10 +12,13 @@
   (``MADV_DONTNEED``: dirty pages go back to the page cache and on to the file), so the
   moments' resident memory is zero between steps and at most one chunk during the step.
 
-Results equal torch's ``AdamW(foreach=True)`` bit for bit: the same functional kernels
-(``torch.optim.adamw.adamw``) on the same groups and hyper-parameters, applied to slices of each
-parameter cut at multiples of :data:`CHUNK` elements from its start (every update is
-element-wise, and the cut keeps each element's vector lane).
+The host step runs torch's fused CPU AdamW (``fused=True``: one vectorised pass over weight,
+gradient and both moments, about 4x the foreach kernels' rate per parameter on one core,
+``benchmarks/offload_step.py``) unless ``train.adamw_impl=foreach`` asks for the multi-tensor
+kernels. Results equal torch's ``AdamW`` with the same kernels bit for bit: the same functional
+kernels (``torch.optim.adamw.adamw``) on the same groups and hyper-parameters, applied to
+slices of each parameter cut at multiples of :data:`CHUNK` elements from its start (every
+update is element-wise, and the cut keeps each element's vector lane).
 
 Memory per rank (Ψ_o parameters owned by this rank's optimizer): device -- 0 moment bytes with
 ``cpu`` or ``disk`` (8 Ψ_o with ``none``); host -- 8 Ψ_o pinned with ``cpu`` plus 8 CHUNK of
@@ -250,14 +253,16 @@ class OffloadedState(MutableMapping):
 class OffloadedAdamW(torch.optim.Optimizer):
     """AdamW whose moments live in a :class:`HostStore` or :class:`DiskStore` and are
     streamed through the step chunk by chunk (module docstring). Groups, hyper-parameters,
-    ``step``, ``zero_grad`` and ``state`` behave as torch's ``AdamW(foreach=True)``."""
+    ``step``, ``zero_grad`` and ``state`` behave as torch's ``AdamW``."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
                  store: str, path: Path | None = None, chunk: int = CHUNK,
-                 staged: bool | None = None) -> None:
+                 staged: bool | None = None, fused: bool = True) -> None:
         """``store``: ``cpu`` or ``disk`` (``path``: the file). ``staged``: copy weights and
-        gradients through a host buffer (default: when the parameters are not on the CPU)."""
+        gradients through a host buffer (default: when the parameters are not on the CPU).
+        ``fused``: torch's fused CPU AdamW on the host (else its foreach kernels)."""
         super().__init__(groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.fused = fused
         self.params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         for p in self.params:
             if not p.is_contiguous():
@@ -293,7 +298,9 @@ class OffloadedAdamW(torch.optim.Optimizer):
         groups = [{"params": list(g["params"]), "weight_decay": g["weight_decay"],
                    "lr": g["lr"], "betas": g["betas"], "eps": g["eps"]}
                   for g in optimizer.param_groups]
-        return cls(groups, g0["lr"], g0["betas"], g0["eps"], store, path, chunk, staged)
+        # the host step takes the fused CPU kernels unless the run asked for foreach ones
+        fused = not any(g.get("foreach") for g in optimizer.param_groups)
+        return cls(groups, g0["lr"], g0["betas"], g0["eps"], store, path, chunk, staged, fused)
 
     def moments(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat views of parameter ``i``'s two moments in the store."""
@@ -341,13 +348,15 @@ class OffloadedAdamW(torch.optim.Optimizer):
             grads.append(grad)
             ms.append(m[lo:hi])
             vs.append(v[lo:hi])
-            steps.append(torch.tensor(self.steps[pc.index] or 0.0, dtype=_get_scalar_dtype()))
+            steps.append(torch.tensor(self.steps[pc.index] or 0.0,
+                                      dtype=_get_scalar_dtype(is_fused=self.fused)))
             done.append(pc.index)
         if params:
             self._sync()  # (staged copies done)
             beta1, beta2 = group["betas"]
-            functional_adamw(params, grads, ms, vs, [], steps, foreach=True, capturable=False,
-                             differentiable=False, fused=None, grad_scale=None, found_inf=None,
+            functional_adamw(params, grads, ms, vs, [], steps, foreach=not self.fused,
+                             capturable=False, differentiable=False, fused=self.fused or None,
+                             grad_scale=None, found_inf=None,
                              has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
                              lr=group["lr"], weight_decay=group["weight_decay"],
                              eps=group["eps"], maximize=False)
