@@ -1,0 +1,115 @@
+"""``benchmarks/gpu.py``: its ``--tiny`` CPU run gives every row with measured and predicted
+columns; the plain loop's model has meshlm's shapes; failures and time limits are rows."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from meshlm.models import build_model
+from meshlm.models.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu.py"
+HAS_CXX = any(shutil.which(n) for n in ([os.environ["CXX"]] if os.environ.get("CXX")
+                                         else ["g++", "c++", "clang++"]))
+
+
+@pytest.fixture(scope="module")
+def gpu() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module("gpu")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def finite_positive(x: object) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_tiny_run_has_every_row_measured_and_planned(gpu: ModuleType, tmp_path: Path) -> None:
+    rows = [r.name for r in gpu.ROWS if HAS_CXX or not r.compiled]
+    out = tmp_path / "gpu_tiny.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--json", str(out), "--rows", ",".join(rows)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "plan step s" in proc.stdout and f"wrote {out}" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["tiny"] is True and data["device"] == "cpu"
+    got = {r["row"]: r for r in data["rows"]}
+    assert list(got) == rows
+    for name, r in got.items():
+        assert r["status"] == "ok", (name, r.get("error"), r.get("traceback_tail"))
+        for key in ("tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "params"):
+            assert finite_positive(r[key]), (name, key, r.get(key))
+        assert r["steps"] >= 2 and len(r["step_times_s"]) == r["steps"]
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
+        assert math.isfinite(r["final_loss"])
+        # tiny for real: an AVX2-only CPU runs bf16 matmuls through a slow fallback
+        assert r["params"] < 300_000 and r["tokens_per_step"] <= 128, name
+        assert r["vocab"] == gpu.TINY_VOCAB
+        plan = r["plan"]
+        assert "error" not in plan, (name, plan)
+        for key in ("step_time_s", "tokens_per_s", "mfu", "mem_alloc_bytes", "mem_total_bytes"):
+            assert finite_positive(plan[key]), (name, key, plan.get(key))
+        assert plan["fits"] is True and plan["hardware"] == "cpu"
+        assert plan["kernels"] == ("fused" if r["compiled"] else "eager"), name
+    # the meshlm rows read the trainer's own metrics.jsonl back
+    for name in ("meshlm-eager", "meshlm-fp32", "meshlm-fp16", "8b", "8b-offload"):
+        assert finite_positive(got[name]["trainer_tokens_per_s"]), name
+        assert got[name]["mem_phases_bytes"]["construction"] > 0
+    assert got["meshlm-fp32"]["dtype"] == "fp32" and got["meshlm-fp16"]["dtype"] == "fp16"
+    assert "offload=cpu" in got["8b-offload"]["config"]
+    assert "recompute=full" in got["8b"]["config"] and "loss=chunked" in got["8b"]["config"]
+    if HAS_CXX:
+        for name in ("plain-compiled", "meshlm-compiled"):
+            assert got[name]["compile"]["graphs"] >= 1, name
+        assert set(data["ratios"]) == {"meshlm_eager_vs_plain_eager",
+                                       "meshlm_compiled_vs_plain_compiled",
+                                       "meshlm_compiled_vs_meshlm_eager"}
+    assert all(finite_positive(v) for v in data["ratios"].values())
+
+
+def test_plain_model_has_meshlm_shapes(gpu: ModuleType) -> None:
+    c = ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                    max_seq_len=16, tie_embeddings=True)
+    plain = gpu.PlainLlama(c, 16)
+    ours = build_model(c, seed=0)
+    assert plain.output.weight is plain.tok_embeddings.weight
+    n = sum(p.numel() for p in plain.parameters())
+    assert n == ours.cfg.num_params() == sum(p.numel() for p in ours.parameters())
+    assert sorted(p.shape for p in plain.parameters()) == sorted(
+        p.shape for p in ours.parameters())
+    ids = torch.randint(0, 96, (2, 16))
+    assert plain(ids).shape == ours(ids).shape == (2, 16, 96)
+
+
+def test_rows_subset_and_failure_outcomes(gpu: ModuleType, tmp_path: Path) -> None:
+    assert [r.name for r in gpu.parse_rows("8b,plain-eager")] == ["plain-eager", "8b"]
+    with pytest.raises(SystemExit, match="unknown row"):
+        gpu.parse_rows("plain-eager,nope")
+    assert gpu.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224 MiB"))
+    assert not gpu.is_oom(ValueError("shapes do not match"))
+    assert gpu.error_line(RuntimeError("first\nsecond")) == "RuntimeError: first"
+    # a row past its time limit is killed and recorded; the driver goes on
+    args = argparse.Namespace(tiny=True, force=False)
+    t0 = time.time()
+    res = gpu.run_row(gpu.ROWS[0], args, tmp_path, tmp_path / "cache", time.time() + 1.0)
+    assert res["status"] == "timeout" and "time limit" in res["error"]
+    assert time.time() - t0 < 30
