@@ -23,7 +23,15 @@ from ..layout import Layout
 from .hardware import GIB, Accelerator, get_accelerator
 from .memory import memory
 from .search import Plan, evaluate, search
-from .workload import KERNELS, LOSSES, ModelSpec, Workload, load_model_spec, parse_layout
+from .workload import (
+    KERNELS,
+    LOSSES,
+    OPTIMIZER_KERNELS,
+    ModelSpec,
+    Workload,
+    load_model_spec,
+    parse_layout,
+)
 
 DEFAULT_BATCH_TOKENS = 2**20  # the Ultra-Scale Playbook's benchmark batch: 1M tokens
 
@@ -56,6 +64,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kernels", choices=KERNELS, default="eager",
                    help="memory-bound kernels: eager (one PyTorch kernel per op, as meshlm "
                         "runs) or fused (Megatron-Core / Transformer Engine, torch.compile)")
+    p.add_argument("--optimizer", choices=OPTIMIZER_KERNELS, default="fused",
+                   help="AdamW kernels: fused (meshlm's default: no temporaries) or foreach "
+                        "(torch's multi-tensor AdamW: 4 bytes per parameter during the step)")
     p.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--calibrate", action="store_true",
@@ -85,7 +96,7 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     spec = load_model_spec(args.model)
     hw = get_accelerator(args.gpu, args.calibration)
     work = build_workload(spec, hw, args.seq_len, args.global_batch_tokens, args.precision,
-                          args.states, args.loss, args.kernels)
+                          args.states, args.loss, args.kernels, args.optimizer)
     if args.layout:
         plan = evaluate(work, parse_layout(args.layout, args.gpus), hw, args.gpus)
         if plan.problems:
@@ -106,7 +117,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
 
 def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
                    batch_tokens: int | None, precision: str | None, states: str,
-                   loss: str = "torch", kernels: str = "eager") -> Workload:
+                   loss: str = "torch", kernels: str = "eager", optimizer: str = "fused"
+                   ) -> Workload:
     c = spec.config
     seq = seq_len or min(c.max_seq_len, 256 if hw.is_cpu else 2048)
     if seq < 1 or seq > c.max_seq_len:
@@ -118,7 +130,7 @@ def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
                           f"{seq} tokens")
     dtype = precision or ("fp32" if hw.is_cpu else "bf16")
     return Workload(spec, seq, tokens // seq, dtype=dtype, states=states, loss=loss,
-                    kernels=kernels)
+                    kernels=kernels, optimizer=optimizer)
 
 
 def context(work: Workload, hw: Accelerator, gpus: int) -> dict[str, Any]:
@@ -171,8 +183,8 @@ def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
           f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}, "
           f"{work.loss} loss")
     verdict = "fits" if m.fits else "does NOT fit"
-    print(f"memory per device (stage {m.stage}): {_size(m.total)} of {_size(m.capacity)} "
-          f"-- {verdict}")
+    print(f"memory per device (stage {m.stage}, peak at the {m.peak_phase}): {_size(m.total)} "
+          f"of {_size(m.capacity)} -- {verdict}")
     for k, v in m.items.items():
         print(f"  {k:<24} {_size(v):>14}")
     print(f"time per step: {t.step:.4g} s")
@@ -195,14 +207,18 @@ def hardware_here(purpose: str) -> Accelerator:
         return get_accelerator("cpu")
     name = torch.cuda.get_device_name().upper()
     mem = torch.cuda.get_device_properties(0).total_memory
-    for key, entry in (("H800", "h800"), ("H200", "h200"), ("B200", "b200"), ("MI300X", "mi300x")):
+    entry = ""
+    for key, kind in (("H800", "h800"), ("H200", "h200"), ("B200", "b200"), ("MI300X", "mi300x")):
         if key in name:
-            return get_accelerator(entry)
+            entry = kind
     if "H100" in name:
-        return get_accelerator("h100-pcie" if "PCIE" in name else "h100-sxm")
+        entry = "h100-pcie" if "PCIE" in name else "h100-sxm"
     if "A100" in name:
-        return get_accelerator("a100-40gb" if mem < 60 * GIB else "a100-80gb")
-    raise ConfigError(f"{purpose}: GPU {name!r} is not in the planner's catalogue")
+        entry = "a100-40gb" if mem < 60 * GIB else "a100-80gb"
+    if not entry:
+        raise ConfigError(f"{purpose}: GPU {name!r} is not in the planner's catalogue")
+    # the capacity the device reports (an H200's 139.8 GiB, where the datasheet says 141 GB)
+    return replace(get_accelerator(entry), memory=float(mem))
 
 
 def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
@@ -211,6 +227,9 @@ def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
     return Workload(ModelSpec(cfg.model_config(vocab_size)), cfg.data.seq_len,
                     cfg.train.global_batch, dtype=cfg.precision.dtype, states="fp32",
                     loss=cfg.train.loss, loss_chunk=cfg.train.loss_chunk,
+                    kernels="fused" if cfg.train.compile else "eager",
+                    # auto: torch's fused AdamW, which it has for CUDA and CPU parameters
+                    optimizer="foreach" if cfg.train.adamw_impl == "foreach" else "fused",
                     inner_steps=cfg.diloco.inner_steps, island_dtype=cfg.diloco.reduce_dtype)
 
 
@@ -232,20 +251,24 @@ def config_memory(cfg: Config) -> list[str]:
     except ConfigError as e:
         return [f"# memory estimate: {e}"]
     m = memory(work, lo, hw)
-    rest = m.items["transient"] + m.items["buffers"] + m.items["reserved"]
     stage = f" (pipeline stage {m.stage}, the most loaded)" if lo.pp > 1 else ""
+    alive = set(m.phases[m.peak_phase])
+    rest = ("transient", "buffers", "weight copies", "step temporaries")
     return [
         f"# memory estimate per rank (planner, {hw.name}): model {work.model.name}, "
-        f"{work.model.num_params() / 1e6:.2f} M parameters, layout {lo.describe()}",
+        f"{work.model.num_params() / 1e6:.2f} M parameters, layout {lo.describe()}, "
+        f"{'compiled' if work.kernels == 'fused' else 'eager'}, {work.optimizer} AdamW",
         f"#   weights + grads + Adam: {_size(m.states)} ({8 if m.host else 16} bytes/parameter "
         "before sharding)",
         *(f"#   Adam moments off the device ({lo.offload}): {_size(v)}"
           for v in m.host.values()),
         f"#   activations (micro-batch {lo.micro_batch} x {work.seq_len}): "
         f"{_size(m.items['activations'])}",
-        f"#   loss transient + buffers + reserved: {_size(rest)}",
-        f"#   total{stage}: {_size(m.total)} of {_size(m.capacity)} -- "
-        + ("fits" if m.fits else "does NOT fit"),
+        *(f"#   {k}: {_size(m.items[k])}" for k in rest if m.items.get(k)),
+        f"#   reserved (runtime + allocator): {_size(m.items['reserved'])}",
+        f"#   peak{stage}, at the {m.peak_phase} ("
+        + " + ".join(k for k in m.items if k in alive and m.items[k]) + "): "
+        f"{_size(m.total)} of {_size(m.capacity)} -- " + ("fits" if m.fits else "does NOT fit"),
     ]
 
 

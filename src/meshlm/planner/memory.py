@@ -33,7 +33,35 @@ each region (it does not gather again in backward).
 **Pipeline**: rank r holds the activations of ``min(p - r, m)`` micro-batches under 1F1B
 (Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``p (1 + (p - 1) / (p v))`` on the first
 rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the
-same as 1F1B under ZB-H1 (Qi et al. 2023). **Transient**: the peak above the saved
+same as 1F1B under ZB-H1 (Qi et al. 2023).
+
+**Eager norms on a GPU**: meshlm's ``F.rms_norm`` runs torch's fused CUDA kernel, which keeps
+1/rms (4 bytes per token) instead of the normalised input; on a CPU torch runs the formula op by
+op and keeps what the ``meshlm`` profile lists.
+
+**Compiled blocks** (``kernels="fused"`` with the ``meshlm`` profile: ``train.compile``) save
+what AOTAutograd's partitioner keeps (measured with ``saved_tensors_hooks`` on inductor's
+graphs): the fp32 residual between the two halves, the norms' reciprocal RMS, each region's
+input once in the compute dtype, q, k, v, the attention output twice (for SDPA's backward and
+for the output projection) and its log-sum-exp, and SwiGLU's gate, up and product; the norms'
+fp32 products, the SiLU and the casts are recomputed. The compiled loss keeps the logits in
+their dtype and writes their gradient in that dtype in one kernel.
+
+**The peak is a phase**, not a sum: what PyTorch holds at the end of the forward (weights,
+Adam moments, saved activations, autocast weight copies), at the start of the backward (plus
+the loss's transient; full recomputation: one rebuilt layer, while the gradients fill up), and
+during the optimizer step (weights, gradients, moments and the step's temporaries: 4 bytes
+per parameter for torch's foreach AdamW, whose ``_foreach_sqrt`` copies the second moments;
+none for the fused kernel; clipping by a sharded norm squares each gradient tensor in fp64, 16
+bytes per element of the largest). Gradients are alive in the forward only where something
+keeps them between steps: gradient accumulation, data-parallel buckets, ZeRO shards, pipeline
+micro-batches; one process with one micro-batch frees them after each step
+(``zero_grad(set_to_none=True)``). **Reserved**: the accelerator's runtime memory (CUDA context,
+library workspaces) plus the caching allocator's reserve, :data:`ALLOCATOR_RESERVE` of what is
+allocated at the peak (measured: 6.34 GiB reserved-unallocated beside 132.62 GiB allocated,
+4.8 %, at meshlm's ``llama3-8b`` out-of-memory on an H200).
+
+**Transient**: the peak above the saved
 activations -- the loss's backward (8 more bytes per logit: fp32 gradients of the
 log-probabilities and logits, counted on ``F.cross_entropy``; none for a fused loss that
 writes the gradient in place) or, with full recomputation, one layer's rebuilt activations,
@@ -59,6 +87,17 @@ BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
 # fp32 and under bf16 autocast alike (meshlm's vocab-parallel loss is assumed the same)
 LOSS_WORKING = 8
 MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
+# the CUDA caching allocator's reserved-but-unallocated memory at the peak, per byte allocated
+# (meshlm's llama3-8b run on one H200: 6.34 GiB beside 132.62 GiB, 4.8 %)
+ALLOCATOR_RESERVE = 0.05
+# bytes per parameter of the optimizer step's temporaries, by AdamW kernels
+OPTIMIZER_TEMP = {"fused": 0, "foreach": 4}
+# the items alive in each phase of a step (``reserved`` is added to every phase)
+PHASES = {
+    "forward": ("params", "optim", "activations", "buffers", "weight copies"),
+    "backward": ("params", "optim", "activations", "transient", "buffers", "weight copies"),
+    "optimizer step": ("params", "grads", "optim", "step temporaries"),
+}
 
 
 @dataclass
@@ -79,21 +118,41 @@ class StageParams:
 
 @dataclass
 class MemoryBreakdown:
-    """Bytes per rank on the most loaded pipeline stage."""
+    """Bytes per rank on the most loaded pipeline stage: ``items`` by kind, ``phases`` the
+    items alive together in each phase of the step (empty: all of them at once); the peak
+    (``total``) is the largest phase."""
 
     items: dict[str, float] = field(default_factory=dict)
     stage: int = 0
     capacity: float = 0.0
     # bytes moved off the device (offload): not counted in ``total``
     host: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def states(self) -> float:
         return self.items["params"] + self.items["grads"] + self.items["optim"]
 
+    def phase_bytes(self, phase: str) -> float:
+        return sum(self.items.get(k, 0.0) for k in self.phases[phase])
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase of the step at which memory peaks ("" without phases)."""
+        if not self.phases:
+            return ""
+        return max(self.phases, key=self.phase_bytes)
+
     @property
     def total(self) -> float:
-        return sum(self.items.values())
+        if not self.phases:
+            return sum(self.items.values())
+        return self.phase_bytes(self.peak_phase)
+
+    @property
+    def allocated(self) -> float:
+        """What PyTorch allocates at the peak: the total less the ``reserved`` entry."""
+        return self.total - self.items.get("reserved", 0.0)
 
     @property
     def fits(self) -> bool:
@@ -216,6 +275,48 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
     return {k: v * tokens for k, v in items.items()}
 
 
+def compiled(work: Workload) -> bool:
+    """Whether the workload's blocks are meshlm's compiled ones (``train.compile``)."""
+    return work.profile == "meshlm" and work.kernels == "fused"
+
+
+def compiled_layer_activations(work: Workload, lo: Layout) -> dict[str, float]:
+    """Bytes a compiled meshlm dense block saves for one micro-batch (module docstring;
+    measured on inductor's graphs by tests/test_planner.py)."""
+    c = work.model.config
+    t = lo.tp
+    tokens = lo.micro_batch * work.seq_len / lo.cp
+    h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
+    a = ACT_BYTES[work.dtype]
+    out_t = t if lo.sp else 1
+    items = {
+        "residual": h * 4 / out_t,  # fp32, after the attention half
+        "norm rstd": 2 * 4 / out_t,
+        "region inputs": 2 * h * a,  # each region's input once, in the compute dtype
+        "q k v": (hq + 2 * kv) * a / t,
+        "attention out": 2 * hq * a / t,  # SDPA's output and the projection's input layout
+        "scores": c.n_heads * 4 / t,  # log-sum-exp
+        "mlp": (3 if work.model.gated_mlp else 2) * c.ffn_hidden * a / t,
+    }
+    return {k: v * tokens for k, v in items.items()}
+
+
+def saved_layer(work: Workload, lo: Layout, hw: Accelerator, moe: bool = False
+                ) -> dict[str, float]:
+    """What one layer saves for one micro-batch without recomputation: the compiled block's
+    tensors, or the eager ones (MoE feed-forwards stay eager). Eager on a GPU, ``F.rms_norm``
+    is torch's fused kernel, which saves 1/rms beside its input instead of the normalised
+    input (``Workload.fused_norm`` overrides the choice by device)."""
+    if compiled(work) and not moe and lo.recompute in ("none", "full"):
+        return compiled_layer_activations(work, lo)
+    items = layer_activations(work, lo, moe)
+    fused_norm = not hw.is_cpu if work.fused_norm is None else work.fused_norm
+    if work.profile == "meshlm" and fused_norm:
+        tokens = lo.micro_batch * work.seq_len / lo.cp
+        items["norm normalised"] = 2 * 4 / (lo.tp if lo.sp else 1) * tokens
+    return items
+
+
 def matmul_outputs(work: Workload, lo: Layout) -> list[float]:
     """Output features per token of a dense layer's matmuls on one rank, in forward order:
     q, k, v, the attention output projection, then the MLP's (w1, w3, w2 or fc1, fc2).
@@ -285,6 +386,9 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
         # torch: fp32 log-probabilities; fused: the logits in their dtype (gradient in place);
         # chunked: no logits, the head input's fp32 gradient (formed in forward) instead
         logits = {"torch": 4 * v_local, "fused": a * v_local, "chunked": 4 * c.dim}[work.loss]
+        if work.loss == "torch" and compiled(work) and lo.tp == 1:
+            logits = a * v_local  # the compiled loss saves its input, the logits
+
         total += (norm + head_in + logits + 8) * tokens
         if work.loss == "chunked":  # and the head weight's fp32 gradient (V/t x h)
             total += 4 * v_local * c.dim
@@ -292,6 +396,31 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
 
 
 # ---------------------------------------------------------------------- the breakdown
+def largest_tensor(work: Workload, lo: Layout, stage: int) -> float:
+    """Elements of the largest parameter tensor pipeline rank ``stage`` holds (after tp/ep)."""
+    c, t = work.model.config, lo.tp
+    h = c.dim
+    sizes = [c.n_heads * c.hd * h / t, work.model.mlp_matrices and c.ffn_hidden * h / t]
+    if c.moe_experts:
+        sizes.append(c.expert_hidden * h)
+    if stage in (0, lo.pp - 1):
+        sizes.append(math.ceil(c.vocab_size / t) * h)
+    return max(sizes)
+
+
+def step_temporaries(work: Workload, lo: Layout, p: StageParams, stage: int) -> float:
+    """Device bytes the optimizer step allocates beyond the states: AdamW's temporaries
+    (foreach: 4 bytes per parameter of the largest group it steps, the decayed matrices; none
+    when the moments are offloaded, or fused), or -- before it, not beside it -- clipping by a
+    sharded global norm (each gradient tensor squared in fp64: 16 bytes per element of the
+    largest; torch's own clipping on whole gradients takes per-tensor norms)."""
+    owned = p.total / (lo.dp * lo.cp if lo.zero >= 1 else 1)
+    adam = OPTIMIZER_TEMP[work.optimizer] * owned if lo.offload == "none" else 0.0
+    sharded_norm = lo.tp > 1 or lo.pp > 1 or lo.ep > 1 or (lo.zero >= 1 and lo.dp * lo.cp > 1)
+    clip = 16 * largest_tensor(work, lo, stage) if sharded_norm else 0.0
+    return max(adam, clip)
+
+
 def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> MemoryBreakdown:
     p = stage_params(work, lo, stage)
     items = state_bytes(work, lo, p)
@@ -303,7 +432,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     per_layer = 0.0
     working = 0.0  # one layer's full activations, rebuilt during its backward
     for is_moe, count in layer_kinds(work, lo, stage).items():
-        full = layer_activations(work, lo, moe=is_moe)
+        full = saved_layer(work, lo, hw, moe=is_moe)
         per_layer += count * recomputed(full, work, lo, is_moe)
         working = max(working, sum(full.values()))
     acts = per_layer * in_flight(lo, m, stage)
@@ -312,12 +441,14 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     # Transient peaks on top of the saved activations (they do not coincide): the loss's
     # backward holds the fp32 gradients of the log-probabilities and of the logits beside the
     # saved log-probabilities (LOSS_WORKING bytes per logit; counted on torch's
-    # cross_entropy), and full recomputation rebuilds one layer's activations in backward.
+    # cross_entropy; the compiled loss writes the logits' gradient in their dtype), and full
+    # recomputation rebuilds one layer's activations in backward.
     tokens = lo.micro_batch * work.seq_len / lo.cp
     v_local = math.ceil(work.model.config.vocab_size / lo.tp)
     loss = 0.0
     if stage == lo.pp - 1 and work.loss == "torch":
-        loss = LOSS_WORKING * tokens * v_local
+        per_logit = ACT_BYTES[work.dtype] if compiled(work) and lo.tp == 1 else LOSS_WORKING
+        loss = per_logit * tokens * v_local
     elif stage == lo.pp - 1 and work.loss == "chunked":  # one chunk's logits, twice in fp32
         loss = LOSS_WORKING * min(tokens, work.loss_chunk) * v_local
     items["transient"] = max(loss, working if lo.recompute == "full" else 0.0)
@@ -330,11 +461,31 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     elif lo.zero == 3:  # DeepSpeed keeps at most 1e9 gathered parameters live (its default
         live = min(p.layer_unit, MAX_LIVE_PARAMS)  # stage3_max_live_parameters); one prefetched
         buffers += 2 * live * w + live * g
-    if work.profile == "meshlm" and work.dtype != "fp32":
-        buffers += ACT_BYTES[work.dtype] * p.matmul  # autocast weight copies kept for backward
     items["buffers"] = buffers
-    items["reserved"] = hw.reserved
-    return MemoryBreakdown(items, stage, hw.memory, host)
+    # autocast's copies of the weights in the compute dtype: cached through the forward and
+    # kept for backward by the matmuls (full recomputation rebuilds them layer by layer)
+    copies = 0.0
+    if work.profile == "meshlm" and work.dtype != "fp32":
+        copies = ACT_BYTES[work.dtype] * p.matmul
+    items["weight copies"] = copies
+    items["step temporaries"] = step_temporaries(work, lo, p, stage)
+    # gradients alive through the forward and backward: kept between micro-batches or steps
+    # by accumulation, buckets, shards or a pipeline; one process with one micro-batch frees
+    # them each step, and they fill up during a fully recomputed backward beside it
+    freed = lo.zero == 0 and lo.dp * lo.cp == 1 and lo.pp == 1 and lo.islands == 1 and m == 1
+    phases = {k: list(v) for k, v in PHASES.items()}
+    if not freed or lo.recompute == "full":
+        phases["backward"].append("grads")
+    if not freed:
+        phases["forward"].append("grads")
+    if lo.recompute == "full":
+        phases["backward"].remove("weight copies")
+    out = MemoryBreakdown(items, stage, hw.memory, host,
+                          {k: (*v, "reserved") for k, v in phases.items()})
+    items["reserved"] = 0.0
+    reserve = 0.0 if hw.is_cpu else ALLOCATOR_RESERVE * out.total
+    items["reserved"] = hw.reserved + reserve
+    return out
 
 
 def memory(work: Workload, lo: Layout, hw: Accelerator) -> MemoryBreakdown:

@@ -28,6 +28,7 @@ STATES = ("fp32", "mixed")
 PROFILES = ("meshlm", "megatron")
 LOSSES = ("torch", "fused", "chunked")
 KERNELS = ("eager", "fused")
+OPTIMIZER_KERNELS = ("fused", "foreach")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,13 @@ class Workload:
     loss: str = "torch"
     loss_chunk: int = 1024  # tokens per chunk of the ``chunked`` loss
     kernels: str = "eager"  # eager | fused (memory-bound kernels; see planner/timing.py)
+    # AdamW's kernels: fused (one pass, no temporaries: torch's fused=True, apex FusedAdam,
+    # Megatron's distributed optimizer) | foreach (torch's multi-tensor AdamW: its
+    # ``_foreach_sqrt`` allocates 4 bytes per parameter of the group it steps)
+    optimizer: str = "fused"
+    # RMSNorm's kernel (meshlm's ``F.rms_norm``): fused (CUDA: saves its input and 1/rms) or
+    # composite (CPU: the formula's ops, saving the normalised input too); None: by device
+    fused_norm: bool | None = None
     # pipeline stage boundaries: ``fp32`` activations (meshlm's executor) or the compute
     # dtype (frameworks whose weights are 16-bit: Megatron, DeepSpeed, nanotron, torchtitan's
     # FSDP2 mixed precision); ``p2p_split``: with tp > 1 and no sp, each tp rank sends 1/tp of
@@ -138,6 +146,9 @@ class Workload:
             out.append(f"p2p_dtype {self.p2p_dtype!r} is not one of fp32, compute")
         if self.kernels not in KERNELS:
             out.append(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.optimizer not in OPTIMIZER_KERNELS:
+            out.append(f"optimizer {self.optimizer!r} is not one of "
+                       f"{', '.join(OPTIMIZER_KERNELS)}")
         if self.seq_len < 1 or self.global_batch < 1:
             out.append(f"seq_len={self.seq_len} and global_batch={self.global_batch} must be >= 1")
         return out
