@@ -52,21 +52,25 @@ def refuse_if_too_big(cfg) -> None:  # noqa: ANN001
     memory (above :data:`MEMORY_REFUSAL` times its capacity); silent when it fits or when the
     device is not in the planner's catalogue."""
     from .planner.cli import config_vocab, config_workload, hardware_here
+    from .planner.levers import levers_text
     from .planner.memory import memory
 
     try:
         hw = hardware_here("memory check")
     except ConfigError:
         return
-    m = memory(config_workload(cfg, config_vocab(cfg)), cfg.layout(), hw)
+    work = config_workload(cfg, config_vocab(cfg))
+    m = memory(work, cfg.layout(), hw)
     if m.fits or m.total <= MEMORY_REFUSAL * m.capacity:
         return
     gib = 2**30
+    levers = levers_text(work, cfg.layout(), hw)
     raise ConfigError(
         f"layout {cfg.layout().describe()} needs about {m.total / gib:.1f} GiB per rank by the "
-        f"planner's estimate, but {hw.name} has {m.capacity / gib:.1f} GiB; lower "
-        "train.micro_batch, set train.recompute=full, parallel.zero=1..3 or parallel.offload, "
-        "add ranks (parallel.tp, parallel.pp), or see meshlm train --dry-run"
+        f"planner's estimate (peak at the {m.peak_phase}), but {hw.name} has "
+        f"{m.capacity / gib:.1f} GiB; "
+        + (f"to fit: {levers}; or " if levers else "")
+        + "add ranks (parallel.tp, parallel.pp), or see meshlm train --dry-run"
     )
 
 
@@ -378,9 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed.flight import CollectiveFailure
     from .launch import WorkerFailure
     from .train.nonfinite import NonFiniteError
+    from .train.oom import OutOfMemory
 
     try:
         return args.func(args, rest)
+    except OutOfMemory as e:  # the rank that ran out says where, how much and what would fit
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
     except CollectiveFailure as e:  # every rank that gave up says which rank it waited for
         print(f"meshlm: error: {e}", file=sys.stderr)
         return 1

@@ -568,7 +568,8 @@ def _summarise(err: Any, log_dir: str, flight_dir: str | None = None) -> tuple[i
                    if _error_message(d) and not _is_secondary(_error_message(d))]
         if primary:
             _, rank, reported = min(primary)
-    for own in ("CollectiveFailure: ", "NonFiniteError: "):  # meshlm's own one-line reports
+    # meshlm's own one-line reports
+    for own in ("CollectiveFailure: ", "NonFiniteError: ", "OutOfMemory: "):
         if reported.startswith(own):
             return rank, _first_line(reported.removeprefix(own), 1000)
     if reported:

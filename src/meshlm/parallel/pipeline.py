@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..distributed.phases import phase
 from ..distributed.spec import spec_of, update_spec
 from ..layout import partition_layers
 from ..models.llama import Transformer
@@ -175,7 +176,8 @@ class PipelineExecutor:
             a = self.actions[i]
             self._wait_input(a)  # (waiting is bubble, not compute: outside the timed interval)
             t0 = time.perf_counter()
-            getattr(self, f"_do_{a.op}")(a)
+            with phase("forward" if a.op == "F" else "backward"):
+                getattr(self, f"_do_{a.op}")(a)
             live += {"F": 1, "B": -1, "W": -1}.get(a.op, 0)
             self.peak_live = max(self.peak_live, live)
             self.timeline.append({"op": a.op, "mb": a.mb, "stage": a.stage,

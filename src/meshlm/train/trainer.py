@@ -43,6 +43,7 @@ from ..distributed.comm import Comm, CommLog
 from ..distributed.faults import kill_if_asked, poison_if_asked, stop_if_asked
 from ..distributed.flight import CollectiveFailure, FlightRecorder, diagnose, is_comm_failure
 from ..distributed.mesh import Mesh
+from ..distributed.phases import phase, phase_of
 from ..distributed.source import InitSource, TensorSource, read_local
 from ..generate import generate_text
 from ..models.llama import Transformer, build_model
@@ -58,6 +59,8 @@ from ..parallel.tensor import TensorParallel
 from ..precision import DTYPES, Precision
 from .metrics import MetricsWriter, PhasePeaks, read_metrics
 from .nonfinite import NonFiniteError, NonFinitePolicy, describe
+from .oom import OutOfMemory, is_oom
+from .oom import describe as describe_oom
 from .peak import peak_flops
 from .pipelined import PipelineRunner
 from .profiling import region
@@ -284,8 +287,8 @@ class Trainer:
             if warning := check_bf16(self.device, c.precision.dtype):
                 self.log(warning)
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {self.step}" if self.step else ""))
-        for phase, peaks in self.memory.per_rank.items():
-            self.log(f"peak memory at {phase}: largest rank {max(peaks) / 2**20:,.0f} MiB "
+        for name, peaks in self.memory.per_rank.items():
+            self.log(f"peak memory at {name}: largest rank {max(peaks) / 2**20:,.0f} MiB "
                      f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in peaks)} MiB)")
 
     def log_compile(self, first_step_s: float) -> dict[str, float]:
@@ -312,17 +315,19 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.executor.grad_scale = (self.precision.scaler.scale
                                                  if self.precision.scaler is not None else 1.0)
-            loss = self.pipeline.forward_backward(micro)
+            with phase("forward"):  # (the executor marks its backward actions)
+                loss = self.pipeline.forward_backward(micro)
             grad_norm = self.optimizer_update(step, loss)
             return self.comm.reduce_scalars([loss], "dp_cp")[0] / n, grad_norm
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro):
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with self.precision.autocast():
+            with phase("forward"), self.precision.autocast():
                 loss = self.loss_fn(self.model(inputs), targets)
                 aux = self.model.aux_loss()
-            self.precision.scale((loss + aux) / len(micro)).backward()
+            with phase("backward"):
+                self.precision.scale((loss + aux) / len(micro)).backward()
             total += loss.detach()
             stop_if_asked(step, self.mesh.rank)  # (tests: a rank that freezes in a step)
         local = float(total) / len(micro)
@@ -335,6 +340,10 @@ class Trainer:
 
         ``local_loss``: this rank's loss of the step (0 on pipeline stages without the head),
         checked with the norm for ``train.on_nonfinite`` (train/nonfinite.py)."""
+        with phase("optimizer step"):
+            return self._optimizer_update(step, local_loss)
+
+    def _optimizer_update(self, step: int, local_loss: float) -> float | None:
         cfg = self.cfg.train
         self.engine.finish_grads()
         grads = self.engine.grad_tensors()
@@ -362,6 +371,10 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (every rank runs all;
         under context parallelism each on its share of every sequence)."""
+        with phase("evaluation"):
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         self.model.eval()
         total, count = 0.0, 0
         for batch in self.val:
@@ -391,13 +404,17 @@ class Trainer:
                  "layout": self.mesh.describe(), "scaler": self.precision.state_dict(),
                  **({"moe_bias": self.expert_biases()} if self.model_cfg.moe_balance == "bias"
                     and self.model_cfg.is_moe else {})}
-        directory = save_checkpoint(
+        with phase("checkpoint save"):
+            directory = self._save(state)
+        self.memory.measure("save", self.comm)
+        return directory
+
+    def _save(self, state: dict[str, Any]) -> Path:
+        return save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.engine, self.comm, state,
             {"config.toml": to_toml(self.cfg), "tokenizer.json": self.run_dir / "tokenizer.json"},
             keep=self.cfg.checkpoint.keep,
             outer=self.diloco.outer_pieces() if self.diloco is not None else None)
-        self.memory.measure("save", self.comm)
-        return directory
 
     def expert_biases(self) -> list[list[float]]:
         """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
@@ -412,7 +429,7 @@ class Trainer:
 
     def load_checkpoint(self, directory: Path) -> None:
         """This rank's slices of weights and moments, sampler, scaler and RNG states."""
-        with ShardedCheckpoint(directory) as ckpt:
+        with phase("checkpoint load"), ShardedCheckpoint(directory) as ckpt:
             if not ckpt.trainer.get("sampler"):
                 raise CheckpointError(f"{directory / 'trainer.json'}: no sampler state (a "
                                       "weights-only checkpoint: use it as model.init_from)")
@@ -623,7 +640,8 @@ class Trainer:
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Every rank samples (sharded weights are gathered collectively); all agree. Under
         context parallelism every cp rank runs the whole context alone (weights are whole)."""
-        with self.model.logits_out():  # (a chunked loss makes forwards stop at the head)
+        with phase("sampling"), self.model.logits_out():  # (a chunked loss: forwards stop
+            # at the head without it)
             if self.cp is not None:
                 with self.cp.disabled():
                     return self._sample(prompt, max_new_tokens)
@@ -705,7 +723,19 @@ def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
         keep_freed_memory()
     if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
         torch.set_num_threads(os.cpu_count() or 1)
-    trainer = Trainer(cfg, log=log, progress=progress)
+    try:
+        with phase("construction"):
+            trainer = Trainer(cfg, log=log, progress=progress)
+        return _fit(trainer, cfg)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        # (the planner's arithmetic runs on this process's CPU; the device is full)
+        raise OutOfMemory(describe_oom(cfg, rank, phase_of(exc), exc, build_device())) from None
+
+
+def _fit(trainer: Trainer, cfg: Config) -> TrainResult:
     try:
         result = trainer.fit()
     except Exception as exc:
