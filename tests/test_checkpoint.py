@@ -97,8 +97,9 @@ def resume_elsewhere(base: list[str], src: Path, runs: list[tuple[str, list[str]
         with torch.no_grad():
             logits = full_logits(trainer.model, trainer.tp, trainer.pipeline, fixed_batch())
         held = sum(o.hi - o.lo for o in trainer.engine.owned())
+        fused = [bool(g.get("fused")) for g in trainer.engine.optimizer.param_groups]
         out[name] = {"logits": logits, "losses": trainer.fit().losses, "read": sum(reads),
-                     "owned": held}
+                     "owned": held, "fused": fused}
     return out
 
 
@@ -162,6 +163,9 @@ def test_reshard_to_other_layouts(source_run) -> None:  # noqa: ANN001
                                                           "--train.micro_batch=8",
                                                           "--train.adamw_impl=foreach"])]))
     for name, r in got0.items():
+        # every engine (ZeRO-3 shards, tp shards, one process) steps with the fused AdamW
+        # unless the run asks for foreach (train.adamw_impl)
+        assert r["fused"] == [not name.endswith("foreach")] * 2, (name, r["fused"])
         assert relative_difference(r["logits"], ref_logits) < 1e-6, name
         assert sorted(r["losses"]) == list(range(HALF + 1, STEPS + 1)), name
         for step, loss in r["losses"].items():
@@ -221,10 +225,15 @@ def construct_zero3(dims: dict, zero: int) -> dict:
     from meshlm.models.llama import build_model
     from meshlm.parallel import parallelize
 
-    cfg = ModelConfig(**dims)
     world = dist.get_world_size() if dist.is_initialized() else 1
     mesh = Mesh(Layout(dp=world))
     comm = Comm(mesh, CommLog())
+    from meshlm.train.trainer import pin_malloc_mmap_threshold
+
+    # freed buffers go back to the system (as run.malloc_mmap_kb does): the peak counts live
+    # tensors, not holes glibc's heap keeps after its threshold rises
+    pin_malloc_mmap_threshold()
+    cfg = ModelConfig(**dims)
     model = build_model(cfg, device="meta")
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     source = InitSource(cfg, 0, shapes)
@@ -245,12 +254,14 @@ DIMS = {"vocab_size": 2048, "dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads
 
 
 def test_shard_only_construction_holds_only_the_shards() -> None:
-    """ZeRO-3 over 4 ranks: building the model raises a rank's memory by at most its shard
-    plus two buffers of the largest parameter (the drawn global tensor and its slice)."""
+    """ZeRO-3 over 4 ranks: building the model raises a rank's memory by at most its weight
+    shard and its gradient shard (allocated with it) plus two buffers of the largest parameter
+    (the drawn global tensor and its slice) -- never the whole model's weights."""
     for r in run_world(4, construct_zero3, DIMS, 3):
-        bound = r["params"] + 2 * r["largest"] + 16 * 2**20  # (+ allocator slack)
+        shards = 2 * r["params"]  # weights + gradients, each 1/4 of the model
+        bound = shards + 2 * r["largest"] + 24 * 2**20  # (+ allocator and process-group slack)
         assert r["growth"] < bound, r
-        assert r["growth"] < r["model"] / 2, r  # never the whole model
+        assert r["growth"] < r["model"], r  # never the whole model
 
 
 # ---------------------------------------------------------------------- damage and safety

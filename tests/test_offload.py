@@ -127,6 +127,7 @@ def test_disk_offload_matches_in_memory_one_process(corpus_dir: Path, cache_dir:
                       log=lambda _m: None, progress=False)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     assert (tmp_path / "disk" / "offload" / "rank_00000.adam").stat().st_size == 8 * n_params
+    assert trainer.engine.optimizer.fused  # the host step: torch's fused CPU AdamW
     disk = trainer.fit().losses
     del trainer
     check_same(tmp_path / "disk", disk, tmp_path / "none", none)

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..distributed.comm import Comm
 from ..distributed.spec import set_spec, spec_of
-from ..models.llama import RMSNorm, Transformer
+from ..models.llama import RMSNorm, Transformer, rms_norm
 from ..models.moe import MoE, SwiGLU
 from .tensor_comm import (
     AXIS,
@@ -92,9 +92,7 @@ class SequenceParallelRMSNorm(RMSNorm):
         self.weight, self.comm = norm.weight, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * copy_to_tp(self.weight, self.comm).float()).type_as(x)
+        return rms_norm(x, copy_to_tp(self.weight, self.comm), self.eps)
 
 
 class TensorParallelDispatcher:
