@@ -65,6 +65,17 @@ _LAUNCH = ("PyTorch eager CUDA kernel launch ~5 us (CPU-side dispatch); launches
 POWER_EXPONENT = math.log((499.5 / 114) / (794.5 / 132)) / math.log((350 / 114) / (700 / 132))
 _POWER = ("rate ~ (cap / TDP) ** 0.58, from MAMF of H100 SXM (700 W, 132 SMs) and H100 PCIe "
           "(350 W, 114 SMs); memory bandwidth assumed unaffected")
+# Eager PyTorch's memory-bound kernels on the H200, calibrated (no datasheet gives it): in
+# ../shared/data/gpu_h200_2026-11.md meshlm's eager and compiled steps of the 820M shape differ
+# by 0.2713 - 0.1823 = 0.0890 s, and only the memory-bound kernels differ between the two
+# (compilation fuses them; the GEMMs stay ATen's, attention SDPA's, the loss and optimizer
+# eager): the planner's fused traffic (18.9 ms at hbm_eff) plus 0.0890 s is the time of the
+# counted eager traffic (timing.C_TRAFFIC), 319 GB -- 2.96 TB/s, 0.62 of the line rate.
+# One kernel per op: reductions, casts between fp32 and bf16, strided (transposed) rotary
+# operands and short kernels with their ramp and tail keep eager kernels below a copy's rate.
+_H200_EAGER = ("calibrated on the measured H200 rows (../shared/data/gpu_h200_2026-11.md): "
+               "eager - compiled step = 0.0890 s = counted eager traffic at 0.62 of 4.8 TB/s "
+               "- fused traffic at 0.85")
 _RESERVED = ("CUDA context ~0.5 GiB + NCCL buffers and cuBLAS workspaces ~1 GiB + allocator "
              "slack; assumption: 2 GiB per GPU not available to the model")
 
@@ -140,6 +151,8 @@ class Rates:
     ce: float | None = None
     ce_tp: float | None = None  # vocab-parallel cross-entropy (CPU, measured)
     adam: float | None = None  # seconds per parameter (CPU, measured); None: bandwidth-bound
+    eager_scale: float = 1.0  # eager memory-bound kernels' bandwidth / ``mem_bw`` (GPU)
+    sgemm: float = 0.0  # FLOP/s of an fp32 GEMM without TF32 (GPU; 0: ``gemm["fp32"]``)
 
     def bandwidth(self, nbytes: float) -> float:
         """Bandwidth for tensors of ``nbytes`` (log-linear between measured sizes)."""
@@ -173,6 +186,12 @@ class Accelerator:
     memory: float  # bytes per GPU
     hbm_bw: float  # bytes/s
     hbm_eff: float = 0.85
+    # achieved / line rate of eager PyTorch's memory-bound kernels (one kernel per op, the
+    # traffic counted by ``timing.C_TRAFFIC``); 0: ``hbm_eff``. Calibrated where measured.
+    eager_eff: float = 0.0
+    # FP32 on the CUDA cores (FLOP/s): torch's fp32 matmuls when TF32 is off, its default
+    # (``torch.backends.cuda.matmul.allow_tf32 = False``); ``peak["fp32"]`` is TF32's. 0: that.
+    peak_fp32_simt: float = 0.0
     gpus_per_node: int = 8
     intra_bw: float = 0.0  # bytes/s per GPU per direction
     inter_bw: float = 0.0
@@ -217,7 +236,10 @@ class Accelerator:
             # the time model counts forward + backward as 3 forwards: the same seconds
             attn = self.peak_flops("bf16") * self.attn_eff * cap * 3 / (1 + FA_BWD_FLOPS)
             return Rates(gemm, {1: attn},
-                         {1: self.hbm_bw * self.hbm_eff}, self.launch, serial_ops=False)
+                         {1: self.hbm_bw * self.hbm_eff}, self.launch, serial_ops=False,
+                         eager_scale=(self.eager_eff or self.hbm_eff) / self.hbm_eff,
+                         sgemm=(self.peak_fp32_simt or self.peak_flops("fp32"))
+                         * self.gemm_eff["fp32"] * cap)
         c = self.cpu
         t = threads
         # Time-sharing: ranks x threads above the core count share the cores evenly.
@@ -273,7 +295,7 @@ def _gpu(name: str, description: str, bf16: float, fp8: float | None, fp32: floa
 
 _A100_SRC = {
     "peak": "NVIDIA A100 Tensor Core GPU datasheet (2021): BF16/FP16 312 TFLOPS dense, "
-            "TF32 156 TFLOPS; no FP8",
+            "TF32 156 TFLOPS, FP32 (CUDA cores) 19.5; no FP8",
     "links": "A100 datasheet: NVLink 600 GB/s bidirectional (300 per direction); DGX A100 "
              "datasheet: 8x ConnectX-6 HDR 200 Gb/s for compute = 25 GB/s per GPU",
     "gemm_eff": f"{_MAMF}: A100 SXM 271.2 / 312 TFLOPS = 0.869",
@@ -282,80 +304,90 @@ _A100_SRC = {
 }
 _H100_SRC = {
     "peak": "NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 989 TFLOPS dense "
-            "(1979 with sparsity), FP8 1979 dense, TF32 495",
+            "(1979 with sparsity), FP8 1979 dense, TF32 495, FP32 (CUDA cores) 67 (PCIe: 51)",
     "links": "H100 datasheet: NVLink 4 900 GB/s bidirectional (450 per direction); DGX H100: "
              "8x ConnectX-7 400 Gb/s = 50 GB/s per GPU",
     "gemm_eff": f"{_MAMF}: H100 SXM BF16 794.5 / 989 = 0.803, FP8 1402.6 / 1979 = 0.709",
-    "attn_eff": "FlashAttention-3 (Shah et al. 2024, sec. 1): FlashAttention-2 reaches 35 % "
-                "of H100 peak (PyTorch SDPA's CUDA flash backend is FlashAttention-2)",
+    "attn_eff": "FlashAttention-3 (Shah et al. 2024, figs. 4-6, H100 SXM5, head dim 128): "
+                "FlashAttention-2 (PyTorch SDPA's CUDA flash backend) runs causal forward at "
+                "298 TFLOP/s and backward at 291 at 2k tokens (333 / 318 at 8k); forward + "
+                "backward in FlashAttention's convention 3.5 / (1/298 + 2.5/291) = 293 TFLOP/s "
+                "= 0.30 of peak (the paper's '35 %' is the forward's best)",
 }
 
 CATALOGUE: dict[str, Accelerator] = {
     "a100-40gb": _gpu(
         "a100-40gb", "NVIDIA A100 SXM4 40GB (DGX A100 node)", 312, None, 156, 40, 1.555,
         300, 25, 0.869, None, 0.55,
-        {**_A100_SRC, "memory": "A100 datasheet: 40 GB HBM2, 1555 GB/s"}, tdp=400.0),
+        {**_A100_SRC, "memory": "A100 datasheet: 40 GB HBM2, 1555 GB/s"}, tdp=400.0,
+        peak_fp32_simt=19.5 * T),
     "a100-80gb": _gpu(
         "a100-80gb", "NVIDIA A100 SXM4 80GB (DGX A100 node)", 312, None, 156, 80, 2.039,
         300, 25, 0.869, None, 0.55,
-        {**_A100_SRC, "memory": "A100 datasheet: 80 GB HBM2e, 2039 GB/s"}, tdp=400.0),
+        {**_A100_SRC, "memory": "A100 datasheet: 80 GB HBM2e, 2039 GB/s"}, tdp=400.0,
+        peak_fp32_simt=19.5 * T),
     "h100-sxm": _gpu(
         "h100-sxm", "NVIDIA H100 SXM5 80GB (DGX H100 node)", 989, 1979, 495, 80, 3.35,
-        450, 50, 0.803, 0.709, 0.35,
-        {**_H100_SRC, "memory": "H100 datasheet: 80 GB HBM3, 3.35 TB/s"}, tdp=700.0),
+        450, 50, 0.803, 0.709, 0.30,
+        {**_H100_SRC, "memory": "H100 datasheet: 80 GB HBM3, 3.35 TB/s"}, tdp=700.0,
+        peak_fp32_simt=67 * T),
     "h100-sxm-500w": _gpu(
         "h100-sxm-500w", "NVIDIA H100 SXM 96GB HBM2e at 500 W (Meta Grand Teton)", 989, 1979,
-        495, 96, 2.41, 450, 50, 0.803, 0.709, 0.35,
+        495, 96, 2.41, 450, 50, 0.803, 0.709, 0.30,
         {**_H100_SRC, "power": _POWER,
          "memory": "96 GB HBM2e; 2.41 TB/s, the HBM2e H100's bandwidth in Ujeniya et al. "
                    "2026 (arXiv:2604.11391, setup); consistent with 6 HBM2e stacks where the "
                    "PCIe card's 5 give 2.0 TB/s",
          "variant": "torchtitan (Liang et al. 2024): H100 with 96 GB HBM2e and a 500 W TDP, "
                     "400 Gb/s RDMA per GPU"},
-        tdp=700.0, power=500.0),
+        tdp=700.0, power=500.0, peak_fp32_simt=67 * T),
     "h100-pcie": _gpu(
         "h100-pcie", "NVIDIA H100 PCIe 80GB (8 per node over PCIe Gen5)", 756, 1513, 378, 80,
-        2.0, 64, 50, 0.661, None, 0.35,
+        2.0, 64, 50, 0.661, None, 0.30,
         {**_H100_SRC,
          "peak": "H100 datasheet (PCIe): BF16 756 TFLOPS dense, FP8 1513, TF32 378",
          "memory": "H100 datasheet (PCIe): 80 GB HBM2e, 2.0 TB/s",
          "links": "PCIe Gen5 x16: 64 GB/s per direction (NVLink bridges join pairs only); "
                   "network assumed 400 Gb/s per GPU",
          "gemm_eff": "mag-/gpu_benchmark README (mamf-finder.py): H100 PCIe 499.5 / 756 = "
-                     "0.661"}, tdp=350.0),
+                     "0.661"}, tdp=350.0, peak_fp32_simt=51 * T),
     "h800": _gpu(
         "h800", "NVIDIA H800 SXM5 80GB (export H100: NVLink 400 GB/s)", 989, 1979, 495, 80, 3.35,
-        200, 50, 0.803, 0.709, 0.35,
+        200, 50, 0.803, 0.709, 0.30,
         {**_H100_SRC, "memory": "H800 = H100 SXM5 die: 80 GB HBM3, 3.35 TB/s",
          "links": "NVLink 400 GB/s bidirectional (200 per direction); DeepSeek-V3 report "
                   "(2024, sec. 3.2.2): IB 50 GB/s per GPU, NVLink 160 GB/s achievable",
-         "gemm_eff": f"{_MAMF}: H100 SXM values (same die; no H800 measurement)"}, tdp=700.0),
+         "gemm_eff": f"{_MAMF}: H100 SXM values (same die; no H800 measurement)"}, tdp=700.0,
+        peak_fp32_simt=67 * T),
     "h200": _gpu(
-        "h200", "NVIDIA H200 SXM 141GB (HGX H200 node)", 989, 1979, 495, 141, 4.8,
-        450, 50, 0.803, 0.734, 0.35,
-        {**_H100_SRC, "memory": "H200 datasheet: 141 GB HBM3e, 4.8 TB/s",
+        "h200", "NVIDIA H200 SXM 141GB (HGX H200 node)", 989, 1979, 495, 139.8, 4.8,
+        450, 50, 0.803, 0.734, 0.30,
+        {**_H100_SRC, "memory": "H200 datasheet: 141 GB HBM3e, 4.8 TB/s; capacity as the device "
+                               "reports it (torch.cuda.get_device_properties: 139.8 GiB, "
+                               "meshlm's H200 run of 2026-11)",
          "gemm_eff": f"{_MAMF}: 'H200 is the same' as H100 for BF16 (0.803); FP8 "
-                     "1453.4 / 1979 = 0.734"}, tdp=700.0),
+                     "1453.4 / 1979 = 0.734",
+         "eager_eff": _H200_EAGER}, tdp=700.0, eager_eff=0.62, peak_fp32_simt=67 * T),
     "b200": _gpu(
         "b200", "NVIDIA B200 180GB (DGX B200 node)", 2250, 4500, 1100, 180, 8.0,
-        900, 50, 0.776, 0.763, 0.35,
+        900, 50, 0.776, 0.763, 0.30,
         {"peak": "DGX B200 datasheet: 72 PFLOPS FP8 training / 8 GPUs with sparsity -> 4.5 "
                  "PFLOPS FP8 and 2.25 PFLOPS BF16 dense per GPU",
          "memory": "DGX B200 datasheet: 1440 GB HBM3e, 64 TB/s per 8 GPUs",
          "links": "NVLink 5 1.8 TB/s bidirectional (900 per direction); DGX B200: 8x "
                   "ConnectX-7 400 Gb/s = 50 GB/s per GPU",
          "gemm_eff": f"{_MAMF}: B200 SXM BF16 1745 / 2250 = 0.776, FP8 3432.5 / 4500 = 0.763",
-         "attn_eff": "no published FlashAttention-2 utilisation on B200; H100's 0.35 assumed"},
+         "attn_eff": "no published FlashAttention-2 utilisation on B200; H100's 0.30 assumed"},
         tdp=1000.0),
     "mi300x": _gpu(
         "mi300x", "AMD Instinct MI300X 192GB (8 per node, Infinity Fabric)", 1307.4, 2614.9,
-        653.7, 192, 5.3, 448, 50, 0.514, None, 0.35,
+        653.7, 192, 5.3, 448, 50, 0.514, None, 0.30,
         {"peak": "AMD Instinct MI300X datasheet: BF16 1307.4 TFLOPS dense, FP8 2614.9",
          "memory": "MI300X datasheet: 192 GB HBM3, 5.3 TB/s",
          "links": "MI300X datasheet: 896 GB/s aggregate peer-to-peer Infinity Fabric "
                   "(448 per direction); network assumed 400 Gb/s per GPU",
          "gemm_eff": f"{_MAMF}: MI300X 668.4 / 1300 = 0.514 (ROCm 6.3, TunableOp)",
-         "attn_eff": "no like-for-like FlashAttention-2 figure; H100's 0.35 assumed"},
+         "attn_eff": "no like-for-like FlashAttention-2 figure; H100's 0.30 assumed"},
         tdp=750.0),
 }
 

@@ -21,14 +21,19 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   not credit them unless the workload says ``kernels="fused"``: then the traffic is counted
   per fused kernel, each reading its inputs and writing its outputs once per token
   (:data:`FUSED_ELEMENTS`: two RMSNorms, rotary on q and k, SwiGLU / GELU, two residual
-  adds, forward and backward) -- Megatron-Core with Transformer Engine, NeMo, flash-attn's
-  kernels, torch.compile'd blocks. Under tensor parallelism the saved bytes split as the work
+  adds, forward and backward; norms and adds in fp32 where the states are, as meshlm's
+  residual stream) -- Megatron-Core with Transformer Engine, NeMo, flash-attn's
+  kernels, torch.compile'd blocks. Eager kernels run at ``Accelerator.eager_eff`` of the
+  line rate where it was measured (H200: calibrated on meshlm's eager and compiled rows),
+  fused ones at ``hbm_eff``. Under tensor parallelism the saved bytes split as the work
   does (norms over sequence shards with sp, the regions' interior over tp); tp adds 4
   activation copies per layer (the clones around its all-reduces,
   ``parallel/tensor_comm.py``);
-- the loss: ``CE_PASSES`` passes over fp32 logits (cast, log-softmax, its gradient), or
+- the loss: ``CE_PASSES`` passes over fp32 logits (casts, log-softmax, its gradient), or
   ``FUSED_CE_PASSES`` over the logits in their dtype for a fused loss; on CPU
   the measured per-element cost of (vocab-parallel) cross-entropy forward + backward;
+  meshlm's chunked loss forms the head weight's gradient in fp32 (one of the head's three
+  GEMMs on the CUDA cores: ``Accelerator.peak_fp32_simt``, TF32 being off by default);
 - per-operation overhead: ``OPS_PER_LAYER`` eager ops per layer (counted with
   TorchDispatchMode on meshlm's block) x the dispatch cost; serial on CPU, hidden behind
   running kernels on a GPU (a layer then takes at least its kernels' launch time).
@@ -79,8 +84,10 @@ do it:
 virtual stages (Narayanan et al. 2021), ``(p - 1) / 3`` for ZB-H1 with equal forward, input-
 and weight-gradient times (Qi et al. 2023) -- the fractions meshlm's ``schedules.simulate``
 gives; with unequal stages (embedding, head and loss on the ends) the slowest stage sets the
-pace and the bubble is the other stages' times. **Optimizer**: AdamW reads and writes
-``OPTIM_BYTES`` per parameter it owns (CPU: measured per parameter).
+pace and the bubble is the other stages' times. **Optimizer**: clipping and AdamW move
+``ADAMW_BYTES[work.optimizer]`` per parameter a rank owns (torch's fused or foreach kernels;
+CPU: measured per parameter). With fp32 states and 16-bit matmuls (meshlm) autocast's weight
+casts and the fp32 gradient accumulation add ``CAST_BYTES`` per parameter and micro-batch.
 
 MFU = model FLOPs (6N + attention, PaLM convention, ``ModelConfig.flops_per_token``) per
 second / (ranks x peak); HFU also counts recomputation.
@@ -107,7 +114,12 @@ from .workload import Workload
 # bytes moved by memory-bound ops per byte meshlm's block saves, by matmul dtype (counted;
 # module docstring)
 C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0, "fp8": 11.0}  # fp16/fp8: bf16's casts
-CE_PASSES = 6.0  # fp32 logits: write, log-softmax read + write, gradient read + write, cast
+# torch's cross-entropy on fp32 logits, forward + backward, in passes over the fp32 logits
+# (counted with TorchDispatchMode on ``F.cross_entropy(logits.float(), y)``; a test recounts
+# it): the cast up 1.5 (read 16-bit, write fp32), log-softmax 2, nll_loss's backward fills a
+# zero gradient 1, log-softmax's backward 3 (gradient and output in, gradient out), the cast
+# back 1.5
+CE_PASSES = 9.0
 FUSED_CE_PASSES = 3.0  # fused loss: read the logits (forward), read + write them (gradient)
 # a separate fp32 gradient accumulation pass (Workload.grad_accum_pass): read the 16-bit
 # gradient, read and write the fp32 buffer, per parameter and micro-batch
@@ -125,14 +137,42 @@ MOE_OPS = {"routing": 24, "expert": 40, "shared": 35, "exchange": 34}
 # -> dx), rotary 2(h + kv), residual gradient adds 3h (x2), SwiGLU 5f (GELU 3f). Sum:
 # 26 h + 4 kv + 8 f (SwiGLU) or 5 f (GELU). Counted per kernel, not measured.
 FUSED_ELEMENTS = {"h": 26.0, "kv": 4.0, "f_gated": 8.0, "f_plain": 5.0}
+FUSED_ROTARY_H = 4.0  # of the 26 h: rotary on q (query width, compute dtype), fwd + bwd
 FUSED_KERNELS_PER_LAYER = 20  # norms, rotary, activation, adds, attention, GEMMs, fwd + bwd
 KERNELS_PER_LAYER = 96  # of which launch a kernel (the rest are views)
 # Host link per GPU for ZeRO-Offload's copies: PCIe Gen4 / Gen5 x16, ~80 % of 32 / 64 GB/s per
 # direction (nvbandwidth host-to-device figures); host AdamW: ~100 GB/s of a 2-socket host's
 # memory bandwidth shared by 8 GPUs (DeepSpeed's CPU-Adam is bandwidth-bound)
 HOST_LINK = {"gen4": 25e9, "gen5": 50e9}
-HOST_ADAM = 12.5e9
-OPTIM_BYTES = 40.0  # AdamW: read p, g, m, v and write p, m, v (28) + zero_grad and clipping
+# Host AdamW (``parallel.offload=cpu``) in seconds per parameter for one GPU's share of the
+# host (16 cores on the measured H200 machine; an HGX node's ~112-128 cores over 8 GPUs is the
+# same share). ``foreach``: calibrated on the measured 820M row (1.139 s/step: the step less
+# the planner's GPU compute and host-link copies, over 820.6 M parameters, is 0.85 ns per
+# parameter; the llama3-8b row, 7.95-8.87 s at its two steps, is then predicted at 8.5 s).
+# meshlm streams the
+# moments through in 1 Mi-element chunks, copies and host step in series
+# (``parallel/offload.py``). ``fused``: torch's fused CPU AdamW, taken as 4x the foreach
+# kernels' rate per parameter: ``benchmarks/offload_step.py`` on one core measured 5.2x in
+# place and 2.1x through offload's staging, whose CPU-to-CPU copies (~0.3 s per 100 M
+# parameters there) a GPU run makes over the host link instead, counted apart -- the host step
+# alone is ~3.4x (not yet measured on a GPU host).
+HOST_ADAM = {"foreach": 0.85e-9, "fused": 0.85e-9 / 4}
+# AdamW's bytes per parameter, gradient clipping included, by torch implementation (counted
+# with TorchDispatchMode on ``clip_grad_norm_(foreach=True)`` + ``AdamW.step``; a test
+# recounts them): ``fused`` -- the norm reads g (4), the clip scales it (8), one kernel reads
+# p, g, m, v and writes p, m, v (28); ``foreach`` -- the same clipping, then one pass per
+# foreach op: weight decay on p (8), lerp of m (12), v scaled (8) and addcmul'd (12), sqrt
+# into a temporary (8), its division and epsilon (8 + 8), addcdiv into p (16). meshlm steps
+# with ``fused`` on CUDA (``train.adamw_impl=auto``); the H200 rows of
+# ../shared/data/gpu_h200_2026-11.md were measured with ``foreach``.
+ADAMW_BYTES = {"fused": 40.0, "foreach": 92.0}
+OPTIM_BYTES = ADAMW_BYTES["fused"]
+# fp32 weights under autocast (``states="fp32"`` with 16-bit matmuls: meshlm): every forward
+# casts each weight to the compute dtype (read 4, write 2 bytes), every backward casts its
+# 16-bit weight gradient back to fp32 (read 2, write 4); each micro-batch after the first adds
+# its gradient into the fp32 one (read 4 + 4, write 4). Weight-only ops are left out of
+# C_TRAFFIC (they do not grow with the tokens), so they are counted here, per parameter.
+CAST_BYTES = {"forward": 6.0, "backward": 6.0, "accumulate": 12.0}
 
 
 @dataclass
@@ -261,13 +301,22 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     copies = 4 * 2 * tensor / (lo.tp if lo.sp else 1) if t > 1 else 0.0
     if work.kernels == "fused":
         f_width = (c.expert_hidden * c.moe_topk if moe else c.ffn_hidden) / t
-        per_token = (FUSED_ELEMENTS["h"] * h / (t if lo.sp else 1) + FUSED_ELEMENTS["kv"] * kv / t
-                     + FUSED_ELEMENTS["f_gated" if work.model.gated_mlp else "f_plain"]
-                     * f_width)
-        traffic = per_token * tokens * a
+        # the norms and residual adds run on the residual stream: fp32 where the weights are
+        # (meshlm's fp32 states: embeddings and residual stay fp32 under autocast; memory.py's
+        # ``meshlm`` profile saves them so), else the compute dtype
+        r = 4 if work.states == "fp32" else a
+        resid = FUSED_ELEMENTS["h"] - FUSED_ROTARY_H
+        per_token = (resid * h * r / (t if lo.sp else 1)
+                     + (FUSED_ROTARY_H * hq / t + FUSED_ELEMENTS["kv"] * kv / t
+                        + FUSED_ELEMENTS["f_gated" if work.model.gated_mlp else "f_plain"]
+                        * f_width) * a)
+        traffic = per_token * tokens
+        bw = rates.bandwidth(tensor)
     else:
         traffic = C_TRAFFIC[work.dtype] * eager_saved(work, lo, moe)
-    elem = (traffic + copies) / rates.bandwidth(tensor)
+        # one kernel per op reaches less of the line rate than fused kernels (hardware.py)
+        bw = rates.bandwidth(tensor) * rates.eager_scale
+    elem = (traffic + copies) / bw
     out = {"gemm": gemm, "attention": 3 * attn_fwd, "memory-bound": elem}
     if lo.recompute == "full":
         out["recompute"] = gemm / 3 + attn_fwd + elem / 3
@@ -301,6 +350,12 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
         out["embedding"] = (tokens * c.dim * a + 2 * table) / rates.bandwidth(table)
     if last:
         out["head gemm"] = _gemm(tokens, c.dim, v_local, a, rates.gemm[work.dtype], rates)
+        if work.loss == "chunked" and work.dtype != "fp32" and rates.sgemm:
+            # meshlm's chunked loss accumulates the head weight's gradient in fp32
+            # (``parallel/loss.py``: ``grad_w.addmm_(logits.t(), xc.float())``; in-place, so
+            # autocast leaves it fp32): one of the three GEMMs on the CUDA cores, TF32 off
+            out["head gemm"] = (2 * out["head gemm"]
+                                + _gemm(tokens, c.dim, v_local, 4, rates.sgemm, rates)) / 3
         logits = tokens * v_local
         if rates.ce is not None:  # measured (CPU); tp > 1 uses the vocab-parallel loss
             out["loss"] = logits * (rates.ce_tp if lo.tp > 1 and rates.ce_tp else rates.ce)
@@ -481,7 +536,8 @@ def stage_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, sta
 
 
 def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
-    """The step time breakdown of ``lo`` (see module docstring)."""
+    """The step time breakdown of ``lo`` (see module docstring); AdamW's cost follows
+    ``work.optimizer`` (:data:`ADAMW_BYTES`, :data:`HOST_ADAM`)."""
     world = lo.world_size
     procs = min(world, hw.gpus_per_node)
     threads = threads_per_rank(hw, world)
@@ -533,11 +589,19 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     if rates.adam is not None:  # measured per parameter (CPU)
         out.items["optimizer"] = rates.adam * owned * oversub
     else:
-        out.items["optimizer"] = OPTIM_BYTES * owned / rates.bandwidth(4 * owned / tensors)
+        out.items["optimizer"] = (ADAMW_BYTES[work.optimizer] * owned
+                                  / rates.bandwidth(4 * owned / tensors))
+    if not rates.serial_ops and work.states == "fp32" and work.dtype != "fp32":
+        # autocast's weight casts and the fp32 gradient's accumulation (CAST_BYTES); a full
+        # recomputation casts the weights again. (CPU: inside the calibrated rates.)
+        fwd_casts = 2 if lo.recompute == "full" else 1
+        per_param = (m * (fwd_casts * CAST_BYTES["forward"] + CAST_BYTES["backward"])
+                     + (m - 1) * CAST_BYTES["accumulate"])
+        out.items["weight casts"] = per_param * p.total / rates.bandwidth(4 * p.total / tensors)
     if work.grad_accum_pass:
         out.items["gradient accumulation"] = (ACCUM_BYTES * p.total * m
                                               / rates.bandwidth(4 * p.total / tensors))
-    offload = offload_time(lo, hw, rates, owned)
+    offload = offload_time(lo, hw, rates, owned, work.optimizer)
     if offload:
         if lo.offload == "cpu":  # AdamW runs on the host instead (counted in the offload term)
             out.items["optimizer"] = 0.0
@@ -555,22 +619,23 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     return out
 
 
-def offload_time(lo: Layout, hw: Accelerator, rates: Rates, owned: float) -> float:
+def offload_time(lo: Layout, hw: Accelerator, rates: Rates, owned: float,
+                 adamw: str = "fused") -> float:
     """Seconds per step that optimizer-state offload (``parallel/offload.py``) adds, exposed:
 
     - ``disk``: both moments (8 bytes per owned parameter) paged in and written back, 16 bytes
       per owned parameter through the page cache, at the rate of fresh (page-faulting) buffers;
     - ``cpu`` on a GPU (ZeRO-Offload): weights + gradients to the host and weights back, 12
       bytes per owned parameter over the host link (:data:`HOST_LINK`), and AdamW on the host
-      at :data:`HOST_ADAM` bytes/s per GPU; on a CPU run ``cpu`` is ``none`` (the moments are
-      already in host memory).
-    GPU-only figures (``cpu``) are assumptions with sources, not validated here.
+      at :data:`HOST_ADAM` seconds per parameter of the ``adamw`` kernels, in series
+      (meshlm's chunks wait for their copies); on a CPU run ``cpu`` is ``none`` (the moments
+      are already in host memory).
     """
     if lo.offload == "disk":
         return 16 * owned / rates.bandwidth(max(rates.mem_bw))
     if lo.offload == "cpu" and hw.cpu is None:
         link = HOST_LINK["gen4" if hw.name.startswith("a100") else "gen5"]
-        return 12 * owned / link + OPTIM_BYTES * owned / HOST_ADAM
+        return 12 * owned / link + HOST_ADAM[adamw] * owned
     return 0.0
 
 
