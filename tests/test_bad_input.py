@@ -114,8 +114,10 @@ def trained(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPath
     (["--train.steps"], "override '--train.steps' has no value"),
     (["--train.steps", "--train.lr=1"], "override '--train.steps' has no value"),
     (["--.steps=3"], "unknown config key '.steps'"),
-    (["--model.n_layers=100000"], "by the planner's estimate, but cpu has"),
-    (["--model.dim=65536", "--model.n_heads=64", "--model.n_kv_heads=8"], "train.micro_batch"),
+    (["--model.n_layers=100000"], "by the planner's estimate (peak at the backward), but cpu has"),
+    (["--model.dim=65536", "--model.n_heads=64", "--model.n_kv_heads=8"],
+     "GiB of weights, gradients and Adam moments (parallel.tp, parallel.pp, parallel.dp with "
+     "parallel.zero=3)"),
     (["--train.optimizer=lion"], "train.optimizer='lion' is not one of adamw, sgd"),
     (["--train.optimizer=sgd", "--parallel.offload=disk"], "it needs train.optimizer=adamw"),
     (["--parallel.islands=0"], "parallel.islands=0 must be >= 1"),

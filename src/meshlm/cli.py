@@ -70,7 +70,9 @@ def refuse_if_too_big(cfg) -> None:  # noqa: ANN001
         f"planner's estimate (peak at the {m.peak_phase}), but {hw.name} has "
         f"{m.capacity / gib:.1f} GiB; "
         + (f"to fit: {levers}; or " if levers else "")
-        + "add ranks (parallel.tp, parallel.pp), or see meshlm train --dry-run"
+        + f"add ranks to shard the {m.states / gib:.1f} GiB of weights, gradients and Adam "
+        "moments (parallel.tp, parallel.pp, parallel.dp with parallel.zero=3), or see meshlm "
+        "train --dry-run"
     )
 
 
