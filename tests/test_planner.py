@@ -993,3 +993,24 @@ def test_collective_calibration_times_each_op_in_a_steps_pattern() -> None:
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         t = {s: max(r[op][s] for r in per_rank) for s in sizes}
         assert t[sizes[1]] > 0 and t[sizes[1]] > t[sizes[0]], (op, t)
+
+
+def test_automatic_micro_batch_really_fits_on_one_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train.micro_batch=0`` on an H200 for the 820M shape at global batch 64: the largest
+    micro-batch the phase-peak planner says fits, and the next divisor up does not."""
+    from meshlm.planner import cli as planner_cli
+    from meshlm.planner.cli import config_vocab, config_workload, fit_micro_batch
+
+    h200 = CATALOGUE["h200"]
+    monkeypatch.setattr(planner_cli, "hardware_here", lambda _purpose: h200)
+    shape = [f"--model.{k}={v}" for k, v in GPU_820M.items() if k != "vocab_size"]
+    cfg = load_config(None, [*shape, "--data.seq_len=2048", "--data.vocab_size=32000",
+                             "--precision.dtype=bf16", "--train.global_batch=64"])
+    assert cfg.micro_batch_auto and cfg.train.micro_batch == 64
+    line = fit_micro_batch(cfg)
+    m = cfg.train.micro_batch
+    assert line is not None and f"train.micro_batch: {m} " in line and 1 <= m < 64
+    work = config_workload(cfg, config_vocab(cfg))
+    assert memory(work, cfg.layout(), h200).fits
+    bigger = dataclasses.replace(cfg.layout(), micro_batch=2 * m)
+    assert not memory(work, bigger, h200).fits
