@@ -1014,3 +1014,22 @@ def test_automatic_micro_batch_really_fits_on_one_h200(monkeypatch: pytest.Monke
     assert memory(work, cfg.layout(), h200).fits
     bigger = dataclasses.replace(cfg.layout(), micro_batch=2 * m)
     assert not memory(work, bigger, h200).fits
+
+
+def test_cpu_optimizer_time_follows_the_adamw_kernels() -> None:
+    """On a CPU entry the optimizer term is the measured foreach rate, scaled by the kernels'
+    bytes for the fused AdamW, or the fused rate when the calibration measured it (and a
+    calibration file without it still loads)."""
+    cpu = get_accelerator("cpu")
+    work = Workload(ModelSpec(PRESETS["small"]), 256, 8, dtype="fp32", states="fp32")
+    lo = Layout(micro_batch=8)
+    t = {k: step_time(dataclasses.replace(work, optimizer=k), lo, cpu).items["optimizer"]
+         for k in ("foreach", "fused")}
+    assert t["fused"] == pytest.approx(t["foreach"] * ADAMW_BYTES["fused"]
+                                       / ADAMW_BYTES["foreach"])
+    profile = dataclasses.replace(DEFAULT_CPU, adam_fused={1: 1e-12, 2: 1e-12})
+    assert CpuProfile.from_dict(profile.to_dict()) == profile
+    old = {k: v for k, v in DEFAULT_CPU.to_dict().items() if k != "adam_fused"}
+    assert CpuProfile.from_dict(old).adam_fused == {}
+    measured = dataclasses.replace(cpu, cpu=profile)
+    assert step_time(work, lo, measured).items["optimizer"] < t["fused"] / 100

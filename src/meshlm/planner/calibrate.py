@@ -17,8 +17,8 @@ training runs stay predictions:
 - attention: causal SDPA forward + backward at head dimensions 8, 32 and 128 (8 heads, seq
   256), counted as half of ``3 x 4 b s^2 heads hd`` (the causal half, as FlashAttention papers
   count) -- small heads run far below the matmul rate;
-- optimizer: clip-by-norm + ``torch.optim.AdamW(foreach=True)`` step + zeroing gradients on
-  32 tensors of 128 Ki parameters, seconds per parameter;
+- optimizer: clip-by-norm + ``torch.optim.AdamW`` step (foreach and fused kernels, each) +
+  zeroing gradients on 32 tensors of 128 Ki parameters, seconds per parameter;
 - op overhead: a chain of 200 tiny multiplications with autograd, forward + backward, per op;
 - gloo collectives over loopback for groups of 2 and 4 processes (one thread each):
   all-reduce, all-gather, reduce-scatter, all-to-all at 64 KiB, 1 MiB and 16 MiB (comm-log
@@ -119,12 +119,14 @@ def gemm_rate(dtype: torch.dtype, m: int = 4096, k: int = 512, n: int = 1536,
     return (3 * layers - 1) * 2 * m * k * n / _median(step)
 
 
-def optimizer_cost(tensors: int = 32, numel: int = 128 * 1024) -> float:
-    """Seconds per parameter of clipping + AdamW (foreach) + zeroing gradients."""
+def optimizer_cost(tensors: int = 32, numel: int = 128 * 1024, kernels: str = "foreach"
+                   ) -> float:
+    """Seconds per parameter of clipping + AdamW (``foreach`` or ``fused`` kernels) + zeroing
+    gradients."""
     params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn(numel)
-    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-3, **{kernels: True})
 
     def step() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -305,6 +307,7 @@ def _rates(t: int) -> dict[str, object]:
         out["ce"] = cross_entropy_cost()
         out["ce_tp"] = vocab_parallel_ce_cost()
         out["adam"] = optimizer_cost()
+        out["adam_fused"] = optimizer_cost(kernels="fused")
     return out
 
 
@@ -327,7 +330,7 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile
     gemm: dict[str, dict[int, float]] = {"fp32": {}, "bf16": {}}
     bw: dict[int, dict[int, float]] = {}
     attn: dict[int, dict[int, float]] = {}
-    ce, ce_tp, adam = {}, {}, {}
+    ce, ce_tp, adam, adam_fused = {}, {}, {}, {}
     try:
         for t in sorted({1, cores}):
             rs = [run_world(1, _rates, t)[0] for _ in range(rounds)]
@@ -339,6 +342,7 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile
             ce[t] = _best_of(rs, "ce", min)
             ce_tp[t] = _best_of(rs, "ce_tp", min)
             adam[t] = _best_of(rs, "adam", min)
+            adam_fused[t] = _best_of(rs, "adam_fused", min)
             mem = ", ".join(f"{v / 1e9:.1f}" for v in bw[t].values())
             att = ", ".join(f"{v / 1e9:.1f}" for v in attn[t].values())
             log(f"  {t} thread(s): matmul peak fp32 {peak['fp32'][t] / 1e9:.1f} GFLOP/s, linear "
@@ -362,7 +366,8 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile
             log(f"  gloo {op} over {n}: latency {lat * 1e6:.0f} us, {b / 1e9:.2f} GB/s")
     return CpuProfile(cores, peak, gemm, bw, attn, ce, ce_tp, adam, overhead, coll,
                       source=f"meshlm plan --calibrate on {os.uname().nodename}, "
-                             f"{date.today().isoformat()}, torch {torch.__version__}")
+                             f"{date.today().isoformat()}, torch {torch.__version__}",
+                      adam_fused=adam_fused)
 
 
 def save(profile: CpuProfile, path: str | Path | None = None) -> Path:

@@ -97,11 +97,14 @@ class CpuProfile:
     attn: dict[int, dict[int, float]]  # threads -> head dim -> FLOP/s of causal SDPA fwd+bwd
     ce: dict[int, float]  # threads -> seconds per logit element (cross-entropy fwd+bwd)
     ce_tp: dict[int, float]  # the same for meshlm's vocab-parallel cross-entropy
-    adam: dict[int, float]  # threads -> seconds per parameter (clip + AdamW step + zero grads)
+    adam: dict[int, float]  # threads -> seconds per parameter (clip + foreach AdamW + zero)
     op_overhead: float  # seconds per eager aten op (dispatch + autograd bookkeeping)
     # op -> group size -> (latency s, bytes/s); bytes are the comm log's (full buffer)
     collectives: dict[str, dict[int, tuple[float, float]]]
     source: str = ""
+    # the same as ``adam`` with torch's fused AdamW (meshlm's default); empty: ``adam`` scaled
+    # by the kernels' bytes per parameter (``timing.ADAMW_BYTES``)
+    adam_fused: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -113,6 +116,7 @@ class CpuProfile:
             "ce": {str(k): v for k, v in self.ce.items()},
             "ce_tp": {str(k): v for k, v in self.ce_tp.items()},
             "adam": {str(k): v for k, v in self.adam.items()},
+            "adam_fused": {str(k): v for k, v in self.adam_fused.items()},
             "op_overhead": self.op_overhead,
             "collectives": {op: {str(n): list(v) for n, v in by_n.items()}
                             for op, by_n in self.collectives.items()},
@@ -135,6 +139,7 @@ class CpuProfile:
             collectives={op: {int(n): (float(v[0]), float(v[1])) for n, v in by_n.items()}
                          for op, by_n in d["collectives"].items()},
             source=str(d.get("source", "")),
+            adam_fused={int(k): float(v) for k, v in d.get("adam_fused", {}).items()},
         )
 
 
@@ -151,6 +156,7 @@ class Rates:
     ce: float | None = None
     ce_tp: float | None = None  # vocab-parallel cross-entropy (CPU, measured)
     adam: float | None = None  # seconds per parameter (CPU, measured); None: bandwidth-bound
+    adam_fused: float | None = None  # the same with the fused AdamW (CPU, when measured)
     eager_scale: float = 1.0  # eager memory-bound kernels' bandwidth / ``mem_bw`` (GPU)
     sgemm: float = 0.0  # FLOP/s of an fp32 GEMM without TF32 (GPU; 0: ``gemm["fp32"]``)
 
@@ -256,7 +262,8 @@ class Accelerator:
         attn = {hd: r * share for hd, r in _nearest(c.attn, t).items()}
         return Rates(gemm, attn, bw, c.op_overhead / share, serial_ops=True,
                      ce=_nearest(c.ce, t) / share, ce_tp=_nearest(c.ce_tp, t) / share,
-                     adam=_nearest(c.adam, t) / share)
+                     adam=_nearest(c.adam, t) / share,
+                     adam_fused=(_nearest(c.adam_fused, t) / share if c.adam_fused else None))
 
     def with_(self, **changes: Any) -> Accelerator:
         return replace(self, **changes)

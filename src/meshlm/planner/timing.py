@@ -586,8 +586,10 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     p = stage_params(work, lo, slow)
     owned = p.total / (lo.dp * lo.cp if lo.zero >= 1 else 1)
     tensors = 2 * p.layers * 9 + 3  # parameter tensors per rank (foreach chunks)
-    if rates.adam is not None:  # measured per parameter (CPU)
-        out.items["optimizer"] = rates.adam * owned * oversub
+    if rates.adam is not None:  # measured per parameter (CPU): foreach, and fused if measured
+        per_param = (rates.adam_fused if work.optimizer == "fused" and rates.adam_fused
+                     else rates.adam * ADAMW_BYTES[work.optimizer] / ADAMW_BYTES["foreach"])
+        out.items["optimizer"] = per_param * owned * oversub
     else:
         out.items["optimizer"] = (ADAMW_BYTES[work.optimizer] * owned
                                   / rates.bandwidth(4 * owned / tensors))
