@@ -65,6 +65,7 @@ from torch import nn
 
 from meshlm.config import Config, load_config, resolve_world
 from meshlm.models.config import ModelConfig
+from meshlm.train.oom import is_oom
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,12 +350,6 @@ class PlainLoop:
 
 
 # ---------------------------------------------------------------------- one row (child)
-def is_oom(e: BaseException) -> bool:
-    text = f"{type(e).__name__} {e}".lower()
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text or (
-        "outofmemory" in text)
-
-
 def error_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]

@@ -7,7 +7,6 @@ traceback; a save that runs out leaves no partial checkpoint and the run resumes
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,19 +19,10 @@ from meshlm.distributed.phases import PHASES, phase, phase_of
 from meshlm.planner.cli import config_vocab, config_workload
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.levers import levers
+from meshlm.testing import command_env
 from meshlm.train.oom import asked_bytes, describe
 
 MESHLM = Path(sys.executable).with_name("meshlm")
-
-
-def _env(fault: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MESHLM_FAULT", "TORCHELASTIC_", "RANK", "WORLD_SIZE",
-                                "SLURM_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    if fault:
-        env["MESHLM_FAULT_OOM"] = fault
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +39,7 @@ def args(corpus_dir: Path, cache_dir: Path) -> list[str]:
 
 def _meshlm(argv: list[str], fault: str | None) -> subprocess.CompletedProcess:
     return subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=300,
-                          env=_env(fault))
+                          env=command_env({"MESHLM_FAULT_OOM": fault} if fault else None))
 
 
 def _one_line(proc: subprocess.CompletedProcess, where: str) -> str:

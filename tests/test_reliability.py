@@ -22,7 +22,7 @@ from meshlm.checkpoint.loading import load_model
 from meshlm.checkpoint.sharded import ShardedCheckpoint
 from meshlm.config import load_config
 from meshlm.distributed.flight import FlightRecorder, describe_record, diagnose, read_ring
-from meshlm.testing import max_relative_difference, run_world
+from meshlm.testing import command_env, max_relative_difference, run_world
 from meshlm.train.metrics import read_metrics
 from meshlm.train.nonfinite import NonFiniteError
 from meshlm.train.trainer import Trainer, train
@@ -33,11 +33,7 @@ TIMEOUT_S = 10.0
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MESHLM_FAULT", "TORCHELASTIC_", "RANK", "WORLD_SIZE",
-                                "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", **(extra or {}))
-    return env
+    return command_env(extra)
 
 
 @pytest.fixture(scope="module")

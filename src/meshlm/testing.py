@@ -11,14 +11,25 @@ one element, while the tensor as a whole agrees to ~1e-7.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
 
 from .distributed.spawn import run_world
 
-__all__ = ["assert_weights_close", "final_weights", "max_relative_difference",
+__all__ = ["assert_weights_close", "command_env", "final_weights", "max_relative_difference",
            "relative_difference", "run_world", "train_runs"]
+
+
+def command_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a ``meshlm`` command a test runs: no injected faults
+    and no world of its own (torchrun / SLURM variables dropped), one thread per worker."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MESHLM_FAULT", "TORCHELASTIC_", "RANK", "WORLD_SIZE",
+                                "SLURM_"))}
+    env.update(OMP_NUM_THREADS="1", **(extra or {}))
+    return env
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -28,7 +28,8 @@ def current_phase() -> str:
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Mark the code inside as phase ``name`` (nested phases: the innermost counts); an
-    exception leaving it carries the phase it was raised in (:func:`phase_of`)."""
+    exception leaving it carries the phase it was raised in (:func:`phase_of`). Also a
+    decorator: ``@phase("evaluation")``."""
     _current.append(name)
     try:
         oom_if_asked(name)

@@ -335,15 +335,12 @@ class Trainer:
         loss_sum = self.comm.reduce_scalars([local], "dp_cp")[0]
         return loss_sum / n, grad_norm
 
+    @phase("optimizer step")
     def optimizer_update(self, step: int, local_loss: float) -> float | None:
         """Reduce gradients, clip by the global norm, AdamW step, clear; returns the norm.
 
         ``local_loss``: this rank's loss of the step (0 on pipeline stages without the head),
         checked with the norm for ``train.on_nonfinite`` (train/nonfinite.py)."""
-        with phase("optimizer step"):
-            return self._optimizer_update(step, local_loss)
-
-    def _optimizer_update(self, step: int, local_loss: float) -> float | None:
         cfg = self.cfg.train
         self.engine.finish_grads()
         grads = self.engine.grad_tensors()
@@ -368,13 +365,10 @@ class Trainer:
         return grad_norm
 
     @torch.no_grad()
+    @phase("evaluation")
     def evaluate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (every rank runs all;
         under context parallelism each on its share of every sequence)."""
-        with phase("evaluation"):
-            return self._evaluate()
-
-    def _evaluate(self) -> float:
         self.model.eval()
         total, count = 0.0, 0
         for batch in self.val:
@@ -405,16 +399,14 @@ class Trainer:
                  **({"moe_bias": self.expert_biases()} if self.model_cfg.moe_balance == "bias"
                     and self.model_cfg.is_moe else {})}
         with phase("checkpoint save"):
-            directory = self._save(state)
+            directory = save_checkpoint(
+                self.run_dir / "checkpoints", self.step, self.engine, self.comm, state,
+                {"config.toml": to_toml(self.cfg),
+                 "tokenizer.json": self.run_dir / "tokenizer.json"},
+                keep=self.cfg.checkpoint.keep,
+                outer=self.diloco.outer_pieces() if self.diloco is not None else None)
         self.memory.measure("save", self.comm)
         return directory
-
-    def _save(self, state: dict[str, Any]) -> Path:
-        return save_checkpoint(
-            self.run_dir / "checkpoints", self.step, self.engine, self.comm, state,
-            {"config.toml": to_toml(self.cfg), "tokenizer.json": self.run_dir / "tokenizer.json"},
-            keep=self.cfg.checkpoint.keep,
-            outer=self.diloco.outer_pieces() if self.diloco is not None else None)
 
     def expert_biases(self) -> list[list[float]]:
         """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
@@ -640,8 +632,8 @@ class Trainer:
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Every rank samples (sharded weights are gathered collectively); all agree. Under
         context parallelism every cp rank runs the whole context alone (weights are whole)."""
-        with phase("sampling"), self.model.logits_out():  # (a chunked loss: forwards stop
-            # at the head without it)
+        # (logits_out: a chunked loss makes forwards stop at the head)
+        with phase("sampling"), self.model.logits_out():
             if self.cp is not None:
                 with self.cp.disabled():
                     return self._sample(prompt, max_new_tokens)
