@@ -101,14 +101,18 @@ class _Done:
 
 
 class _Tracked:
-    """An asynchronous collective's handle that marks its flight record completed on wait."""
+    """An asynchronous collective's handle: counts the time its waiter spends blocked
+    (:attr:`Comm.wait_s`) and marks its flight record completed on wait."""
 
-    def __init__(self, work: dist.Work, flight: FlightRecorder, slot: int) -> None:
-        self.work, self.flight, self.slot = work, flight, slot
+    def __init__(self, work: dist.Work, comm: Comm, slot: int) -> None:
+        self.work, self.comm, self.slot = work, comm, slot
 
     def wait(self) -> bool:
+        t0 = time.perf_counter()
         out = self.work.wait()
-        self.flight.done(self.slot)
+        self.comm.wait_s += time.perf_counter() - t0
+        if self.comm.flight is not None and self.slot >= 0:
+            self.comm.flight.done(self.slot)
         return out
 
     def is_completed(self) -> bool:
@@ -125,18 +129,22 @@ class Comm:
         self.mesh = mesh
         self.log = log if log is not None else CommLog(enabled=False)
         self.flight: FlightRecorder | None = None
+        # seconds this rank's host spent blocked in collectives (synchronous calls and waits on
+        # handles) since the trainer last set it to 0: the "waiting" of straggler detection
+        self.wait_s = 0.0
 
     def _run(self, op: str, axis: str, nbytes: int, async_op: bool, call) -> Handle:  # noqa: ANN001
         """Issue ``call()`` (a c10d collective) under its profiler label and flight record."""
         flight = self.flight
         slot = flight.enter(op, axis, nbytes, async_op) if flight is not None else -1
+        t0 = time.perf_counter()
         with _label(op, axis):
             work = call()
-        if flight is None:
-            return work or _Done()
         if async_op and work is not None:
-            return _Tracked(work, flight, slot)
-        flight.done(slot)
+            return _Tracked(work, self, slot)
+        self.wait_s += time.perf_counter() - t0
+        if flight is not None:
+            flight.done(slot)
         return work or _Done()
 
     def size(self, axis: str) -> int:
@@ -220,8 +228,8 @@ class Comm:
         with _label("p2p", axis):
             works = dist.batch_isend_irecv(p2p)
         if self.flight is None:
-            return works
-        return [_Tracked(w, self.flight, s) for w, s in zip(works, slots, strict=True)]
+            slots = [-1] * len(works)
+        return [_Tracked(w, self, s) for w, s in zip(works, slots, strict=True)]
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """``obj`` of world rank ``src`` on every rank (start-up decisions, not training)."""
