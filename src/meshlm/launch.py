@@ -10,7 +10,8 @@ meshlm runs the same training function in three situations:
 
 :func:`detect_external_world` tells the first two apart from the third. :func:`init_worker`
 turns whichever environment a worker finds into an initialised ``torch.distributed`` process
-group. :func:`launch_local` starts local workers through torch's elastic agent -- the machinery
+group, on the GPU :func:`choose_device` picks from what the launcher made visible (one GPU per
+rank, or a one-line :class:`DeviceError`). :func:`launch_local` starts local workers through torch's elastic agent -- the machinery
 behind ``torchrun`` -- so local runs behave like ``torchrun --nproc-per-node=N``: the same
 environment variables, rendezvous and fail-stop behaviour (one failed worker stops the others).
 With ``max_restarts`` > 0 the agent then starts the whole worker group again, up to that many
@@ -48,6 +49,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from .config import ConfigError
 
 T = TypeVar("T")
 
@@ -241,8 +244,6 @@ def detect_external_world(env: Mapping[str, str] = os.environ) -> WorldInfo | No
     """
     if env.get("RANK") and env.get("WORLD_SIZE") and not all(env.get(k) for k in _TORCHRUN_VARS):
         missing = [k for k in _TORCHRUN_VARS if not env.get(k)]
-        from .config import ConfigError
-
         raise ConfigError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} are not: "
                           "launch with torchrun (or set them all) rather than guess the world")
     if all(env.get(k) for k in _TORCHRUN_VARS):
@@ -269,6 +270,58 @@ def export_env(info: WorldInfo, env: MutableMapping[str, str] = os.environ) -> N
 # --------------------------------------------------------------------------- inside a worker
 
 
+class DeviceError(ConfigError):
+    """This rank has no GPU of its own; the message is one line naming the fix."""
+
+
+def choose_device(local_rank: int, local_world_size: int, visible_gpus: int,
+                  per_task: bool = False, visible: str | None = None) -> int | None:
+    """The CUDA device index of local rank ``local_rank`` of ``local_world_size`` on a node
+    where this process sees ``visible_gpus`` GPUs; None without GPUs (a CPU run, gloo).
+
+    * ``visible_gpus >= local_world_size``: ``local_rank`` -- torchrun and
+      :func:`launch_local` show every rank all GPUs, and so does SLURM without GPU binding
+      (``local_rank`` is then ``SLURM_LOCALID``);
+    * ``visible_gpus == 1`` where the launcher may give each task its own GPU (``per_task``:
+      SLURM with ``--gpus-per-task=1`` or ``--gpu-bind``): ``0``, that GPU;
+    * anything else would put two ranks on one GPU (NCCL refuses: "Duplicate GPU detected")
+      or name a device that does not exist: :class:`DeviceError`. ``visible``: the value of
+      ``CUDA_VISIBLE_DEVICES`` for the message.
+    """
+    if visible_gpus <= 0:
+        return None
+    if visible_gpus >= local_world_size:
+        return local_rank
+    if visible_gpus == 1 and per_task:
+        return 0
+    most = f"at most {visible_gpus} {{}}{'s' * (visible_gpus != 1)} per node"
+    fix = (f"give each task one GPU (srun --gpus-per-task=1) or start {most.format('task')}"
+           if per_task else f"start {most.format('rank')} (e.g. --parallel.dp={visible_gpus}), "
+           "or run on a node with more GPUs")
+    raise DeviceError(f"{local_world_size} local ranks but only {visible_gpus} GPU"
+                      f"{'s' * (visible_gpus != 1)} visible (CUDA_VISIBLE_DEVICES="
+                      f"{visible if visible is not None else 'unset'}): {fix}")
+
+
+def worker_device(info: WorldInfo, env: Mapping[str, str] = os.environ) -> torch.device | None:
+    """The CUDA device of the rank ``info`` describes (:func:`choose_device` on what the
+    launcher made visible); None on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    index = choose_device(info.local_rank, info.local_world_size, torch.cuda.device_count(),
+                          per_task=info.source == "slurm",
+                          visible=env.get("CUDA_VISIBLE_DEVICES"))
+    return None if index is None else torch.device("cuda", index)
+
+
+def refuse_local_ranks(nprocs: int, env: Mapping[str, str] = os.environ) -> None:
+    """:class:`DeviceError` when :func:`launch_local` would start more ranks than this
+    machine's GPUs (on a machine with CUDA), before any worker starts."""
+    if torch.cuda.is_available():
+        choose_device(nprocs - 1, nprocs, torch.cuda.device_count(),
+                      visible=env.get("CUDA_VISIBLE_DEVICES"))
+
+
 def init_worker(timeout_s: float = 300) -> WorldInfo:
     """Join the process group of the world this worker was started in; returns that world."""
     info = detect_external_world()
@@ -277,11 +330,12 @@ def init_worker(timeout_s: float = 300) -> WorldInfo:
                            "with torchrun, srun (more than one task) or meshlm.launch.launch_local")
     if info.source == "slurm":
         export_env(info)
-    if torch.cuda.is_available():
-        # GPU-only path, untested on the CPU machines meshlm's tests run on.
-        device = torch.device("cuda", info.local_rank)
+    device = worker_device(info)
+    if device is not None:
+        # GPU-only path past this line: set_device and NCCL are untested on CPU machines
+        # (the choice of the device is tested, tests/test_devices.py).
         torch.cuda.set_device(device)
-        backend, device_id = "nccl", device
+        backend, device_id = "nccl", device  # bound device: eager NCCL init, ncclCommSplit
     else:
         # Several CPU workers share the cores; one intra-op thread each avoids oversubscription.
         torch.set_num_threads(1)
@@ -591,7 +645,8 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     resuming from a checkpoint. SIGTERM/SIGINT to this process are relayed to the workers
     (meshlm's trainer then stops gracefully); a repeated one that ends them raises
     KeyboardInterrupt. ``flight_dir``: where the workers' flight records are (a dead rank's
-    last collective joins the message).
+    last collective joins the message). On a machine with CUDA, more ranks than GPUs is a
+    :class:`DeviceError` before any worker starts.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -599,6 +654,7 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
 
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    refuse_local_ranks(nprocs)  # (CUDA: one GPU per rank, before any worker starts)
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if "<" in getattr(fn, "__qualname__", "<"):
