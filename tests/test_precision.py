@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshlm.checkpoint.loading import load_model
 from meshlm.config import load_config
-from meshlm.precision import LossScaler
+from meshlm.precision import LossScaler, Precision, overflow_flag, rank_device
 from meshlm.testing import max_relative_difference, run_world
 from meshlm.train.metrics import read_metrics
 from meshlm.train.trainer import train
@@ -55,6 +56,42 @@ def test_loss_scaler_rules() -> None:
         flag.fill_(1.0)
 
     assert s.unscale_and_check([torch.tensor([1.0])], someone_overflowed)
+
+
+def test_overflow_flag_is_on_the_rank_device_without_gradients() -> None:
+    """A rank with no gradients (or only gradients elsewhere) still hands a flag on its own
+    device to the all-reduce: ``meta`` stands in for the rank's GPU here."""
+    meta = torch.device("meta")
+    assert overflow_flag([], 0.5, meta).device == meta
+    g = [torch.tensor([4.0, float("inf")])]  # host gradients, flag on the "device"
+    flag = overflow_flag(g, 0.5, meta)
+    assert flag.device == meta and flag.shape == (1,) and flag.dtype == torch.float32
+    assert g[0][0].item() == 2.0  # unscaled in place where they are
+    cpu = torch.device("cpu")
+    assert overflow_flag([], 0.5, cpu).item() == 0.0
+    assert overflow_flag([torch.tensor([float("nan")])], 0.5, cpu).item() > 0
+    assert overflow_flag([torch.tensor([1.0])], 0.5, cpu).item() == 0.0
+
+    seen: list[torch.device] = []
+    scaler = LossScaler(scale=2.0, device=meta)
+
+    def all_reduce(flag: torch.Tensor) -> None:  # where the collective gets its tensor
+        seen.append(flag.device)
+        raise StopIteration
+
+    with pytest.raises(StopIteration):
+        scaler.unscale_and_check([], all_reduce)
+    assert seen == [meta]
+
+
+def test_the_flag_device_follows_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 on CUDA: the current device (init_worker set it); on CPU the CPU."""
+    assert Precision("fp16", "cpu").scaler.device == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert rank_device("cuda") == torch.device("cuda", 3)
+    assert Precision("fp16", "cuda").scaler.device == torch.device("cuda", 3)
+    assert Precision("fp16", "cuda", device=torch.device("meta")).scaler.device.type == "meta"
+    assert Precision("bf16", "cuda").scaler is None
 
 
 def runs_with_env(base: list[str], runs: list[tuple[dict[str, str], list[str]]]

@@ -7,6 +7,8 @@ the scale before backward; after the gradients are reduced, every rank unscales 
 (or gradient shards) it holds and checks them for inf/nan in one fused kernel, and the flag is
 all-reduced (max) over the whole world -- ZeRO shards, tensor-parallel slices and pipeline
 stages each see only part of the gradients, so an overflow anywhere skips the step everywhere.
+The flag is a tensor on the rank's device even on a rank that holds no gradients (NCCL reduces
+device tensors only).
 A skipped step leaves weights and AdamW moments untouched and halves the scale; after
 ``loss_scale_window`` good steps in a row the scale doubles (Megatron's and torch's rules).
 Communication: one 4-byte all-reduce over the world per fp16 step. Memory: none.
@@ -22,27 +24,53 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def rank_device(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: the current CUDA device (set by
+    ``launch.init_worker``) or the CPU."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())  # GPU-only path
+    return torch.device(device_type)
+
+
+def overflow_flag(grads: list[torch.Tensor], inv_scale: float,
+                  device: torch.device) -> torch.Tensor:
+    """Divide ``grads`` by the scale in place; a 1-element float flag on ``device``, > 0 when
+    any of them holds an inf or nan.
+
+    The flag is always made on ``device``, the rank's: with no gradients (a rank whose
+    parameters got none) or gradients elsewhere (host copies), it is still the tensor NCCL
+    all-reduces, and NCCL takes only device tensors. Each other device checks its own
+    gradients with its own flag (one fused kernel per device), added into ``device``'s.
+    """
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for where, group in by_device.items():
+        flag = found if where == found.device else torch.zeros(1, dtype=torch.float32,
+                                                               device=where)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        if flag is not found:
+            found += flag.to(found.device)
+    return found
+
+
 class LossScaler:
     """Dynamic loss scale: back off on overflow, grow after ``window`` clean steps."""
 
     def __init__(self, scale: float = 65536.0, window: int = 1000, backoff: float = 0.5,
-                 growth: float = 2.0) -> None:
+                 growth: float = 2.0, device: torch.device | None = None) -> None:
         self.scale, self.window, self.backoff, self.growth = float(scale), window, backoff, growth
+        self.device = device if device is not None else torch.device("cpu")  # the flag's
         self.good_steps = 0  # clean steps since the last change of the scale
         self.skipped = 0  # steps skipped for overflow, over the whole run
 
     def unscale_and_check(self, grads: list[torch.Tensor],
                           any_rank: Callable[[torch.Tensor], None]) -> bool:
         """Divide ``grads`` by the scale in place; True when any rank saw an inf or nan
-        (``any_rank`` all-reduces the flag with max)."""
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        for group in by_device.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        (``any_rank`` all-reduces the flag, a tensor on :attr:`device`, with max)."""
+        found = overflow_flag(grads, 1.0 / self.scale, self.device)
         any_rank(found)
         return bool(found.item() > 0)
 
@@ -70,11 +98,15 @@ class Precision:
     """Autocast context and, for fp16, the dynamic loss scaler, for one device type."""
 
     def __init__(self, dtype: str, device_type: str = "cpu", loss_scale: float = 65536.0,
-                 loss_scale_window: int = 1000) -> None:
+                 loss_scale_window: int = 1000, device: torch.device | None = None) -> None:
+        """``device``: where the fp16 overflow flag lives (default: this rank's device of
+        ``device_type``, :func:`rank_device`)."""
         self.name = dtype
         self.dtype = DTYPES[dtype]
         self.device_type = device_type
-        self.scaler = LossScaler(loss_scale, loss_scale_window) if dtype == "fp16" else None
+        self.scaler = (LossScaler(loss_scale, loss_scale_window,
+                                  device=device or rank_device(device_type))
+                       if dtype == "fp16" else None)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
