@@ -4,7 +4,9 @@
 must give the losses and final weights of ``none`` (fp32: bit for bit, asserted < 1e-6) on one
 process and under DDP, ZeRO-1/2 and ZeRO-3 (one spawned world), resume exactly from its own
 checkpoints (which load with ``none`` as well), report no resident optimizer bytes, and lower
-the measured peak RSS of a step by (at least three quarters of) the moments' size.
+the measured peak RSS of a step by (at least three quarters of) the moments' size. The staged
+step of GPU runs (two host slots, copies overlapping the host's AdamW) is driven on CPU with
+copies that complete as late as a CUDA stream would let them, and stays bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from meshlm.config import load_config
 from meshlm.layout import Layout
-from meshlm.parallel.offload import OffloadedAdamW, plan_chunks
+from meshlm.parallel.offload import OffloadedAdamW, SyncCopies, plan_chunks
 from meshlm.testing import final_weights, max_relative_difference, run_world, train_runs
 from meshlm.train.metrics import read_metrics
 from meshlm.train.trainer import Trainer, train
@@ -112,6 +114,93 @@ def test_chunked_steps_equal_torch_adamw_bit_for_bit(store: str, kernels: str,
         assert 0 < off.resident_bytes() <= size + mmap.PAGESIZE  # (whole pages)
         off.step()
         assert off.resident_bytes() == 0
+
+
+class LazyCopies(SyncCopies):
+    """Copies as a side stream would run them, at the latest moment it may: queued in issue
+    order and done only when the host waits on a slot (everything queued up to that slot's
+    last copy to the host) or at the end of the step. A host that read a slot before its
+    wait, or wrote one whose copy back had not run yet, would see other numbers."""
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.done = 0  # copies of the queue run so far
+        self.mark = [0, 0]  # per slot: the queue length after its last copy to the host
+        self.calls: list[tuple[str, int]] = []
+
+    def begin(self) -> None:
+        self.calls.append(("begin", -1))
+
+    def _run(self, upto: int) -> None:
+        for dst, src in self.queue[self.done:upto]:
+            dst.copy_(src)
+        self.done = max(self.done, upto)
+
+    def to_host(self, slot: int, pairs: list) -> None:  # noqa: ANN001
+        self.queue += pairs
+        self.mark[slot] = len(self.queue)
+        self.calls.append(("to_host", slot))
+
+    def wait(self, slot: int) -> None:
+        self._run(self.mark[slot])
+        self.calls.append(("wait", slot))
+
+    def to_device(self, slot: int, pairs: list) -> None:  # noqa: ANN001
+        self.queue += pairs
+        self.calls.append(("to_device", slot))
+
+    def end(self) -> None:
+        self._run(len(self.queue))
+        self.calls.append(("end", -1))
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 192])
+def test_double_buffered_chunks_equal_torch_adamw(chunk: int, tmp_path: Path) -> None:
+    """Staged steps through two slots with copies that complete as late as a stream lets them
+    (:class:`LazyCopies`): parameter sizes that are not multiples of the chunk (chunks stay
+    multiples of 64, the vector lanes of the fused kernel), a parameter cut across several
+    chunks, one without gradient on a step -- weights and moments equal torch's AdamW bit for
+    bit; chunk i + 1 is sent to the host before the host waits for chunk i."""
+    shapes = [(37,), (250,), (1,), (9, 57), (129,)]
+
+    def params() -> list[torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(2)
+        return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+
+    a, b = params(), params()
+    ref = torch.optim.AdamW(a, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=True)
+    fresh = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                              fused=True)
+    off = OffloadedAdamW.like(fresh, "cpu", chunk=chunk, staged=True)
+    off.copies = copies = LazyCopies()
+    n_chunks = len(off.chunks)
+    assert n_chunks >= 3 and sum(p.numel() for p in b) % chunk  # a partial last chunk
+    for step in range(3):
+        g = torch.Generator().manual_seed(200 + step)
+        for x, y in zip(a, b, strict=True):
+            x.grad = torch.randn(x.shape, generator=g)
+            y.grad = x.grad.clone()
+        if step == 1:
+            a[3].grad = b[3].grad = None
+        copies.calls.clear()
+        ref.step()
+        off.step()
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), (chunk, step)
+        n = len([c for c in off.chunks if any(b[pc.index].grad is not None for pc in c.pieces)])
+        slots = [i % 2 for i in range(n)]
+        expected = [("begin", -1), ("to_host", 0)]
+        for i in range(n):  # the next chunk's copy is issued before this chunk's wait
+            expected += ([("to_host", slots[i + 1])] if i + 1 < n else []) + [
+                ("wait", slots[i]), ("to_device", slots[i])]
+        assert copies.calls == expected + [("end", -1)], (chunk, step)
+    for x, y in zip(a, b, strict=True):
+        s, t = ref.state[x], off.state[y]
+        assert float(s["step"]) == float(t["step"])
+        assert torch.equal(s["exp_avg"], t["exp_avg"])
+        assert torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
+    assert off.staging.shape == (2, 2, chunk)  # two slots of weights and gradients
 
 
 # ---------------------------------------------------------------------- training parity

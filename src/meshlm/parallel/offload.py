@@ -3,8 +3,13 @@
 - ``none``: torch's AdamW; the moments (8 bytes per owned parameter) live beside the weights.
 - ``cpu`` (ZeRO-Offload, Ren et al. 2021): the moments live in pinned host memory; each step
   streams the owned weights and gradients to the host one chunk at a time, runs AdamW there and
-  copies the updated weights back. **GPU-only**: on a CPU run the moments already live in host
-  memory, so ``cpu`` is the same as ``none`` (torch's AdamW; the trainer says so at start-up).
+  copies the updated weights back. The copies run on a CUDA stream of their own into two pinned
+  staging slots (double buffering): chunk i + 1 travels to the host while the host steps chunk
+  i, and chunk i's weights travel back while it steps chunk i + 1; the host waits on a per-slot
+  event, never on the whole device (:class:`StreamCopies`). **GPU-only**: on a CPU run the
+  moments already live in host memory, so ``cpu`` is the same as ``none`` (torch's AdamW; the
+  trainer says so at start-up). The same chunk loop runs on CPU with synchronous copies
+  (:class:`SyncCopies`), which the tests drive.
   meshlm's weights are the fp32 masters already, so no separate master copy is kept.
 - ``disk`` (ZeRO-Infinity's NVMe tier, Rajbhandari et al. 2021): the moments live in one file
   per rank, mapped into memory (``mmap``, shared). The step pages in one chunk of both
@@ -21,8 +26,8 @@ slices of each parameter cut at multiples of :data:`CHUNK` elements from its sta
 update is element-wise, and the cut keeps each element's vector lane).
 
 Memory per rank (Ψ_o parameters owned by this rank's optimizer): device -- 0 moment bytes with
-``cpu`` or ``disk`` (8 Ψ_o with ``none``); host -- 8 Ψ_o pinned with ``cpu`` plus 8 CHUNK of
-staging, at most 8 CHUNK resident with ``disk`` (plus AdamW's temporary of one chunk); disk --
+``cpu`` or ``disk`` (8 Ψ_o with ``none``); host -- 8 Ψ_o pinned with ``cpu`` plus 16 CHUNK of
+staging (two slots of weights and gradients), at most 8 CHUNK resident with ``disk`` (plus AdamW's temporary of one chunk); disk --
 8 Ψ_o bytes per rank. Traffic per step: ``cpu`` -- 8 Ψ_o bytes device to host (weights and
 gradients), 4 Ψ_o host to device; ``disk`` -- 8 Ψ_o read and 8 Ψ_o written through the page
 cache. No communication: the step stays local, as with ``none``.
@@ -250,6 +255,79 @@ class OffloadedState(MutableMapping):
         return sum(s is not None for s in self.opt.steps)
 
 
+# ---------------------------------------------------------------------- staging copies
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source) of each copy
+
+
+class SyncCopies:
+    """Copies between the parameters' device and the host staging slots, done when issued
+    (a CPU run: there is nothing to overlap). :class:`StreamCopies` is the CUDA one; both
+    take the calls of :meth:`OffloadedAdamW._pipelined` in the same order."""
+
+    def begin(self) -> None:
+        """A step starts: the gradients are complete on the device."""
+
+    def to_host(self, slot: int, pairs: Pairs) -> None:
+        """Issue the device -> host copies of one chunk into staging ``slot``."""
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def wait(self, slot: int) -> None:
+        """Block the host until the copies into ``slot`` are done."""
+
+    def to_device(self, slot: int, pairs: Pairs) -> None:
+        """Issue the host -> device copies of ``slot``'s updated weights."""
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def end(self) -> None:
+        """The step ends: later device work sees the updated weights."""
+
+
+class StreamCopies(SyncCopies):
+    """GPU-only path (untested on the CPU machines meshlm's tests run on): the copies run on
+    a side stream of their own, so they overlap the host's AdamW on the other slot; the host
+    waits on one event per slot, the compute stream on the side stream once per step.
+
+    Order on the side stream (FIFO): D2H(i + 1) is issued before the host steps chunk i, and
+    H2D(i - 1) before D2H(i + 1), which reuses its slot, so no copy into a slot overtakes the
+    copy out of it. The staging slots are pinned (true asynchronous copies)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def begin(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients written
+
+    def to_host(self, slot: int, pairs: Pairs) -> None:
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            self.ready[slot].record(self.stream)
+
+    def wait(self, slot: int) -> None:
+        self.ready[slot].synchronize()
+
+    def to_device(self, slot: int, pairs: Pairs) -> None:
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
+    def end(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)  # weights written
+
+
+@dataclass(frozen=True)
+class Work:
+    """The pieces of chunk ``chunk`` that have a gradient this step, each with its
+    ``[lo, hi)`` inside the chunk."""
+
+    chunk: Chunk
+    pieces: tuple[tuple[Piece, int, int], ...]
+
+
 class OffloadedAdamW(torch.optim.Optimizer):
     """AdamW whose moments live in a :class:`HostStore` or :class:`DiskStore` and are
     streamed through the step chunk by chunk (module docstring). Groups, hyper-parameters,
@@ -284,6 +362,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.steps: list[float | None] = [None] * len(self.params)  # None: no state yet
         self.state = OffloadedState(self)  # type: ignore[assignment]
         self.chunk = chunk
+        self.staging: torch.Tensor | None = None  # two slots, made at the first staged step
+        self.copies: SyncCopies = StreamCopies(self.device) if self.cuda else SyncCopies()
 
     @classmethod
     def like(cls, optimizer: torch.optim.Optimizer, store: str, path: Path | None = None,
@@ -315,61 +395,82 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def step(self, closure=None) -> None:  # noqa: ANN001
         if closure is not None:
             raise ValueError("offloaded AdamW takes no closure")
-        stepped: set[int] = set()
-        staging = (torch.empty(2, self.chunk, dtype=torch.float32, pin_memory=self.cuda)
-                   if self.staged else None)
-        for c in self.chunks:
-            stepped.update(self._step_chunk(c, staging))
-        for i in stepped:  # each parameter once, however many chunks it spans
+        work = [w for w in (self._work(c) for c in self.chunks) if w.pieces]
+        if self.staged:
+            self._pipelined(work)
+        else:
+            for w in work:  # moments in host memory, weights too: AdamW in place
+                self._adamw(w, [self._weight(pc) for pc, _, _ in w.pieces],
+                            [self._grad(pc) for pc, _, _ in w.pieces])
+                self.store.release(w.chunk.lo, w.chunk.hi)
+        for i in {pc.index for w in work for pc, _, _ in w.pieces}:  # once per parameter
             self.steps[i] = (self.steps[i] or 0.0) + 1.0
         if isinstance(self.store, DiskStore):
             self.store.release_all()  # (pages faulted in around the chunks' edges)
 
-    def _step_chunk(self, c: Chunk, staging: torch.Tensor | None) -> list[int]:
-        """One AdamW call on chunk ``c``; returns the parameters it stepped."""
-        group = self.param_groups[c.group]
-        m, v = self.store.window(c.lo, c.hi)
-        params, grads, ms, vs, steps, targets, done = [], [], [], [], [], [], []
-        for pc in c.pieces:
-            p = self.params[pc.index]
-            if p.grad is None:
-                continue  # as torch's AdamW: no gradient, no step, no state
-            lo, hi = pc.pos - c.lo, pc.pos + pc.b - pc.a - c.lo
+    def _work(self, c: Chunk) -> Work:
+        """Chunk ``c``'s pieces with a gradient (as torch's AdamW: no gradient, no step)."""
+        return Work(c, tuple((pc, pc.pos - c.lo, pc.pos + pc.b - pc.a - c.lo)
+                             for pc in c.pieces if self.params[pc.index].grad is not None))
+
+    def _weight(self, pc: Piece) -> torch.Tensor:
+        return self.params[pc.index].detach().view(-1)[pc.a:pc.b]
+
+    def _grad(self, pc: Piece) -> torch.Tensor:
+        return self.params[pc.index].grad.detach().reshape(-1)[pc.a:pc.b]
+
+    def _slots(self) -> torch.Tensor:
+        """Two staging slots of (weights, gradients), ``chunk`` elements each: (2, 2, chunk),
+        pinned on a CUDA run; kept across steps (the side stream orders their reuse)."""
+        if self.staging is None:
+            self.staging = torch.empty(2, 2, self.chunk, dtype=torch.float32,
+                                       pin_memory=self.cuda)
+        return self.staging
+
+    def _pipelined(self, work: list[Work]) -> None:
+        """Staged step, double-buffered: chunk i + 1 is copied to the host while the host
+        steps chunk i; chunk i's weights go back from its slot, which chunk i + 2 reuses."""
+        slots, copies = self._slots(), self.copies
+        copies.begin()
+        if work:
+            copies.to_host(0, self._fetch(work[0], slots[0]))
+        for i, w in enumerate(work):
+            slot = slots[i % 2]
+            if i + 1 < len(work):
+                copies.to_host((i + 1) % 2, self._fetch(work[i + 1], slots[(i + 1) % 2]))
+            copies.wait(i % 2)
+            weights = [slot[0, lo:hi] for _, lo, hi in w.pieces]
+            self._adamw(w, weights, [slot[1, lo:hi] for _, lo, hi in w.pieces])
+            copies.to_device(i % 2, [(self._weight(pc), host)
+                                     for (pc, _, _), host in zip(w.pieces, weights, strict=True)])
+            self.store.release(w.chunk.lo, w.chunk.hi)
+        copies.end()
+
+    def _fetch(self, w: Work, slot: torch.Tensor) -> Pairs:
+        """The device -> host copies of ``w``'s weights and gradients into ``slot``."""
+        pairs = [(slot[0, lo:hi], self._weight(pc)) for pc, lo, hi in w.pieces]
+        return pairs + [(slot[1, lo:hi], self._grad(pc)) for pc, lo, hi in w.pieces]
+
+    def _adamw(self, w: Work, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """One AdamW call on chunk ``w`` (host tensors ``params``, ``grads``, one per piece)."""
+        group = self.param_groups[w.chunk.group]
+        m, v = self.store.window(w.chunk.lo, w.chunk.hi)
+        ms, vs, steps = [], [], []
+        for pc, lo, hi in w.pieces:
             if self.steps[pc.index] is None:
                 m[lo:hi].zero_()
                 v[lo:hi].zero_()
-            weight = p.detach().view(-1)[pc.a:pc.b]
-            grad = p.grad.detach().reshape(-1)[pc.a:pc.b]
-            if staging is not None:  # device -> pinned host (GPU runs with offload=cpu)
-                targets.append(weight)
-                weight = staging[0, lo:hi].copy_(weight, non_blocking=True)
-                grad = staging[1, lo:hi].copy_(grad, non_blocking=True)
-            params.append(weight)
-            grads.append(grad)
             ms.append(m[lo:hi])
             vs.append(v[lo:hi])
             steps.append(torch.tensor(self.steps[pc.index] or 0.0,
                                       dtype=_get_scalar_dtype(is_fused=self.fused)))
-            done.append(pc.index)
-        if params:
-            self._sync()  # (staged copies done)
-            beta1, beta2 = group["betas"]
-            functional_adamw(params, grads, ms, vs, [], steps, foreach=not self.fused,
-                             capturable=False, differentiable=False, fused=self.fused or None,
-                             grad_scale=None, found_inf=None,
-                             has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
-                             lr=group["lr"], weight_decay=group["weight_decay"],
-                             eps=group["eps"], maximize=False)
-            if staging is not None:  # updated weights back; the staging is reused next chunk
-                for target, host in zip(targets, params, strict=True):
-                    target.copy_(host, non_blocking=True)
-                self._sync()
-        self.store.release(c.lo, c.hi)
-        return done
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        beta1, beta2 = group["betas"]
+        functional_adamw(params, grads, ms, vs, [], steps, foreach=not self.fused,
+                         capturable=False, differentiable=False, fused=self.fused or None,
+                         grad_scale=None, found_inf=None,
+                         has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                         lr=group["lr"], weight_decay=group["weight_decay"],
+                         eps=group["eps"], maximize=False)
 
 
 # ---------------------------------------------------------------------- applying it
