@@ -302,6 +302,8 @@ class StreamCopies(SyncCopies):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients written
 
     def to_host(self, slot: int, pairs: Pairs) -> None:
+        # (a gradient that is not contiguous was just copied flat on the compute stream)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
