@@ -3,7 +3,9 @@
 One MoE layer alone (ep = 2 and 4): outputs and every gradient equal one process's on all the
 ranks' tokens together -- random routing, a router that gives one expert no tokens, one that
 sends every token to the first ep rank, and capacity slots; the communication log shows two
-all-to-alls forward and two backward per layer with bytes = routed copies x hidden x 4, and
+all-to-alls forward and two backward per layer with bytes = routed copies x hidden x 4, the
+host waits for the device once per layer forward (the split sizes, read together) and never
+in backward -- no more often than the one-process layer -- and
 expert weights per rank are 1/ep of the whole while the others are unchanged.
 
 Training (fp32, 8 experts, top-2, with and without a shared expert, each balancing mode):
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshlm.config import load_config
 from meshlm.parallel.expert import router_summary
@@ -58,6 +61,46 @@ def _routing_case(model, case: str) -> None:  # noqa: ANN001
         w[0, 0] = w[1, 0] = 20.0
 
 
+# Reading tensor values into Python: on a GPU each waits for the device to catch up.
+READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts what makes the host wait for the device inside its block: Python reads of
+    tensor values (:data:`READS`, patched) and ops whose output size depends on the values
+    (``nonzero``, boolean indexing, ``repeat_interleave`` without ``output_size``)."""
+
+    def __enter__(self) -> HostSyncs:
+        self.count, self.saved = 0, {m: getattr(torch.Tensor, m) for m in READS}
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, self._counted(method))
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+    def _counted(self, method):  # noqa: ANN001, ANN202
+        def read(t, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self.count += 1
+            return method(t, *args, **kwargs)
+        return read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+                    torch.ops.aten.masked_select.default):
+            self.count += 1
+        elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get(
+                "output_size", args[1] if len(args) > 1 else None) is None:
+            self.count += 1
+        elif func is torch.ops.aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool for i in args[1]):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
 def layer_checks(ep: int) -> dict:
     """World body: the MoE layer on this rank's tokens under ep vs one process on all ranks'."""
     import torch.distributed as dist
@@ -87,6 +130,11 @@ def layer_checks(ep: int) -> dict:
         y_ref = torch.cat([ref(x_all[r]) for r in range(ep)])
         y_ref.backward(dys.reshape(ep * b, s, H))
         top = torch.cat([ref.route(xs[r].reshape(-1, H), b)[1] for r in range(ep)])
+        alone = _layer(changes)  # the same layer without ep, on this rank's tokens
+        _routing_case(alone, case)
+        alone.train()
+        with HostSyncs() as one_process:
+            alone.layers["0"].feed_forward(xs[rank].clone().requires_grad_()).backward(dys[rank])
 
         model = _layer(changes)
         _routing_case(model, case)
@@ -97,10 +145,12 @@ def layer_checks(ep: int) -> dict:
         moe.train()
         x = xs[rank].clone().requires_grad_()
         comm.log.reset()
-        y = moe(x)
+        with HostSyncs() as syncs_f:
+            y = moe(x)
         forward = [(r.op, r.bytes) for r in comm.log.records]
         comm.log.reset()
-        y.backward(dys[rank])
+        with HostSyncs() as syncs_b:
+            y.backward(dys[rank])
         backward = [(r.op, r.bytes) for r in comm.log.records]
         errors = {"y": _rel(y, y_ref[rank * b:(rank + 1) * b]),
                   "dx": _rel(x.grad, x_all.grad[rank])}
@@ -116,6 +166,7 @@ def layer_checks(ep: int) -> dict:
         mine = top.reshape(-1)
         received = int(((mine >= lo) & (mine < lo + E // ep)).sum())
         out[case] = {"errors": errors, "forward": forward, "backward": backward,
+                     "syncs": (syncs_f.count, syncs_b.count, one_process.count),
                      "received": received, "sent": b * s * K,
                      "counts": torch.bincount(mine, minlength=E).tolist(),
                      "capacity_rows": E // ep * b * ep * 2}  # (E/ep experts x B x C) per peer
@@ -149,6 +200,11 @@ def test_moe_layer_matches_one_process(ep: int) -> None:
             r = res[case]
             worst = max(r["errors"].values())
             assert worst < 1e-5, (ep, rank, case, r["errors"])
+            # host synchronisations: expert parallelism adds none to the layer's own (the
+            # dropless counts are read once, with every split size), backward has none
+            forward_syncs, backward_syncs, alone = r["syncs"]
+            assert (forward_syncs, backward_syncs) == (alone, 0), (ep, case, r["syncs"])
+            assert forward_syncs == (1 if case != "capacity" else alone), (case, r["syncs"])
             a2a_f = [n for op, n in r["forward"] if op == "all_to_all"]
             a2a_b = [n for op, n in r["backward"] if op == "all_to_all"]
             if case == "capacity":  # fixed splits: no count exchange, equal slots each way

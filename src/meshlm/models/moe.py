@@ -60,7 +60,7 @@ CountReducer = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
 class Exchange(Protocol):
     """Runs the experts on token copies sorted by expert (expert parallelism: on other ranks)."""
 
-    def __call__(self, moe: MoE, x_sorted: torch.Tensor, counts: list[int],
+    def __call__(self, moe: MoE, x_sorted: torch.Tensor, counts: torch.Tensor | list[int],
                  fixed: bool) -> torch.Tensor: ...
 
 
@@ -264,7 +264,7 @@ class MoE(nn.Module):
         else:
             kept = torch.argsort(flat, stable=True)  # assignments grouped by expert
             token_of = kept // self.topk
-            out = self._run(x[token_of], counts_t.tolist(), fixed=False)  # (T*k, H)
+            out = self._run(x[token_of], counts_t, fixed=False)  # (T*k, H)
             gate = weights.reshape(-1)[kept]
             dropped = 0
         if self.tracking and not replaying():  # (no device sync: tensors until the step's end)
@@ -294,11 +294,16 @@ class MoE(nn.Module):
         slot = key[kept] * cap + pos[keep]
         return slot, kept, [batch * cap] * e
 
-    def _run(self, x_sorted: torch.Tensor, counts: list[int], fixed: bool) -> torch.Tensor:
-        """The experts on copies grouped by expert (here, or through the exchange)."""
+    def _run(self, x_sorted: torch.Tensor, counts: torch.Tensor | list[int],
+             fixed: bool) -> torch.Tensor:
+        """The experts on copies grouped by expert (here, or through the exchange).
+
+        ``counts``: copies per expert, Python ints for capacity slots (known without looking
+        at the routing) or the device tensor of a dropless routing, read to the host once --
+        here, or by the exchange together with its split sizes."""
         if self.exchange is not None:
             return self.exchange(self, x_sorted, counts, fixed)
-        return self.experts(x_sorted, counts)
+        return self.experts(x_sorted, counts if isinstance(counts, list) else counts.tolist())
 
     def update_bias(self, load: torch.Tensor) -> None:
         """Auxiliary-loss-free step: raise the bias of underloaded experts, lower the others'

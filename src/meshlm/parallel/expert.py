@@ -10,7 +10,9 @@ keeps its width slice of its ep rank's experts and exchanges with the ep peers o
 
 Per MoE layer and micro-batch (:class:`ExpertExchange`), after routing on this rank's tokens:
 
-1. the copies per expert are all-gathered over ep (``ep * E`` int64: the split sizes);
+1. the copies per expert are all-gathered over ep on the device (``ep * E`` int64), and every
+   split size is read to the host in one transfer (:func:`host_splits`: the layer's one host
+   synchronisation per micro-batch; ``all_to_all_single`` takes its splits as Python ints);
 2. dispatch: ``all_to_all_single`` sends each token copy (sorted by expert, hence by owner) to
    the rank owning its expert -- dropless, variable splits;
 3. the received copies are regrouped by local expert and run (one matmul chain per expert,
@@ -33,7 +35,7 @@ and the end-of-step router statistics, which also drive the auxiliary-loss-free 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -65,6 +67,37 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+@dataclass(frozen=True)
+class Splits:
+    """One MoE layer's exchange sizes for one micro-batch: Python ints where
+    ``all_to_all_single`` and the expert loop need them, the regrouping counts on the device."""
+
+    send: list[int]  # copies this rank sends to each ep peer
+    recv: list[int]  # copies it receives from each ep peer
+    local: list[int]  # copies each of its experts runs, over all sources
+    from_peer: torch.Tensor  # (ep, E/ep) on the device: copies per source and local expert
+
+
+def host_splits(table: torch.Tensor, rank: int, n: int) -> Splits:
+    """Every split size from the (ep, E) device table of copies per source rank and expert,
+    read to the host in one transfer (the layer's only host synchronisation)."""
+    size = table.shape[0]
+    send = table[rank].view(size, n).sum(dim=1)  # (ep,): to each peer
+    from_peer = table[:, rank * n:(rank + 1) * n]  # (ep, n): for my experts, per source
+    sizes = torch.cat([send, from_peer.sum(dim=1), from_peer.sum(dim=0)]).tolist()
+    return Splits(sizes[:size], sizes[size:2 * size], sizes[2 * size:], from_peer)
+
+
+def fixed_splits(counts: list[int], size: int, device: torch.device) -> Splits:
+    """Capacity slots: every rank sends every expert the same ``counts`` (equal per expert),
+    so the sizes are known on the host without any exchange or transfer."""
+    if len(set(counts)) != 1:
+        raise ValueError(f"fixed splits need equal copies per expert, got {counts}")
+    n, c = len(counts) // size, counts[0]
+    return Splits([n * c] * size, [n * c] * size, [size * c] * n,
+                  torch.full((size, n), c, dtype=torch.long, device=device))
+
+
 class ExpertExchange:
     """Send sorted token copies to their experts' ranks, run the local experts, send back."""
 
@@ -73,31 +106,33 @@ class ExpertExchange:
         self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.local = n_experts // self.size
 
-    def split_table(self, counts: list[int], fixed: bool, device: torch.device) -> torch.Tensor:
-        """(ep, E) copies each ep rank sends to each expert (fixed: all alike, no exchange)."""
-        mine = torch.tensor(counts, dtype=torch.long, device=device)
-        if fixed:
-            return mine.expand(self.size, -1)
-        table = torch.empty(self.size * len(counts), dtype=torch.long, device=device)
-        self.comm.all_gather(table, mine, AXIS)
-        return table.view(self.size, len(counts))
+    def count_table(self, counts: torch.Tensor) -> torch.Tensor:
+        """(ep, E) copies each ep rank sends to each expert: ``counts`` (E,) all-gathered on
+        the device."""
+        table = torch.empty(self.size * counts.numel(), dtype=torch.long, device=counts.device)
+        self.comm.all_gather(table, counts.to(torch.long).contiguous(), AXIS)
+        return table.view(self.size, counts.numel())
 
-    def __call__(self, moe: MoE, x_sorted: torch.Tensor, counts: list[int],
+    def splits(self, counts: torch.Tensor | list[int], fixed: bool,
+               device: torch.device) -> Splits:
+        if fixed:
+            return fixed_splits(list(counts), self.size, device)
+        return host_splits(self.count_table(counts), self.rank, self.local)
+
+    def __call__(self, moe: MoE, x_sorted: torch.Tensor, counts: torch.Tensor | list[int],
                  fixed: bool) -> torch.Tensor:
-        n, lo = self.local, self.rank * self.local
-        table = self.split_table(counts, fixed, x_sorted.device)
-        in_splits = table[self.rank].view(self.size, n).sum(dim=1).tolist()  # to each peer
-        from_peer = table[:, lo : lo + n]  # (ep, n): copies for my experts, per source
-        out_splits = from_peer.sum(dim=1).tolist()
-        received = _AllToAll.apply(x_sorted, self.comm, out_splits, in_splits)
+        n = self.local
+        sp = self.splits(counts, fixed, x_sorted.device)
+        received = _AllToAll.apply(x_sorted, self.comm, sp.recv, sp.send)
         # received rows: source-major, then local expert; the experts want expert-major
         expert_of = torch.arange(n, device=x_sorted.device).repeat(self.size)
-        expert_of = expert_of.repeat_interleave(from_peer.reshape(-1))
+        expert_of = expert_of.repeat_interleave(sp.from_peer.reshape(-1),
+                                                output_size=sum(sp.recv))  # (no sync)
         order = torch.argsort(expert_of, stable=True)
-        out = moe.experts(received[order], from_peer.sum(dim=0).tolist())
+        out = moe.experts(received[order], sp.local)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(out[back], self.comm, in_splits, out_splits)
+        return _AllToAll.apply(out[back], self.comm, sp.send, sp.recv)
 
 
 def apply_expert_parallel(model: Transformer, comm: Comm) -> None:
