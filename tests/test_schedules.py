@@ -94,3 +94,60 @@ def test_partition() -> None:
     assert partition_layers(5, 2, "2,3") == [[0, 1], [2, 3, 4]]
     with pytest.raises(ValueError, match="summing to model.n_layers=5"):
         partition_layers(5, 2, "2,2")
+
+
+def _all_valid_cases() -> list[tuple[str, int, int, int]]:
+    """Every schedule for pp <= 8 and m <= 4 pp (interleaved: m % pp == 0, v 2-4)."""
+    cases = []
+    for s, pp in itertools.product(SCHEDULES, range(2, 9)):
+        for m in range(1, 4 * pp + 1):
+            for v in ((2, 3, 4) if s == "interleaved" else (1,)):
+                if s != "interleaved" or m % pp == 0:
+                    cases.append((s, pp, m, v))
+    return cases
+
+
+def test_every_schedule_passes_nccl_group_rule() -> None:
+    """simulate() applies NCCL's rule (groups in order, complete only when matched, pairs
+    match in posting order): no table deadlocks or receives the wrong message."""
+    cases = _all_valid_cases()
+    assert len(cases) > 500
+    for schedule, pp, m, v in cases:
+        simulate(build_schedule(schedule, pp, m, v), v)  # raises on a deadlock or mismatch
+
+
+def test_ungrouped_interleaved_tables_deadlock_under_nccl_rule() -> None:
+    """Interleaved with each receive right before its compute (the tables gloo forgave)
+    deadlocks under NCCL's rule whenever m > pp; Megatron-Core's grouping does not."""
+    from meshlm.parallel.schedules import tables_from_order
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(tables_from_order("interleaved", 2, 4, 2), 2)
+    simulate(tables_from_order("interleaved", 2, 2, 2), 2)  # m == pp: no steady state
+    simulate(build_schedule("interleaved", 2, 4, 2), 2)
+
+
+def test_interleaved_groups_pair_sends_with_receives() -> None:
+    """Steady state: one group per forward + backward, holding both sends and both receives."""
+    tables = build_schedule("interleaved", 4, 8, 2)
+    acts = tables[1]
+    groups, run = [], []
+    for a in acts + [None]:
+        if a is not None and a.op[:4] in ("SEND", "RECV"):
+            run.append(a.op)
+        elif run:
+            groups.append(sorted(run))
+            run = []
+    assert ["RECV_B", "RECV_F", "SEND_B", "SEND_F"] in groups
+
+
+def test_messages_out_of_order_on_a_pair_are_detected() -> None:
+    """pp 2: F and B travel the same pair; a receiver expecting them in another order than
+    the sender posts them would get the wrong tensor (same shape: silent on hardware)."""
+    tables = build_schedule("interleaved", 2, 4, 2)
+    r1 = list(tables[1])
+    i = next(i for i, a in enumerate(r1) if a.op == "SEND_F" and i + 1 < len(r1)
+             and r1[i + 1].op == "SEND_B")
+    r1[i], r1[i + 1] = r1[i + 1], r1[i]
+    with pytest.raises(RuntimeError, match="would match"):
+        simulate([tables[0], r1], 2)

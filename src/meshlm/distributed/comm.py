@@ -26,14 +26,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 
+from . import nccl_semantics
 from .flight import FlightRecorder
 from .mesh import Mesh
+from .stall import StallMonitor
 
 # torch 2.13 renamed the tensor collectives; keep working with older releases too.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -101,51 +104,99 @@ class _Done:
 
 
 class _Tracked:
-    """An asynchronous collective's handle: counts the time its waiter spends blocked
-    (:attr:`Comm.wait_s`) and marks its flight record completed on wait."""
+    """An asynchronous collective's handle (one work, or every work of a point-to-point group:
+    one handle per group, as NCCL gives): counts the time its waiter spends blocked
+    (:attr:`Comm.wait_s`) and, where waiting means completion (gloo), marks its flight records
+    completed; elsewhere the stall monitor reads completion from the works."""
 
-    def __init__(self, work: dist.Work, comm: Comm, slot: int) -> None:
-        self.work, self.comm, self.slot = work, comm, slot
+    def __init__(self, works: list, comm: Comm, slots: list[tuple[int, int]]) -> None:
+        self.works, self.comm, self.slots = works, comm, slots
+        self.waited = False
 
     def wait(self) -> bool:
+        """Wait for every work of the handle; a second wait returns at once (a gloo receive
+        waited twice would wait for another message)."""
+        if self.waited:
+            return True
+        self.waited = True
         t0 = time.perf_counter()
-        out = self.work.wait()
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as exc:
+            if self.comm.nccl_rules:
+                nccl_semantics.watchdog_abort("a collective", exc)
+            raise
         self.comm.wait_s += time.perf_counter() - t0
-        if self.comm.flight is not None and self.slot >= 0:
-            self.comm.flight.done(self.slot)
-        return out
+        if self.comm.completes_on_return and self.comm.flight is not None:
+            for slot, seq in self.slots:
+                self.comm.flight.done(slot, seq)
+        return True
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return all(w.is_completed() for w in self.works)
 
 
 Handle = dist.Work | _Done | _Tracked
 
 
 class Comm:
-    """Collectives of one rank over the axes of its :class:`Mesh`."""
+    """Collectives of one rank over the axes of its :class:`Mesh`.
+
+    ``nccl_rules``: NCCL-semantics mode (:mod:`meshlm.distributed.nccl_semantics`). With a
+    ``monitor`` (:mod:`meshlm.distributed.stall`; CUDA and NCCL-semantics mode) every collective
+    is issued with a handle the monitor polls for completion.
+    """
 
     def __init__(self, mesh: Mesh, log: CommLog | None = None) -> None:
         self.mesh = mesh
         self.log = log if log is not None else CommLog(enabled=False)
         self.flight: FlightRecorder | None = None
+        self.monitor: StallMonitor | None = None
+        self.nccl_rules = nccl_semantics.enabled() and mesh.distributed
+        self._stream: nccl_semantics.P2PStream | None = None
         # seconds this rank's host spent blocked in collectives (synchronous calls and waits on
         # handles) since the trainer last set it to 0: the "waiting" of straggler detection
         self.wait_s = 0.0
 
-    def _run(self, op: str, axis: str, nbytes: int, async_op: bool, call) -> Handle:  # noqa: ANN001
-        """Issue ``call()`` (a c10d collective) under its profiler label and flight record."""
-        flight = self.flight
-        slot = flight.enter(op, axis, nbytes, async_op) if flight is not None else -1
+    @property
+    def completes_on_return(self) -> bool:
+        """Whether a collective that returned (or a handle that was waited) has completed:
+        gloo's semantics; not NCCL's, where it has only been queued."""
+        return self.mesh.device_type != "cuda" and not self.nccl_rules
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        if self.nccl_rules:
+            for t in tensors:
+                nccl_semantics.check_tensor(t, self.mesh.device(), op)
+
+    def _enter(self, op: str, axis: str, nbytes: int, async_op: bool) -> tuple[int, int]:
+        if self.flight is None:
+            return -1, -1
+        slot = self.flight.enter(op, axis, nbytes, async_op)
+        return slot, self.flight.seq
+
+    def _run(self, op: str, axis: str, nbytes: int, async_op: bool,
+             call: Callable[[bool], dist.Work | None]) -> Handle:
+        """Issue ``call(async_op)`` (a c10d collective) under its profiler label and flight
+        record; with a stall monitor always asynchronously, the monitor keeping the handle."""
+        slot, seq = self._enter(op, axis, nbytes, async_op)
+        monitor = self.monitor if slot >= 0 else None
         t0 = time.perf_counter()
         with _label(op, axis):
-            work = call()
-        if async_op and work is not None:
-            return _Tracked(work, self, slot)
-        self.wait_s += time.perf_counter() - t0
-        if flight is not None:
-            flight.done(slot)
-        return work or _Done()
+            work = call(async_op or monitor is not None or self.nccl_rules)
+        if work is None:  # (an operation without an asynchronous form)
+            self.wait_s += time.perf_counter() - t0
+            if slot >= 0:
+                self.flight.done(slot, seq)
+            return _Done()
+        if monitor is not None:
+            monitor.track(slot, seq, work)
+        handle = _Tracked([work], self, [(slot, seq)] if slot >= 0 else [])
+        if async_op:
+            return handle
+        handle.wait()  # NCCL: the stream waits; gloo: the data is here
+        return _Done()
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -160,8 +211,9 @@ class Comm:
             return _Done()
         self.log.add("all_reduce", axis, t, purpose)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        return self._run("all_reduce", axis, _nbytes(t), async_op, lambda: dist.all_reduce(
-            t, red, group=self.mesh.group(axis), async_op=async_op))
+        self._check("all_reduce", t)
+        return self._run("all_reduce", axis, _nbytes(t), async_op, lambda a: dist.all_reduce(
+            t, red, group=self.mesh.group(axis), async_op=a))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                        async_op: bool = False) -> Handle:
@@ -170,8 +222,9 @@ class Comm:
             out.copy_(inp)
             return _Done()
         self.log.add("reduce_scatter", axis, inp)
-        return self._run("reduce_scatter", axis, _nbytes(inp), async_op, lambda: _reduce_scatter(
-            out, inp, group=self.mesh.group(axis), async_op=async_op))
+        self._check("reduce_scatter", out, inp)
+        return self._run("reduce_scatter", axis, _nbytes(inp), async_op, lambda a: _reduce_scatter(
+            out, inp, group=self.mesh.group(axis), async_op=a))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                    async_op: bool = False) -> Handle:
@@ -180,8 +233,9 @@ class Comm:
             out.copy_(inp)
             return _Done()
         self.log.add("all_gather", axis, out)
-        return self._run("all_gather", axis, _nbytes(out), async_op, lambda: _all_gather(
-            out, inp, group=self.mesh.group(axis), async_op=async_op))
+        self._check("all_gather", out, inp)
+        return self._run("all_gather", axis, _nbytes(out), async_op, lambda a: _all_gather(
+            out, inp, group=self.mesh.group(axis), async_op=a))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
                    out_splits: list[int] | None = None, in_splits: list[int] | None = None
@@ -192,8 +246,9 @@ class Comm:
             out.copy_(inp)
             return
         self.log.add("all_to_all", axis, inp)
-        self._run("all_to_all", axis, _nbytes(inp), False, lambda: dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.mesh.group(axis)))
+        self._check("all_to_all", out, inp)
+        self._run("all_to_all", axis, _nbytes(inp), False, lambda a: dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=self.mesh.group(axis), async_op=a))
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
         """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""
@@ -201,8 +256,9 @@ class Comm:
             return
         self.log.add("broadcast", axis, t)
         group = self.mesh.group(axis)
-        self._run("broadcast", axis, _nbytes(t), False, lambda: dist.broadcast(
-            t, dist.get_global_rank(group, src), group=group))
+        self._check("broadcast", t)
+        self._run("broadcast", axis, _nbytes(t), False, lambda a: dist.broadcast(
+            t, dist.get_global_rank(group, src), group=group, async_op=a))
 
     def reduce_scalars(self, values: list[float], axis: str = "world", op: str = "sum") -> list[float]:
         """Sum or max of Python numbers over ``axis``; logged with purpose "metrics"."""
@@ -211,25 +267,54 @@ class Comm:
         t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device())
         self.log.add("all_reduce", axis, t, purpose="metrics")
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        self._run("all_reduce", axis, _nbytes(t), False, lambda: dist.all_reduce(
-            t, red, group=self.mesh.group(axis)))
+        self._run("all_reduce", axis, _nbytes(t), False, lambda a: dist.all_reduce(
+            t, red, group=self.mesh.group(axis), async_op=a))
         return [float(x) for x in t.tolist()]
 
-    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str) -> list:
-        """Post ("send" | "recv", tensor, peer index on ``axis``) ops as one batch; their works."""
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str) -> Handle:
+        """Post ("send" | "recv", tensor, peer index on ``axis``) ops as one group; its one
+        handle (NCCL's semantics on every backend: wait for the group, not an operation).
+        Every tensor must stay alive and untouched until the handle has been waited."""
         group = self.mesh.group(axis)
-        p2p, slots = [], []
+        entered, p2p, plain = [], [], []
         for kind, t, peer in ops:
             self.log.add(kind, axis, t)
-            if self.flight is not None:
-                slots.append(self.flight.enter(kind, axis, _nbytes(t), async_op=True))
-            fn = dist.isend if kind == "send" else dist.irecv
-            p2p.append(dist.P2POp(fn, t, dist.get_global_rank(group, peer), group=group))
+            self._check(kind, t)
+            slot, seq = self._enter(kind, axis, _nbytes(t), True)
+            if slot >= 0:
+                entered.append((slot, seq))
+            rank = dist.get_global_rank(group, peer)
+            plain.append((kind, t, rank, group))
+            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, rank,
+                                  group=group))
         with _label("p2p", axis):
-            works = dist.batch_isend_irecv(p2p)
-        if self.flight is None:
-            slots = [-1] * len(works)
-        return [_Tracked(w, self, s) for w, s in zip(works, slots, strict=True)]
+            if self.nccl_rules:
+                if self._stream is None:
+                    self._stream = nccl_semantics.P2PStream(self._timeout_s)
+                works = [self._stream.submit(plain)]
+            else:
+                works = list(dist.batch_isend_irecv(p2p))  # NCCL: one work; gloo: one per op
+        handle = _Tracked(works, self, entered)
+        if self.monitor is not None:
+            for slot, seq in entered:
+                self.monitor.track(slot, seq, handle)
+        return handle
+
+    def close(self) -> None:
+        """End the NCCL-semantics point-to-point stream (if one was started)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _timeout_s(self) -> float:
+        """The collective timeout of this rank's default group (seconds)."""
+        from torch.distributed.distributed_c10d import _get_default_group
+
+        try:
+            backend = _get_default_group()._get_backend(self.mesh.device())
+            return backend.options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            return 300.0
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """``obj`` of world rank ``src`` on every rank (start-up decisions, not training)."""
@@ -237,7 +322,7 @@ class Comm:
             return obj
         box = [obj]
         self._run("broadcast_object", "world", 0, False,
-                  lambda: dist.broadcast_object_list(box, src=src))
+                  lambda a: dist.broadcast_object_list(box, src=src))
         return box[0]
 
     def max_scalar(self, value: float, axis: str = "world") -> float:
@@ -245,4 +330,4 @@ class Comm:
 
     def barrier(self) -> None:
         if self.mesh.distributed:
-            self._run("barrier", "world", 0, False, dist.barrier)
+            self._run("barrier", "world", 0, False, lambda a: dist.barrier(async_op=a))

@@ -104,8 +104,11 @@ class FlightRecorder:
         self._ring["axis_seq"][1 + a] = self._counts[a]
         return slot
 
-    def done(self, slot: int) -> None:
-        self._ring["t_done"][slot] = time.time()
+    def done(self, slot: int, seq: int | None = None) -> None:
+        """Record completion of the collective in ``slot`` (unless ``seq`` says the slot has
+        been reused for a later one since)."""
+        if seq is None or int(self._ring["seq"][slot]) == seq:
+            self._ring["t_done"][slot] = time.time()
 
     def dump(self, reason: str) -> Path:
         """Write this rank's ring as ``rank_NNNNN.json`` (readable; oldest record first)."""
@@ -182,8 +185,9 @@ def diagnose(folder: Path, world: int, me: int | None = None) -> str:
         return m["records"][-1] if m["records"] else None
 
     def waiting(m: Mapping[str, Any]) -> dict[str, Any] | None:
-        r = last(m)
-        return r if r is not None and not r["t_done"] else None
+        """The oldest collective not completed: where the rank waits. On NCCL a rank goes on
+        entering collectives after the one that stalls (they return once queued)."""
+        return next((r for r in m["records"] if not r["t_done"]), None)
 
     # 1. frozen or dead processes (this host)
     culprits = [r for r, m in ranks.items() if _process_state(m) is not None]

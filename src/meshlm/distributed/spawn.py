@@ -7,6 +7,7 @@ Each rank is a fresh ``spawn`` process with one thread; the parent serves the re
 from __future__ import annotations
 
 import pickle
+import time
 
 import torch
 
@@ -60,12 +61,22 @@ def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:  # noqa: A
     for p in procs:
         p.start()
     results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
             try:
-                rank, status, value = q.get(timeout=timeout)
+                rank, status, value = q.get(timeout=1.0)
             except queue_mod.Empty:
-                raise TimeoutError(f"world of {world} timed out after {timeout}s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None
+                        and r not in results]
+                if dead and q.empty():  # (a rank that died without a word: a signal, an abort)
+                    time.sleep(0.5)
+                    if q.empty():
+                        code = procs[dead[0]].exitcode
+                        raise RuntimeError(f"rank {dead[0]} died (exit code {code})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"world of {world} timed out after {timeout}s") from None
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)

@@ -7,9 +7,12 @@ of the plain model, so parameter names stay those of the one-process model.
 
 :class:`PipelineExecutor` runs a rank's list of actions (see ``schedules.py``) for ``m``
 micro-batches. Activations and their gradients move with ``batch_isend_irecv`` over the pp
-axis, each run of consecutive send/recv actions as one batch; shapes are known ahead
-(micro-batch x sequence [/ tp with SP] x hidden, fp32), so there is no shape handshake. Sends
-are waited at the end of the step, receives at once. Zero-bubble ``I``/``W`` passes: ``I``
+axis, each run of consecutive send/recv actions of the table as one group with one handle --
+exactly the groups ``schedules.simulate`` checks under NCCL's rule; shapes are known ahead
+(micro-batch x sequence [/ tp with SP] x hidden, fp32), so there is no shape handshake. A
+compute action waits for the group holding its input; groups holding only sends are waited at
+the end of the step. Timings (the timeline, the measured bubble) come from CUDA events on GPU
+-- the kernels' times, not their launches' -- and from the host clock on CPU. Zero-bubble ``I``/``W`` passes: ``I``
 runs autograd for the stage input and the non-matmul weights only while each linear layer's
 input and output gradient are captured; ``W`` then forms the linear weight gradients
 ``dy^T x`` directly. Eager, module hooks capture them. With compiled blocks (``train.compile``),
@@ -100,6 +103,33 @@ class PipelineModel:
         return mods
 
 
+class _Clock:
+    """Marks on the device's timeline: the host clock on CPU; CUDA events on GPU (GPU-only
+    path), so that an interval is the kernels' time, not the time to launch them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def seconds(self) -> list[float]:
+        """Every mark's time since the first (waits for the last on GPU)."""
+        if not self.marks:
+            return []
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [self.marks[0].elapsed_time(e) / 1e3 for e in self.marks]
+        return [t - self.marks[0] for t in self.marks]
+
+
 @dataclass
 class _Slot:
     """What one (micro-batch, stage) keeps between its forward and backward."""
@@ -127,8 +157,6 @@ class PipelineExecutor:
         # gradient to a hook, so the linears become split linears whose backward (in I)
         # captures both (split_linear.py)
         self.capture = self.split and not compiled
-        if device.type == "cuda":
-            self.RECV_AHEAD = 0
         self._capture: list | None = None
         self._split_weights: list[nn.Parameter] = []
         if self.split and compiled:
@@ -157,36 +185,38 @@ class PipelineExecutor:
         """Forward + backward of every micro-batch; returns the sum of the last stage's losses."""
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.recvd: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}
-        self.recv_queue = [a for a in self.actions if a.op.startswith("RECV")]
-        self.next_recv = 0
         self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sends: list = []
         self.micro, self.seq_len, self.loss_sum = micro, seq_len, 0.0
-        self.timeline, self.peak_live, live = [], 0, 0
-        t_start = time.perf_counter()
+        self.peak_live, live = 0, 0
+        clock = _Clock(self.device)
+        spans: list[tuple[Action, int, int]] = []
         i = 0
         while i < len(self.actions):
             j = i
             while j < len(self.actions) and self.actions[j].op[:4] in ("SEND", "RECV"):
                 j += 1
-            if j > i:  # a run of point-to-point actions: one batch
+            if j > i:  # a run of point-to-point actions: one group
                 self._p2p(self.actions[i:j])
                 i = j
                 continue
             a = self.actions[i]
             self._wait_input(a)  # (waiting is bubble, not compute: outside the timed interval)
-            t0 = time.perf_counter()
+            start = clock.mark()
             with phase("forward" if a.op == "F" else "backward"):
                 getattr(self, f"_do_{a.op}")(a)
+            spans.append((a, start, clock.mark()))
             live += {"F": 1, "B": -1, "W": -1}.get(a.op, 0)
             self.peak_live = max(self.peak_live, live)
-            self.timeline.append({"op": a.op, "mb": a.mb, "stage": a.stage,
-                                  "start": t0 - t_start, "end": time.perf_counter() - t_start})
             i += 1
         for w in self.sends:
             w.wait()
         self.sends.clear()  # (releases the last sent activations and gradients)
-        self.step_time = time.perf_counter() - t_start
+        end = clock.mark()
+        at = clock.seconds()
+        self.timeline = [{"op": a.op, "mb": a.mb, "stage": a.stage, "start": at[s], "end": at[e]}
+                         for a, s, e in spans]
+        self.step_time = at[end]
         return self.loss_sum
 
     def bubble(self) -> float:
@@ -194,33 +224,21 @@ class PipelineExecutor:
         busy = sum(e["end"] - e["start"] for e in self.timeline)
         return 1.0 - busy / self.step_time if self.step_time > 0 else 0.0
 
-    # Receives posted before they are needed, so data lands during compute. gloo matches each
-    # peer's messages in order whatever the grouping; NCCL runs a pair's groups one after
-    # another, so there (GPU-only path, untested here) receives stay in their table batch.
-    RECV_AHEAD = 2
-
     def _p2p(self, acts: list[Action]) -> None:
-        """Post a run of sends (one batch) and the receives up to RECV_AHEAD beyond it.
-
-        Receives are posted in table order, so each peer's messages still match in order;
-        a receive is waited only when its compute action needs the data.
-        """
-        sends = [("send", self.to_send.pop((a.op[-1], a.mb, a.stage)), a.peer)
-                 for a in acts if a.op.startswith("SEND")]
-        last_recv = max((self.recv_queue.index(a) for a in acts if a.op.startswith("RECV")),
-                        default=self.next_recv - 1)
-        ops, keys = list(sends), []
-        while self.next_recv < len(self.recv_queue) and (
-                self.next_recv <= last_recv + self.RECV_AHEAD):
-            a = self.recv_queue[self.next_recv]
-            buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
-            keys.append(((a.op[-1], a.mb, a.stage), buf))
-            ops.append(("recv", buf, a.peer))
-            self.next_recv += 1
-        works = self.comm.batch_p2p(ops, AXIS) if ops else []
-        self.sends += works[: len(sends)]
-        for (key, buf), w in zip(keys, works[len(sends):], strict=True):
-            self.recvd[key] = (buf, w)
+        """Post one group of the table: its sends and receives, one handle."""
+        ops, keys = [], []
+        for a in acts:
+            key = (a.op[-1], a.mb, a.stage)
+            if a.op.startswith("SEND"):
+                ops.append(("send", self.to_send.pop(key), a.peer))
+            else:
+                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                keys.append((key, buf))
+                ops.append(("recv", buf, a.peer))
+        handle = self.comm.batch_p2p(ops, AXIS)
+        self.sends.append(handle)  # (waited again at the end: a no-op once completed)
+        for key, buf in keys:
+            self.recvd[key] = (buf, handle)
 
     def _wait_input(self, a: Action) -> None:
         last = self.pipe.n_stages - 1
@@ -330,13 +348,12 @@ class PipelineExecutor:
                 continue
             if s > 0:
                 x = torch.empty(shape, dtype=torch.float32, device=self.device)
-                self.comm.batch_p2p([("recv", x, (s - 1) % self.pp)], AXIS)[0].wait()
+                self.comm.batch_p2p([("recv", x, (s - 1) % self.pp)], AXIS).wait()
             with self.autocast():
                 out, _ = self.pipe.forward(s, x, ids.shape[1])
             if s < self.pipe.n_stages - 1:
-                w = self.comm.batch_p2p([("send", out.float().contiguous(), (s + 1) % self.pp)],
-                                        AXIS)[0]
-                w.wait()
+                self.comm.batch_p2p([("send", out.float().contiguous(), (s + 1) % self.pp)],
+                                    AXIS).wait()
         return out if self.pipe.n_stages - 1 in self.pipe.stages else None
 
 

@@ -77,10 +77,11 @@ class Ring:
         self.tiles = 0
 
     def exchange(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...]) -> list:
-        """Post ``send`` to the next rank and ``recv`` from the previous one; their works."""
+        """Post ``send`` to the next rank and ``recv`` from the previous one as one group;
+        ``[its handle]`` (every rank posts the same sequence of groups: they match in order)."""
         nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         ops = [("send", t, nxt) for t in send] + [("recv", t, prev) for t in recv]
-        return self.comm.batch_p2p(ops, AXIS)
+        return [self.comm.batch_p2p(ops, AXIS)]
 
     def plan(self, step: int, local: int) -> list[Block]:
         return block_plan(self.rank, (self.rank - step) % self.size, local, self.zigzag)

@@ -1,0 +1,108 @@
+"""Stall monitor: reads collectives' completion from their work handles and names a stalled rank
+where the rank's own error handling never runs.
+
+On NCCL a collective returns once queued: the call returning says nothing about completion, a
+peer that stalls surfaces later at some synchronisation (a loss read, a metrics reduction), and
+NCCL's watchdog then aborts the process -- ``train()``'s handler never runs, and the launcher
+would name whichever rank aborted first. So on CUDA (and in NCCL-semantics mode,
+:mod:`meshlm.distributed.nccl_semantics`) :class:`~meshlm.distributed.comm.Comm` hands every
+collective's work handle to this monitor instead of marking its flight record done itself. A
+thread polls the pending handles (``work.is_completed()``: on CUDA an event query), writes each
+completion time into the flight recorder, and when the oldest pending collective has waited
+``timeout_s`` it dumps this rank's ring, reads every rank's ring and -- with
+:func:`~meshlm.distributed.flight.diagnose` -- names the stalled rank, its coordinates and its
+last collective: one line on stderr and in the worker's error file (``CollectiveFailure: ...``,
+what the launcher reports), then the process exits (status 1) before the process group's own
+timeout (set to twice as long) would abort it. The verdict is therefore out within
+``timeout_s`` plus one poll.
+
+Communication: none. Memory: a reference to each pending work until it is seen completed (at
+most ``poll_s`` after it completes); one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .flight import FlightRecorder, diagnose
+
+
+def write_error_file(message: str) -> None:
+    """Write ``CollectiveFailure: message`` where torchelastic reads a worker's error
+    (``TORCHELASTIC_ERROR_FILE``; nothing without one), in its format."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"CollectiveFailure: {message}",
+                        "extraInfo": {"py_callstack": "(stall monitor)", "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _exit_with(message: str) -> None:
+    write_error_file(message)
+    print(f"meshlm: error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+class StallMonitor:
+    """Polls pending collectives of one rank (see the module docstring)."""
+
+    def __init__(self, flight: FlightRecorder, world: int, timeout_s: float,
+                 poll_s: float | None = None,
+                 on_stall: Callable[[str], None] = _exit_with) -> None:
+        self.flight, self.world, self.timeout_s = flight, world, timeout_s
+        self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.05, timeout_s / 20))
+        self.on_stall = on_stall
+        self._pending: dict[int, tuple[int, Any, float]] = {}  # seq -> (slot, work, entered)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.fired: str | None = None
+        self._thread = threading.Thread(target=self._run, name="meshlm-stall-monitor",
+                                        daemon=True)
+        self._thread.start()
+
+    def track(self, slot: int, seq: int, work: Any) -> None:
+        """Collective number ``seq`` (flight ``slot``), complete when ``work.is_completed()``."""
+        with self._lock:
+            self._pending[seq] = (slot, work, time.time())
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def poll(self) -> None:
+        """Mark completed collectives done; fire once the oldest pending is ``timeout_s`` old."""
+        with self._lock:
+            items = list(self._pending.items())
+        oldest = None
+        for seq, (slot, work, entered) in items:
+            if work.is_completed():
+                self.flight.done(slot, seq)
+                with self._lock:
+                    self._pending.pop(seq, None)
+            elif oldest is None or entered < oldest:
+                oldest = entered
+        if oldest is not None and time.time() - oldest > self.timeout_s and self.fired is None:
+            self.flight.dump(f"a collective pending for more than {self.timeout_s:g} s")
+            self.fired = diagnose(self.flight.folder, self.world)
+            self.on_stall(self.fired)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 (a monitor must not kill training)
+                print(f"meshlm: stall monitor: {type(exc).__name__}: {exc}", file=sys.stderr)

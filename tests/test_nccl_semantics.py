@@ -1,0 +1,207 @@
+"""NCCL-semantics mode: gloo behaving as NCCL does, so a CPU run fails where a GPU run would.
+
+One spawned world of 2 checks the process-group layer itself (one handle per group, a send
+that completes only when matched, groups in order, tensor checks) against plain gloo; a second
+runs the pipeline executor with interleaved tables that place each receive right before its
+compute, which deadlock in NCCL-semantics mode as they would on GPUs, while Megatron-Core's
+grouping trains (the same losses as on plain gloo). The stall monitor and the launcher's verdict are checked without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from meshlm.distributed import nccl_semantics
+from meshlm.distributed.flight import FlightRecorder, read_ring
+from meshlm.distributed.stall import StallMonitor
+from meshlm.testing import run_world
+
+
+def _comm(timeout_s: float = 60.0):  # noqa: ANN202
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from meshlm.distributed.comm import Comm
+    from meshlm.distributed.mesh import Mesh
+    from meshlm.layout import Layout
+
+    _set_pg_timeout(timedelta(seconds=timeout_s), dist.group.WORLD)
+    mesh = Mesh(Layout(pp=2))
+    return Comm(mesh)
+
+
+def _semantics_body(nccl: bool) -> dict:
+    """Checks of the process-group layer on 2 ranks; returns what each rank saw."""
+    import torch
+
+    os.environ[nccl_semantics.ENV] = "1" if nccl else "0"
+    comm = _comm(timeout_s=60.0)
+    r, peer = comm.rank("pp"), 1 - comm.rank("pp")
+    out: dict = {"nccl_rules": comm.nccl_rules}
+    # one handle for a group of four operations, data as sent
+    a, b = torch.full((3,), 10.0 + r), torch.full((2,), 20.0 + r)
+    ra, rb = torch.empty(3), torch.empty(2)
+    h = comm.batch_p2p([("send", a, peer), ("send", b, peer), ("recv", ra, peer),
+                        ("recv", rb, peer)], "pp")
+    h.wait()
+    h.wait()  # a second wait returns at once
+    out["received"] = ra.tolist() + rb.tolist()
+    # a send is complete only once the peer has started the group with its receive: rank 1
+    # posts that receive 1.5 s late; rank 0's send handle must not complete before
+    if r == 0:
+        t0 = time.perf_counter()
+        comm.batch_p2p([("send", torch.ones(4), 1)], "pp").wait()
+        out["send_wait_s"] = time.perf_counter() - t0
+    else:
+        time.sleep(1.5)
+        comm.batch_p2p([("recv", torch.empty(4), 0)], "pp").wait()
+    # NCCL takes contiguous tensors on the rank's device only
+    try:
+        comm.all_reduce(torch.ones(4, 4).t(), "pp")
+        out["non_contiguous"] = "accepted"
+    except ValueError as e:
+        out["non_contiguous"] = str(e)
+        comm.all_reduce(torch.ones(4, 4), "pp")  # (keep the ranks' collectives matched)
+    comm.close()
+    return out
+
+
+def test_process_group_layer_in_nccl_semantics_mode() -> None:
+    nccl = run_world(2, _semantics_body, True, timeout=120)
+    plain = run_world(2, _semantics_body, False, timeout=120)
+    for res in (nccl, plain):
+        assert res[0]["received"] == [11.0] * 3 + [21.0] * 2
+        assert res[1]["received"] == [10.0] * 3 + [20.0] * 2
+    assert nccl[0]["nccl_rules"] and not plain[0]["nccl_rules"]
+    # the send completes only when the receive is posted
+    assert nccl[0]["send_wait_s"] > 1.2, nccl[0]
+    assert "not contiguous" in nccl[0]["non_contiguous"]
+    assert plain[0]["non_contiguous"] == "accepted"
+
+
+def _deadlock_body(nccl: bool) -> str:
+    """Send first, then receive, on both ranks, in two groups: gloo completes the sends
+    locally; under NCCL's rule each rank's send group waits for the other's receive group,
+    which its stream runs only after its own send group: a deadlock."""
+    import torch
+
+    os.environ[nccl_semantics.ENV] = "1" if nccl else "0"
+    comm = _comm(timeout_s=3.0)
+    peer = 1 - comm.rank("pp")
+    x, y = torch.ones(8), torch.empty(8)
+    sent = comm.batch_p2p([("send", x, peer)], "pp")
+    comm.batch_p2p([("recv", y, peer)], "pp").wait()
+    sent.wait()
+    comm.close()
+    return "completed"
+
+
+def test_send_send_deadlock_surfaces_as_on_nccl() -> None:
+    assert run_world(2, _deadlock_body, False, timeout=60) == ["completed"] * 2
+    with pytest.raises(RuntimeError, match=r"died \(exit code -6\)"):  # SIGABRT: the watchdog
+        run_world(2, _deadlock_body, True, timeout=60)
+
+
+def _pipeline_body(base: list[str], run: list[str], ungrouped: bool) -> dict[int, float]:
+    """Train with the interleaved schedule; ``ungrouped``: the tables gloo forgave."""
+    import meshlm.parallel.pipeline as pipeline
+    from meshlm.testing import train_runs
+
+    if ungrouped:
+        from meshlm.parallel.schedules import tables_from_order
+
+        pipeline.build_schedule = tables_from_order
+    return train_runs(base, [run])[0]
+
+
+def test_interleaved_groups_deadlock_in_nccl_mode_unless_regrouped(
+        corpus_dir: Path, cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
+            "--data.vocab_size=512", "--data.seq_len=32", "--train.steps=1",
+            "--train.global_batch=8", "--train.micro_batch=2", "--train.eval_every=0",
+            "--run.sample_tokens=0", "--train.peak_flops=1e10", "--model.n_layers=4",
+            "--parallel.pp=2", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2"]
+    plain = run_world(2, _pipeline_body, base, [f"--run.dir={tmp_path / 'a'}"], False, timeout=120)
+    monkeypatch.setenv(nccl_semantics.ENV, "1")
+    grouped = run_world(2, _pipeline_body, base, [f"--run.dir={tmp_path / 'b'}"], False,
+                        timeout=120)
+    assert grouped[1] == pytest.approx(plain[1], rel=1e-6)
+    # NCCL's rule does not: the start-up timeout (30 s in run_world) ends it with SIGABRT
+    with pytest.raises(RuntimeError, match=r"died \(exit code -6\)"):
+        run_world(2, _pipeline_body, base, [f"--run.dir={tmp_path / 'c'}"], True, timeout=70)
+
+
+# ------------------------------------------------------------------ stall monitor, launcher
+class _Work:
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _ring(folder: Path, rank: int, world: int = 2) -> FlightRecorder:
+    return FlightRecorder(folder, rank, world, 16, {"pp": 0, "dp": rank, "cp": 0, "tp": 0},
+                          {"dp": list(range(world))})
+
+
+def test_stall_monitor_reads_completion_from_handles_and_names_the_laggard(tmp_path: Path) -> None:
+    """Completion is what the handle says, not the call returning; a collective pending past
+    the timeout gets one verdict naming the rank that never reached it."""
+    me, peer = _ring(tmp_path, 0), _ring(tmp_path, 1)
+    verdicts: list[str] = []
+    monitor = StallMonitor(me, 2, timeout_s=0.3, poll_s=0.05, on_stall=verdicts.append)
+    try:
+        for ring in (me, peer):  # both ranks did all_reduce #1 ...
+            slot = ring.enter("all_reduce", "dp", 64, True)
+            ring.done(slot)
+        done_work, stuck_work = _Work(), _Work()
+        slot = me.enter("all_reduce", "dp", 64, True)  # ... rank 0 alone enters #2 and #3
+        monitor.track(slot, me.seq, done_work)
+        slot3 = me.enter("all_reduce", "dp", 64, True)
+        monitor.track(slot3, me.seq, stuck_work)
+        done_work.done = True  # #2 completed on the device; #3 never will (rank 1 is away)
+        time.sleep(0.2)
+        records = read_ring(tmp_path, 0)["records"]
+        assert records[1]["t_done"] is not None and records[2]["t_done"] is None
+        assert not verdicts  # not yet: 0.3 s
+        deadline = time.time() + 5
+        while not verdicts and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        monitor.close()
+    assert len(verdicts) == 1, verdicts
+    assert verdicts[0].startswith("stalled rank 1 (pp 0, dp 1, cp 0, tp 0; never reached the "
+                                  "collective its peers wait in)"), verdicts[0]
+    assert "rank 0 waited in all_reduce[dp] #3" in verdicts[0]
+    assert (tmp_path / "rank_00000.json").is_file()
+
+
+def test_launcher_reports_the_root_cause_not_the_watchdog_abort(tmp_path: Path) -> None:
+    """The first failure is a rank NCCL's watchdog aborted (SIGABRT); another rank's stall
+    monitor wrote the verdict: the launcher reports the verdict."""
+    import json
+
+    from meshlm.launch import _summarise
+
+    verdict = "stalled rank 3 (pp 0, dp 1, cp 0, tp 1; process stopped): last collective x"
+    error_file = tmp_path / "run_id" / "attempt_0" / "1" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    error_file.write_text(json.dumps({"message": {"message": f"CollectiveFailure: {verdict}",
+                                                  "extraInfo": {"timestamp": "1"}}}))
+    aborted = SimpleNamespace(exitcode=-signal.SIGABRT, error_file=str(tmp_path / "none.json"),
+                              error_file_data={}, signal_name=lambda: "SIGABRT")
+    err = SimpleNamespace(get_first_failure=lambda: (0, aborted))
+    rank, message = _summarise(err, str(tmp_path))
+    assert message == verdict, message
+    # without a verdict anywhere, the abort itself is named as what it is
+    error_file.unlink()
+    _, message = _summarise(err, str(tmp_path))
+    assert message.startswith("worker rank 0 aborted (SIGABRT: a collective timed out"), message
