@@ -205,3 +205,36 @@ def test_launcher_reports_the_root_cause_not_the_watchdog_abort(tmp_path: Path) 
     error_file.unlink()
     _, message = _summarise(err, str(tmp_path))
     assert message.startswith("worker rank 0 aborted (SIGABRT: a collective timed out"), message
+
+
+def test_frozen_rank_is_named_by_the_stall_monitor(corpus_dir: Path, cache_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """NCCL-semantics mode, ``meshlm train`` on 4 workers (dp 2 x tp 2): rank 3 freezes in step
+    3. No rank's error handling speaks (collectives abort, as on NCCL); the stall monitors read
+    completion from the handles and name rank 3, its coordinates and its last collective; the
+    launcher reports that verdict, within 2x distributed.timeout_s of the freeze."""
+    import subprocess
+    import sys
+
+    from meshlm.testing import command_env
+
+    timeout_s = 10.0
+    stop_file, run = tmp_path / "stopped_at", tmp_path / "run"
+    argv = [str(Path(sys.executable).with_name("meshlm")), "train", "--model.preset=tiny",
+            f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
+            "--data.vocab_size=512", "--data.seq_len=32", "--train.global_batch=8",
+            "--train.micro_batch=4", "--train.eval_every=0", "--run.sample_tokens=0",
+            "--train.peak_flops=1e10", "--parallel.dp=2", "--parallel.tp=2",
+            "--train.steps=200", f"--run.dir={run}", f"--distributed.timeout_s={timeout_s}"]
+    env = command_env({nccl_semantics.ENV: "1", "MESHLM_FAULT_STOP_AT_STEP": "3",
+                       "MESHLM_FAULT_STOP_FILE": str(stop_file)})
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    ended = time.time()
+    assert proc.returncode == 1, proc.stderr
+    assert ended - float(stop_file.read_text()) < 2 * timeout_s, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("meshlm: error: stalled rank 3 (pp 0, dp 1, cp 0, tp 1; process "
+                           "stopped): last collective "), proc.stderr
+    assert str(run / "flight") in line
+    assert "gave up on a collective" not in proc.stderr  # train()'s handler never ran
+    assert any((run / "flight").glob("rank_0000[012].json")), "a monitor dumped its ring"

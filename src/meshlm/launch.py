@@ -608,10 +608,14 @@ def _last_collective(flight_dir: str | None, rank: int) -> str:
 def _summarise(err: Any, log_dir: str, flight_dir: str | None = None) -> tuple[int, str]:
     """(rank, one-line message) of the root cause of a ChildFailedError."""
     rank, failure = err.get_first_failure()
-    if failure.exitcode < 0:
+    aborted = failure.exitcode == -signal.SIGABRT
+    if failure.exitcode < 0 and not aborted:
         # Died by a signal: nothing ran afterwards to write an error file, so it failed first.
         return rank, (f"worker rank {rank} died (signal {failure.signal_name()})"
                       + _last_collective(flight_dir, rank))
+    # SIGABRT is what NCCL's watchdog (or NCCL-semantics mode) does to a rank whose collective
+    # timed out: a consequence. The root cause is in another rank's error file (the stall
+    # monitor's verdict, meshlm/distributed/stall.py) when there is one.
     # No error file (e.g. the worker died while starting up) leaves torch's placeholder data.
     has_file = os.path.isfile(failure.error_file)
     reported = _error_message(failure.error_file_data) if has_file else ""
@@ -628,6 +632,9 @@ def _summarise(err: Any, log_dir: str, flight_dir: str | None = None) -> tuple[i
             return rank, _first_line(reported.removeprefix(own), 1000)
     if reported:
         return rank, f"worker rank {rank} failed: {_first_line(reported)}"
+    if aborted:
+        return rank, (f"worker rank {rank} aborted (SIGABRT: a collective timed out and the "
+                      "watchdog ended the process)" + _last_collective(flight_dir, rank))
     return rank, f"worker rank {rank} exited with code {failure.exitcode}"
 
 
