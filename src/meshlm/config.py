@@ -167,6 +167,11 @@ class DistributedSection:
     timeout_s: float = 600.0
     init_timeout_s: float = 1800.0
     flight_records: int = 256  # collectives each rank's flight recorder keeps (run.dir/flight)
+    # a rank whose own work per step (step time minus time waiting in collectives) exceeds
+    # its peers' median by this fraction, straggler_steps steps in a row, is named in the
+    # log (train/stragglers.py); 0 -> no detection (the per-rank times are still recorded)
+    straggler_threshold: float = 0.2
+    straggler_steps: int = 5
 
 
 @dataclass
@@ -490,6 +495,11 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(getattr(d_, key) > 0, f"distributed.{key}={getattr(d_, key)} must be positive")
     _check(d_.flight_records >= 1,
            f"distributed.flight_records={d_.flight_records} must be >= 1")
+    _check(d_.straggler_threshold >= 0,
+           f"distributed.straggler_threshold={d_.straggler_threshold} must be >= 0 "
+           "(0: no straggler detection)")
+    _check(d_.straggler_steps >= 1,
+           f"distributed.straggler_steps={d_.straggler_steps} must be >= 1")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
            f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
     _check(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps} must be >= 0")

@@ -7,7 +7,10 @@ rank of the world -- only when the worker group has not been restarted yet
 ``MESHLM_FAULT_INF_GRAD="k:r"`` puts an inf (``MESHLM_FAULT_NAN_GRAD``: a NaN) into rank r's
 gradients at step k; ``MESHLM_FAULT_STOP_AT_STEP=k`` freezes the highest rank (SIGSTOP) inside
 step k, after its first micro-batch, writing the time to ``MESHLM_FAULT_STOP_FILE`` first
-(first attempt only). Unset: no effect.
+(first attempt only). ``MESHLM_FAULT_SLOW_RANK="r:seconds"`` makes rank r a straggler: it
+sleeps that many seconds at the start of every step (every attempt, restarts included), before
+its first collective, so its peers wait for it there; ``"r:seconds:k1-k2"`` only in steps k1 to
+k2. Unset: no effect.
 No communication, no memory.
 """
 
@@ -54,6 +57,18 @@ def stop_if_asked(step: int, rank: int) -> None:
             with open(path, "w") as f:
                 f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def slow_if_asked(step: int, rank: int) -> None:
+    """``MESHLM_FAULT_SLOW_RANK="r:seconds[:k1-k2]"``: rank r sleeps ``seconds`` in step
+    ``step`` (every step, or steps k1 to k2); called once per step."""
+    spec = os.environ.get("MESHLM_FAULT_SLOW_RANK")
+    if not spec:
+        return
+    who, seconds, *steps = spec.split(":")
+    first, _, last = (steps[0] if steps else "1-").partition("-")
+    if int(who) == rank and int(first) <= step <= (int(last) if last else step):
+        time.sleep(float(seconds))
 
 
 def kill_if_asked(variable: str, step: int, rank: int, world_size: int) -> None:

@@ -40,7 +40,7 @@ from ..data import DataBundle, build_data, cache_root
 from ..data.sampler import StepSampler, val_batches
 from ..distributed import faults
 from ..distributed.comm import Comm, CommLog
-from ..distributed.faults import kill_if_asked, poison_if_asked, stop_if_asked
+from ..distributed.faults import kill_if_asked, poison_if_asked, slow_if_asked, stop_if_asked
 from ..distributed.flight import CollectiveFailure, FlightRecorder, diagnose, is_comm_failure
 from ..distributed.mesh import Mesh
 from ..distributed.phases import phase, phase_of
@@ -73,6 +73,7 @@ from .run_dir import (
 )
 from .sampling import full_logits
 from .stopping import StopSignals
+from .stragglers import WARMUP_STEPS, detector_for, wait_clock
 
 Log = Callable[[str], None]
 
@@ -139,6 +140,12 @@ class Trainer:
         self.dp_rank = self.mesh.island * self.mesh.size("dp") + self.mesh.local_rank("dp")
         # per-step agreements run over this rank's island ("world" when there is one)
         self.island_axis = "inner" if self.mesh.islands > 1 else "world"
+        # every rank's step and wait times ride on the metrics all-reduce; rank 0 names
+        # stragglers (train/stragglers.py), ignoring a compiled run's compiling step too
+        self.wait_clock = wait_clock(self.comm, self.device.type, self.log)
+        self.stragglers = detector_for(self.mesh, cfg.distributed.straggler_threshold,
+                                       cfg.distributed.straggler_steps,
+                                       warmup=WARMUP_STEPS + int(cfg.train.compile))
         self.diloco = (Diloco(self.engine, self.comm, cfg.diloco, self.model_cfg.n_layers)
                        if self.mesh.islands > 1 else None)
         # context parallelism: this rank reads and computes only its share of each sequence
@@ -307,6 +314,7 @@ class Trainer:
         Returns (global mean loss, global gradient norm; None when fp16 skipped the step).
         """
         cfg = self.cfg.train
+        slow_if_asked(step, self.mesh.rank)  # (tests: a straggler)
         micro = self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size, cfg.micro_batch,
                                                 self.cp_positions)
         if self.cp is not None:
@@ -452,25 +460,28 @@ class Trainer:
         every = self.cfg.train.checkpoint_every
         return bool(every and step % every == 0) or step == self.cfg.train.steps
 
-    def record(self, step: int, loss: float, grad_norm: float, dt: float) -> dict[str, Any]:
+    def record(self, step: int, loss: float, grad_norm: float, dt: float, wait: float = 0.0
+               ) -> dict[str, Any]:
         """The metrics record of ``step``. Collective: with several ranks, one all-reduce of
-        4 x world float64 (logged as metrics traffic) gives every rank's step peak and state
-        bytes; ``mem_peak_bytes`` is the largest peak, and on evaluation and checkpoint steps
-        (the last step is one) the record also lists them per rank for ``meshlm report``.
+        6 x world float64 (logged as metrics traffic) gives every rank's step peak, state
+        bytes, step time ``dt`` and seconds ``wait`` spent waiting in collectives;
+        ``mem_peak_bytes`` is the largest peak, and on evaluation and checkpoint steps (the
+        last step is one) the record also lists them per rank for ``meshlm report``. Every
+        record lists the step and wait times per rank (rank 0 looks for stragglers in them).
         With islands, "world" is this rank's island (ranks of island 0 in rank 0's record)."""
         tps = self.tokens_per_step / dt
         mem = self.engine.state_bytes()
         world = self.mesh.size(self.island_axis)
         rank = self.mesh.local_rank(self.island_axis)
-        table = [0.0] * (4 * world + 1)  # per rank: peak, params, grads, optim; stop flag
-        table[4 * rank: 4 * rank + 4] = [float(self.memory.measure("steps")), mem["params"],
-                                         mem["grads"], mem["optim"]]
+        table = [0.0] * (6 * world + 1)  # per rank: peak, params, grads, optim, time, wait; stop
+        table[6 * rank: 6 * rank + 6] = [float(self.memory.measure("steps")), mem["params"],
+                                         mem["grads"], mem["optim"], dt, wait]
         table[-1] = float(self.stop.requested)
         if world > 1:
             table = self.comm.reduce_scalars(table, self.island_axis)
         self.stop_agreed = table[-1] > 0  # some rank was asked to stop: all stop here
         table = table[:-1]
-        per_rank = [[int(x) for x in table[i::4]] for i in range(4)]
+        per_rank = [[int(x) for x in table[i::6]] for i in range(4)]
         return {
             "step": step, "loss": loss, "lr": lr_at(step, self.cfg.train), "grad_norm": grad_norm,
             "tokens_per_s": tps, "mfu": tps * self.flops_per_token / (self.peak * self.mesh.world_size),
@@ -492,7 +503,22 @@ class Trainer:
             **({"nonfinite": self.nonfinite} if self.nonfinite else {}),
             **({"nonfinite_skips": self.policy.skips, "rollbacks": self.policy.rollbacks}
                if self.policy.skips else {}),
+            **self.straggler_record(step, table[4::6], table[5::6]),
         }
+
+    def straggler_record(self, step: int, times: list[float], waits: list[float]
+                         ) -> dict[str, Any]:
+        """Every rank's step and wait times (seconds, island order) for the record; rank 0
+        logs what its straggler detector decides and adds the slowest named rank."""
+        rec: dict[str, Any] = {"step_time_per_rank": [round(t, 6) for t in times],
+                               "wait_time_per_rank": [round(w, 6) for w in waits]}
+        if self.stragglers is None:
+            return rec
+        for line in self.stragglers.update(step, times, waits):
+            self.log(line)
+        if (worst := self.stragglers.current) is not None:
+            rec["straggler"] = worst.record()
+        return rec
 
     def outer_sync(self, step: int, loss: float) -> dict[str, Any]:
         """DiLoCo: the outer step of the fragments due after ``step`` (parallel/diloco.py).
@@ -539,9 +565,11 @@ class Trainer:
                     step += 1
                     profiler.start_step(step)
                     self.comm.log.reset()
+                    self.wait_clock.start()
                     t0 = time.perf_counter()
                     loss, grad_norm = self.train_step(step)
                     dt = time.perf_counter() - t0
+                    wait = self.wait_clock.stop()
                     self.step = step
                     if step == start + 1:  # start-up is over: the shorter collective timeout
                         self.mesh.set_timeout(self.cfg.distributed.timeout_s)
@@ -557,7 +585,7 @@ class Trainer:
                                  f"skip, {self.policy.skips} so far)")
                     else:
                         self.policy.finite(step)
-                    rec = self.record(step, loss, grad_norm, dt)  # (agrees on stop requests)
+                    rec = self.record(step, loss, grad_norm, dt, wait)  # (agrees on stop)
                     if self.diloco is not None:  # islands meet: outer step, stop agreed by all
                         rec.update(self.outer_sync(step, loss))
                     if step == start + 1:  # this process's start-up peaks, once
