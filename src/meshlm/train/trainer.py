@@ -45,6 +45,7 @@ from ..distributed.flight import CollectiveFailure, FlightRecorder, diagnose, is
 from ..distributed.mesh import Mesh
 from ..distributed.phases import phase, phase_of
 from ..distributed.source import InitSource, TensorSource, read_local
+from ..distributed.stall import StallMonitor
 from ..generate import generate_text
 from ..models.llama import Transformer, build_model
 from ..optim import lr_at
@@ -191,7 +192,29 @@ class Trainer:
                              self.cfg.distributed.flight_records, self.mesh.coords,
                              self.mesh.group_ranks())
         self.comm.flight = rec
+        if not self.comm.completes_on_return:
+            # CUDA / NCCL-semantics mode: a collective returning says nothing about completion,
+            # and a timeout aborts the process; the stall monitor reads completion from the
+            # handles and names a stalled rank before the process group's (doubled) timeout
+            timeout = self.comm._timeout_s()
+            self.comm.monitor = StallMonitor(rec, self.mesh.world_size, timeout)
+            self.mesh.set_timeout(2 * timeout)
         return rec
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """From now on a collective waits ``seconds`` (with a stall monitor: the monitor
+        speaks after ``seconds``, the process group gives up after twice as long)."""
+        if self.comm.monitor is not None:
+            self.comm.monitor.timeout_s = seconds
+            seconds *= 2
+        self.mesh.set_timeout(seconds)
+
+    def close_comm(self) -> None:
+        """Stop the stall monitor and the point-to-point stream (a run's end, or its failure)."""
+        if self.comm.monitor is not None:
+            self.comm.monitor.close()
+            self.comm.monitor = None
+        self.comm.close()
 
     def build_model(self) -> None:
         """Shard-only construction: the model on the meta device, parallelised, then each rank
@@ -572,7 +595,7 @@ class Trainer:
                     wait = self.wait_clock.stop()
                     self.step = step
                     if step == start + 1:  # start-up is over: the shorter collective timeout
-                        self.mesh.set_timeout(self.cfg.distributed.timeout_s)
+                        self.set_collective_timeout(self.cfg.distributed.timeout_s)
                     kill_if_asked("MESHLM_FAULT_KILL_AT_STEP", step, self.mesh.rank,
                                   self.mesh.world_size)  # (tests)
                     if self.nonfinite and self.policy.on_event(step, self.nonfinite) == "rollback":
@@ -766,6 +789,8 @@ def _fit(trainer: Trainer, cfg: Config) -> TrainResult:
         raise CollectiveFailure(
             f"rank {trainer.mesh.rank} gave up on a collective ({_first_line(exc)}); "
             + diagnose(trainer.flight.folder, trainer.mesh.world_size)) from exc
+    finally:
+        trainer.close_comm()
     log = trainer.log  # rank 0 only
     if result.val_losses:
         first, last = min(result.val_losses), max(result.val_losses)
