@@ -290,7 +290,7 @@ class Comm:
         with _label("p2p", axis):
             if self.nccl_rules:
                 if self._stream is None:
-                    self._stream = nccl_semantics.P2PStream(self._timeout_s)
+                    self._stream = nccl_semantics.P2PStream(self.collective_timeout_s)
                 works = [self._stream.submit(plain)]
             else:
                 works = list(dist.batch_isend_irecv(p2p))  # NCCL: one work; gloo: one per op
@@ -306,7 +306,7 @@ class Comm:
             self._stream.close()
             self._stream = None
 
-    def _timeout_s(self) -> float:
+    def collective_timeout_s(self) -> float:
         """The collective timeout of this rank's default group (seconds)."""
         from torch.distributed.distributed_c10d import _get_default_group
 

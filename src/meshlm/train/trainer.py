@@ -196,7 +196,7 @@ class Trainer:
             # CUDA / NCCL-semantics mode: a collective returning says nothing about completion,
             # and a timeout aborts the process; the stall monitor reads completion from the
             # handles and names a stalled rank before the process group's (doubled) timeout
-            timeout = self.comm._timeout_s()
+            timeout = self.comm.collective_timeout_s()
             self.comm.monitor = StallMonitor(rec, self.mesh.world_size, timeout)
             self.mesh.set_timeout(2 * timeout)
         return rec
