@@ -358,14 +358,14 @@ def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
     at its peak: ``min(m, p - r)`` under 1F1B and ZB-H1, ``m`` under AFAB; interleaving runs
     ``2 (p - r - 1) + (v - 1) p`` warm-up chunk forwards (Megatron's schedule, as meshlm's
     ``parallel/schedules.py``) -- ``p (1 + (p - 1) / (p v))`` on the first rank (Korthikanti
-    et al. 2022, sec. 4.2.3)."""
+    et al. 2022, sec. 4.2.3) -- and all of them when m == p (Megatron-Core's rule)."""
     if lo.pp == 1:
         return 1.0
     if lo.pp_schedule == "afab":
         return float(m)
     if lo.pp_schedule == "interleaved":
         v = lo.pp_virtual
-        chunks = min(m * v, 2 * (lo.pp - stage - 1) + (v - 1) * lo.pp + 1)
+        chunks = m * v if m == lo.pp else min(m * v, 2 * (lo.pp - stage - 1) + (v - 1) * lo.pp + 1)
         return chunks / v
     return float(min(m, lo.pp - stage))
 
