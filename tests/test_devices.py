@@ -64,7 +64,11 @@ def world_env(monkeypatch: pytest.MonkeyPatch, source: str, local_rank: int, lws
     """The variables of one rank of a torchrun or SLURM world of two nodes."""
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
               "MASTER_PORT", "MESHLM_WORLD_SOURCE", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(k, raising=False)
+        # set, then removed: monkeypatch restores the original state (absent included) at the
+        # end, so what init_worker exports (SLURM: torch's variables) does not leak into the
+        # tests after this one
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     if source == "torchrun":
         for k, v in (("RANK", lws + local_rank), ("WORLD_SIZE", 2 * lws),
                      ("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", lws),
