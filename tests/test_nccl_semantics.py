@@ -159,6 +159,7 @@ def test_stall_monitor_reads_completion_from_handles_and_names_the_laggard(tmp_p
     me, peer = _ring(tmp_path, 0), _ring(tmp_path, 1)
     verdicts: list[str] = []
     monitor = StallMonitor(me, 2, timeout_s=0.3, poll_s=0.05, on_stall=verdicts.append)
+    other = StallMonitor(peer, 2, timeout_s=60, poll_s=0.05, on_stall=verdicts.append)
     try:
         for ring in (me, peer):  # both ranks did all_reduce #1 ...
             slot = ring.enter("all_reduce", "dp", 64, True)
@@ -176,8 +177,11 @@ def test_stall_monitor_reads_completion_from_handles_and_names_the_laggard(tmp_p
         deadline = time.time() + 5
         while not verdicts and time.time() < deadline:
             time.sleep(0.05)
+        # a monitor firing later repeats the first verdict (rank 0 may have exited by then)
+        assert other.verdict() == verdicts[0]
     finally:
         monitor.close()
+        other.close()
     assert len(verdicts) == 1, verdicts
     assert verdicts[0].startswith("stalled rank 1 (pp 0, dp 1, cp 0, tp 0; never reached the "
                                   "collective its peers wait in)"), verdicts[0]

@@ -14,7 +14,9 @@ completion time into the flight recorder, and when the oldest pending collective
 last collective: one line on stderr and in the worker's error file (``CollectiveFailure: ...``,
 what the launcher reports), then the process exits (status 1) before the process group's own
 timeout (set to twice as long) would abort it. The verdict is therefore out within
-``timeout_s`` plus one poll.
+``timeout_s`` plus one poll. The first verdict is shared (``verdict_rank_NNNNN.txt`` in the
+flight folder): monitors that fire later repeat it rather than name a rank whose monitor has
+already exited.
 
 Communication: none. Memory: a reference to each pending work until it is seen completed (at
 most ``poll_s`` after it completes); one thread.
@@ -66,6 +68,7 @@ class StallMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.fired: str | None = None
+        self.started = time.time()  # (verdicts of an earlier run in this folder are older)
         self._thread = threading.Thread(target=self._run, name="meshlm-stall-monitor",
                                         daemon=True)
         self._thread.start()
@@ -97,8 +100,23 @@ class StallMonitor:
                 oldest = entered
         if oldest is not None and time.time() - oldest > self.timeout_s and self.fired is None:
             self.flight.dump(f"a collective pending for more than {self.timeout_s:g} s")
-            self.fired = diagnose(self.flight.folder, self.world)
+            self.fired = self.verdict()
             self.on_stall(self.fired)
+
+    def verdict(self) -> str:
+        """The first verdict any rank's monitor gave in this run, else this rank's own (and
+        written for the others): a rank whose monitor already exited must not be named as
+        "gone" by the monitors that fire after it."""
+        folder = self.flight.folder
+        given = sorted((p.stat().st_mtime, p) for p in folder.glob("verdict_rank_*.txt")
+                       if p.stat().st_mtime >= self.started)
+        if given:
+            return given[0][1].read_text()
+        text = diagnose(folder, self.world)
+        tmp = folder / f"verdict_rank_{self.flight.rank:05d}.txt.tmp"
+        tmp.write_text(text)
+        tmp.replace(folder / f"verdict_rank_{self.flight.rank:05d}.txt")
+        return text
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
