@@ -46,3 +46,22 @@ def tiny_args(corpus_dir: Path, cache_dir: Path, tmp_path: Path) -> list[str]:
         "--train.eval_every=3", "--train.eval_batches=2", "--train.log_every=1",
         "--run.sample_tokens=0", f"--run.dir={tmp_path / 'run'}", "--train.peak_flops=1e10",
     ]
+
+
+@pytest.fixture(scope="session")
+def import_benchmark():  # noqa: ANN201
+    """``import_benchmark(name)``: the script ``benchmarks/<name>.py`` as a module (the scripts
+    are not a package; their folder is on the path only while importing)."""
+    import importlib
+    import sys
+
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+    def load(name: str):  # noqa: ANN202
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+
+    return load

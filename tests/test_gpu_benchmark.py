@@ -4,7 +4,6 @@ columns; the plain loop's model has meshlm's shapes; failures and time limits ar
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -28,12 +27,8 @@ HAS_CXX = any(shutil.which(n) for n in ([os.environ["CXX"]] if os.environ.get("C
 
 
 @pytest.fixture(scope="module")
-def gpu() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("gpu")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def gpu(import_benchmark) -> ModuleType:  # noqa: ANN001
+    return import_benchmark("gpu")
 
 
 def finite_positive(x: object) -> bool:

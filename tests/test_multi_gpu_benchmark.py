@@ -9,7 +9,6 @@ while the next one still runs.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -33,12 +32,8 @@ WORLD4_SUBSET = ["pp-dp", "cp-tp"]
 
 
 @pytest.fixture(scope="module")
-def mg() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module("multi_gpu")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def mg(import_benchmark) -> ModuleType:  # noqa: ANN001
+    return import_benchmark("multi_gpu")
 
 
 def run_script(out: Path, cache: Path, *args: str) -> tuple[str, dict[str, Any]]:
