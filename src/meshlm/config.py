@@ -144,6 +144,9 @@ class ParallelSection:
     # DiLoCo: islands of the inner layout above, synchronised every diloco.inner_steps steps
     # (world = islands * pp * dp * cp * tp); 1 = plain synchronous training
     islands: int = 1
+    # hybrid sharding (HSDP): ZeRO shards over groups of dp_shard dp ranks (within a node),
+    # replicated dp / dp_shard times (across nodes); 0 -> all of dp (plain ZeRO)
+    dp_shard: int = 0
 
 
 @dataclass

@@ -32,7 +32,7 @@ OFFLOADS = ("none", "cpu", "disk")  # where AdamW moments live (parallel/offload
 _MODEL_KEYS = ("n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "moe_ffn_hidden")
 # Layout fields that are keys of the config's [parallel] section (the rest: see CONFIG_KEYS).
 PARALLEL_KEYS = ("pp", "dp", "cp", "tp", "ep", "sp", "zero", "pp_schedule", "pp_virtual",
-                 "pp_layers", "cp_attention", "offload", "islands")
+                 "pp_layers", "cp_attention", "offload", "islands", "dp_shard")
 CONFIG_KEYS: Mapping[str, str] = {
     **{k: f"parallel.{k}" for k in PARALLEL_KEYS}, "micro_batch": "train.micro_batch",
     "global_batch": "train.global_batch", "seq_len": "data.seq_len",
@@ -70,6 +70,24 @@ class Layout:
     # DiLoCo islands (parallel/diloco.py): an outermost mesh axis of ``islands`` copies of this
     # inner layout that synchronise only every diloco.inner_steps steps; 1 = no islands
     islands: int = 1
+    # Hybrid sharding (HSDP): ZeRO shards over groups of ``dp_shard`` consecutive dp ranks, and
+    # the dp / dp_shard groups are replicas of each other; 0 = all of dp (plain ZeRO)
+    dp_shard: int = 0
+
+    @property
+    def shard_size(self) -> int:
+        """dp ranks one ZeRO shard group spans (``dp_shard``; 0 reads as all of dp)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def dp_rep(self) -> int:
+        """Replicas of the shard group: dp / dp_shard (1 without hybrid sharding)."""
+        return max(1, self.dp // max(1, self.shard_size))
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards over part of dp and replicates across the rest (HSDP)."""
+        return self.shard_size < self.dp
 
     @property
     def inner_size(self) -> int:
@@ -99,6 +117,8 @@ class Layout:
         parts = [f"tp={self.tp}"] + (["sp"] if self.sp else []) + (
             ["tp_overlap"] if self.tp_overlap else [])
         parts += [f"pp={self.pp}", f"dp={self.dp}"]
+        if self.hybrid:
+            parts.append(f"dp_shard={self.shard_size}")
         parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
         if self.cp > 1 and self.cp_attention != "zigzag":
             parts.append(f"cp_attention={self.cp_attention}")
@@ -159,6 +179,7 @@ class Layout:
         if self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"{k('ep')}={self.ep} must divide {k.product('dp', 'cp')} = "
                        f"{self.dp * self.cp}")
+        out += self._hybrid_problems(k)
         ranks = self.islands * self.dp  # ranks that split the global batch
         if global_batch is not None and global_batch % (self.micro_batch * ranks):
             names = ("micro_batch", "dp") + (("islands",) if self.islands > 1 else ())
@@ -172,6 +193,27 @@ class Layout:
             out += self._model_problems(model_cfg, strict, k)
         if global_batch is not None and self.pp_schedule in SCHEDULES:
             out += self._pipeline_problems(global_batch, strict, trainer, k)
+        return out
+
+    def _hybrid_problems(self, k: _Names) -> list[str]:
+        """Rules of hybrid sharding (``dp_shard``): shard groups tile dp, ZeRO does the
+        sharding, and an expert group lies inside one shard group (x cp)."""
+        if self.dp_shard == 0 or self.dp_shard == self.dp:
+            return []
+        if self.dp_shard < 0:
+            return [f"{k('dp_shard')}={self.dp_shard} must be >= 1 (or 0: all of "
+                    f"{k.leaf('dp')})"]
+        if self.dp % self.dp_shard:
+            return [f"{k('dp_shard')}={self.dp_shard} does not divide {k('dp')}={self.dp}"]
+        out = []
+        if self.zero == 0:
+            out.append(f"{k('dp_shard')}={self.dp_shard} < {k('dp')}={self.dp} (hybrid "
+                       f"sharding) needs {k('zero')} = 1, 2 or 3: without ZeRO nothing is "
+                       "sharded")
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            out.append(f"{k('ep')}={self.ep} must divide {k.product('dp_shard', 'cp')} = "
+                       f"{self.dp_shard * self.cp} under hybrid sharding (an expert group "
+                       "lies inside one shard group)")
         return out
 
     def _sequence_problems(self, seq_len: int, k: _Names) -> list[str]:
