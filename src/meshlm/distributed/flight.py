@@ -30,10 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from ..layout import AXES as LAYOUT_AXES
+from .mesh import AXIS_NAMES
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send", "recv",
        "barrier", "broadcast_object")
 # axes a record can name (index = code); "world" covers barriers and object broadcasts
-AXES = ("world", "pp", "dp", "cp", "tp", "dp_cp", "ep", "edp", "embed", "island", "inner")
+AXES = AXIS_NAMES
 
 RECORD = np.dtype([("seq", "<i8"), ("axis_seq", "<i8"), ("bytes", "<i8"), ("t_enter", "<f8"),
                    ("t_done", "<f8"), ("op", "<i2"), ("axis", "<i2"), ("async_op", "<i2"),
@@ -170,7 +173,7 @@ def describe_record(r: Mapping[str, Any] | None) -> str:
 
 def coords_text(meta: Mapping[str, Any]) -> str:
     c = meta.get("coords", {})
-    return ", ".join(f"{a} {c[a]}" for a in ("island", "pp", "dp", "cp", "tp") if a in c)
+    return ", ".join(f"{a} {c[a]}" for a in ("island", *LAYOUT_AXES) if a in c)
 
 
 def diagnose(folder: Path, world: int, me: int | None = None) -> str:

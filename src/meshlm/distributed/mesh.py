@@ -1,5 +1,9 @@
 """The process mesh: a :class:`~meshlm.layout.Layout`'s axes pp, dp, cp, tp over the world.
 
+Every axis is declared once, in :data:`AXIS_DEFS`, as the grid dimensions (:data:`DIMS`) its
+groups span; sizes, ranks and the rank sets of every group -- flattened ones such as ``dp_cp``
+and the expert groups included -- are derived from that table (:meth:`Mesh.rank_sets`).
+
 Rank r sits at coordinates ``(pp, dp, cp, tp)`` of a row-major grid, so tp neighbours have
 consecutive ranks (the fastest links, inside a node) and pp is the outermost axis. Groups are
 built once -- the axes of size > 1 by ``torch.distributed.device_mesh.init_device_mesh``, the
@@ -27,6 +31,12 @@ coordinates in every island -- the holders of the same shard -- and ``inner`` is
 island (the whole world when K = 1): per-step agreements (overflow, non-finite flags, metrics)
 run over ``inner``, so islands exchange nothing between synchronisations.
 
+Hybrid sharding (``parallel.dp_shard`` < dp): dp is the grid dimensions ``dp_rep x dp_shard``
+(shard groups of consecutive dp ranks, replicated ``dp_rep`` times). ZeRO shards over
+``dp_shard`` (``dp_shard_cp`` with cp, ``edp_shard`` for experts: :meth:`Mesh.shard_axis`) and
+reduces each gradient shard across ``dp_rep`` (:meth:`Mesh.replica_axis`); without it
+``dp_shard`` is the dp group itself and ``dp_rep`` has none.
+
 A one-process run gets a Mesh with every axis of size 1 and no process groups, so the same
 code path serves the laptop and the cluster.
 """
@@ -34,21 +44,89 @@ code path serves the laptop and the cluster.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..layout import AXES, CONFIG_KEYS, Layout
 
-# A composite axis -> the axes it joins (its rank: row-major over them, the last fastest).
-COMPOSITE: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp")}
-# Sub-axes of dp_cp (expert parallelism): the ep peers and the expert-data-parallel copies.
-EXPERT_AXES = ("ep", "edp")
+# The rank grid's dimensions, outermost first. dp is split into replicas x shard groups
+# (hybrid sharding, ``parallel.dp_shard``; without it dp_rep = 1 and dp_shard = dp), so a
+# shard group holds consecutive dp ranks -- inside a node -- and its replicas sit across nodes.
+DIMS = ("island", "pp", "dp_rep", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class AxisDef:
+    """A mesh axis: the grid dimensions its groups span (its rank is row-major over them, the
+    last fastest). ``ep``: an expert axis carved out of those ranks -- "inner" keeps ``ep``
+    consecutive ones (the ep peers), "outer" every ``ep``-th (the copies of one expert)."""
+
+    dims: tuple[str, ...]
+    ep: str = ""
+
+
+# Every axis a group, a shard spec or a collective can name: declared once, here. Adding an
+# axis is adding an entry (and, for a new grid dimension, a DIMS entry and its size).
+_DP_CP = ("dp_rep", "dp_shard", "cp")
+AXIS_DEFS: dict[str, AxisDef] = {
+    "world": AxisDef(DIMS),
+    "island": AxisDef(("island",)),
+    "inner": AxisDef(DIMS[1:]),
+    "pp": AxisDef(("pp",)),
+    "dp": AxisDef(("dp_rep", "dp_shard")),
+    "cp": AxisDef(("cp",)),
+    "tp": AxisDef(("tp",)),
+    "dp_cp": AxisDef(_DP_CP),  # weights replicated on dp and cp: reduced (and ZeRO-sharded) here
+    "ep": AxisDef(_DP_CP, ep="inner"),
+    "edp": AxisDef(_DP_CP, ep="outer"),
+    "dp_rep": AxisDef(("dp_rep",)),  # hybrid sharding: the replicas of a shard group
+    "dp_shard": AxisDef(("dp_shard",)),
+    "dp_shard_cp": AxisDef(("dp_shard", "cp")),
+    "edp_shard": AxisDef(("dp_shard", "cp"), ep="outer"),
+}
+# The order groups are made in (the same on every rank; the plain axes come from the device
+# mesh, "embed" -- the first and last pipeline stages -- is built apart, see Mesh._build_groups).
+DERIVED = ("dp_cp", "ep", "edp")
+# An axis ZeRO shards over under hybrid sharding -> (its replica axis, its shard axis); the
+# hybrid axes get groups of their own only under hybrid sharding (else a shard axis is its
+# whole axis, and dp_rep has size 1)
+HYBRID: dict[str, tuple[str, str]] = {"dp": ("dp_rep", "dp_shard"),
+                                      "dp_cp": ("dp_rep", "dp_shard_cp"),
+                                      "edp": ("dp_rep", "edp_shard")}
+HYBRID_AXES = ("dp_rep", "dp_shard", "dp_shard_cp", "edp_shard")
+# Composite axes (several plain axes in one group) and the expert sub-axes, by name
+COMPOSITE: dict[str, tuple[str, ...]] = {"dp_cp": ("dp", "cp"), "dp_shard_cp": ("dp_shard", "cp")}
+EXPERT_AXES = tuple(a for a, d in AXIS_DEFS.items() if d.ep)
+AXIS_NAMES = (*AXIS_DEFS, "embed")
 
 
 def axis_parts(axis: str) -> tuple[str, ...]:
     """The plain axes an axis name stands for (itself unless composite)."""
     return COMPOSITE.get(axis, (axis,))
+
+
+def covered_dims(axis: str) -> set[str]:
+    """Grid dimensions whose copies a sum over ``axis`` meets (expert axes: all of dp x cp,
+    as an expert's copies sit on the dp x cp ranks of one ep rank; "embed": the pipeline)."""
+    if axis == "embed":
+        return {"pp"}
+    return set(AXIS_DEFS[axis].dims)
+
+
+def without_sharded(replicated: tuple[str, ...], axis: str) -> tuple[str, ...]:
+    """The axes still holding identical copies once a tensor is sharded over ``axis``: its
+    parts go, and an axis it is only a part of (dp, when sharded over dp_shard under hybrid
+    sharding) leaves its replica axis (dp_rep) behind."""
+    parts = set(axis_parts(axis))
+    out: list[str] = []
+    for a in replicated:
+        if a in parts:
+            continue
+        rep, shard = HYBRID.get(a, ("", ""))
+        out.append(rep if shard and set(axis_parts(shard)) & parts else a)
+    return tuple(dict.fromkeys(out))
 
 
 def _key(ranks: list[int]) -> tuple[int, ...]:
@@ -151,18 +229,14 @@ class Mesh:
         self._build_device_mesh(device_type, maker)
         grids = self._islands_grids()
         d = self.layout
-        self._groups["inner"] = maker.partition(
-            [g.reshape(-1).tolist() for g in grids]) if self.islands > 1 else dist.group.WORLD
+        self._groups["inner"] = (maker.partition(self.rank_sets("inner")) if self.islands > 1
+                                 else dist.group.WORLD)
         self._groups["embed"] = maker.partition(
             [[int(g[0, c]), int(g[-1, c])] for g in (i.reshape(d.pp, -1) for i in grids)
              for c in range(g.shape[1])], share=False) if d.pp > 1 else None
-        columns = [col.tolist() for i in grids
-                   for col in i.reshape(d.pp, d.dp * d.cp, d.tp).permute(0, 2, 1)
-                   .reshape(-1, d.dp * d.cp)]  # every (pp, tp) coordinate's dp x cp ranks
-        self._groups["dp_cp"] = maker.partition(columns)
-        self._groups["ep"] = maker.partition([c[i:i + d.ep] for c in columns
-                                              for i in range(0, len(c), d.ep)])
-        self._groups["edp"] = maker.partition([c[j::d.ep] for c in columns for j in range(d.ep)])
+        hybrid = HYBRID_AXES if self.layout.hybrid else ()
+        for axis in (*DERIVED, *hybrid):  # (one partition each, the same order on every rank)
+            self._groups[axis] = maker.partition(self.rank_sets(axis))
 
     def _build_device_mesh(self, device_type: str, maker: GroupMaker) -> None:
         """torch's DeviceMesh over the axes of size > 1 (none for a size-1 axis: a group of
@@ -187,6 +261,45 @@ class Mesh:
         """The rank grid (pp, dp, cp, tp) of each island, in island order (row-major ranks)."""
         d = self.layout
         return torch.arange(self.world_size).reshape(self.islands, d.pp, d.dp, d.cp, d.tp)
+
+    def dim_sizes(self) -> dict[str, int]:
+        """The size of every grid dimension (:data:`DIMS`)."""
+        d = self.layout
+        return {"island": self.islands, "pp": d.pp, "dp_rep": d.dp_rep,
+                "dp_shard": d.shard_size, "cp": d.cp, "tp": d.tp}
+
+    def rank_sets(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` as its world ranks (in the axis's rank order): the grid
+        with the axis's dimensions moved last, one row per coordinate of the others."""
+        spec, sizes = AXIS_DEFS[axis], self.dim_sizes()
+        grid = torch.arange(self.world_size).reshape(tuple(sizes[x] for x in DIMS))
+        span = [DIMS.index(x) for x in spec.dims]
+        rest = [i for i in range(len(DIMS)) if i not in span]
+        rows = grid.permute(*rest, *span).reshape(-1, math.prod(sizes[x] for x in spec.dims))
+        ep = self.layout.ep
+        if spec.ep == "inner":
+            return rows.reshape(-1, ep).tolist()
+        if spec.ep == "outer":
+            return rows.reshape(rows.shape[0], -1, ep).transpose(1, 2).reshape(-1, rows.shape[1] // ep).tolist()
+        return rows.tolist()
+
+    def dim_coords(self) -> dict[str, int]:
+        """This rank's coordinate on every grid dimension."""
+        shard = self.layout.shard_size
+        return {"island": self.island, "pp": self.coords["pp"],
+                "dp_rep": self.coords["dp"] // shard, "dp_shard": self.coords["dp"] % shard,
+                "cp": self.coords["cp"], "tp": self.coords["tp"]}
+
+    def shard_axis(self, axis: str) -> str:
+        """The axis ZeRO shards a group reduced over ``axis`` across: ``axis`` itself, or its
+        shard part under hybrid sharding (dp -> dp_shard, dp_cp -> dp_shard_cp, edp ->
+        edp_shard)."""
+        return HYBRID[axis][1] if self.layout.hybrid and axis in HYBRID else axis
+
+    def replica_axis(self, axis: str) -> str | None:
+        """Under hybrid sharding, the axis across which the shards of a group reduced over
+        ``axis`` are replicated (dp_rep); None otherwise."""
+        return HYBRID[axis][0] if self.layout.hybrid and axis in HYBRID else None
 
     def group_ranks(self) -> dict[str, list[int]]:
         """World ranks of this rank's group on every axis of size > 1 (flight recorder)."""
@@ -213,41 +326,34 @@ class Mesh:
     def size(self, axis: str) -> int:
         if axis == "embed":
             return 2 if self._groups.get("embed") is not None else 1
-        if axis in COMPOSITE:
-            return math.prod(getattr(self.layout, a) for a in COMPOSITE[axis])
-        if axis == "edp":
-            return self.layout.dp * self.layout.cp // self.layout.ep
-        if axis == "island":
-            return self.islands
-        if axis == "inner":
-            return self.layout.inner_size
-        return self.world_size if axis == "world" else getattr(self.layout, axis)
+        spec, sizes = AXIS_DEFS[axis], self.dim_sizes()
+        n = math.prod(sizes[x] for x in spec.dims)
+        return n if not spec.ep else (self.layout.ep if spec.ep == "inner"
+                                      else n // self.layout.ep)
 
     def local_rank(self, axis: str) -> int:
-        """This rank's index along ``axis``."""
+        """This rank's index along ``axis`` (row-major over its dimensions)."""
         if axis == "embed":
             return 0 if self.coords["pp"] == 0 else 1
-        if axis in COMPOSITE:
-            rank = 0
-            for a in COMPOSITE[axis]:
-                rank = rank * getattr(self.layout, a) + self.coords[a]
+        spec, sizes, coords = AXIS_DEFS[axis], self.dim_sizes(), self.dim_coords()
+        rank = 0
+        for x in spec.dims:
+            rank = rank * sizes[x] + coords[x]
+        if not spec.ep:
             return rank
-        if axis in EXPERT_AXES:
-            i = self.local_rank("dp_cp")
-            return i % self.layout.ep if axis == "ep" else i // self.layout.ep
-        if axis == "island":
-            return self.island
-        if axis == "inner":
-            return self.rank % self.layout.inner_size
-        return self.rank if axis == "world" else self.coords[axis]
+        return rank % self.layout.ep if spec.ep == "inner" else rank // self.layout.ep
 
     def grad_divisor(self, axis: str) -> int:
         """What gradients summed over ``axis`` are divided by to become the global mean:
         the axis size, except for expert weights (``edp``): the whole dp x cp size."""
-        return self.size("dp_cp") if axis == "edp" else self.size(axis)
+        return self.size("dp_cp") if axis in ("edp", "edp_shard") else self.size(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """Process group of ``axis`` (None on a one-process run)."""
+        """Process group of ``axis`` (None on a one-process run, or for a size-1 axis); a
+        hybrid axis without hybrid sharding is its whole axis (dp_shard: dp, ...)."""
+        if axis not in self._groups and axis in HYBRID_AXES:
+            whole = {shard: a for a, (_, shard) in HYBRID.items()}
+            return self._groups.get(whole[axis]) if axis in whole else None
         return self._groups.get(axis)
 
     @property
@@ -260,6 +366,7 @@ class Mesh:
         return (f"world {self.world_size} ("
                 + (f"islands={self.islands} x " if self.islands > 1 else "")
                 + f"pp={d.pp} dp={d.dp} cp={d.cp} tp={d.tp}"
+                + (f" dp_shard={d.shard_size}" if d.hybrid else "")
                 + (f" ep={d.ep}" if d.ep > 1 else "") + ")")
 
     def device(self) -> torch.device:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from .mesh import Mesh, axis_parts
+from ..layout import AXES
+from .mesh import Mesh, covered_dims
 
 ATTR = "_meshlm_spec"
 
@@ -63,13 +64,11 @@ class ShardSpec:
     def norm_weight(self, mesh: Mesh, axes: tuple[str, ...] | None = None) -> float:
         """Share of this copy in a global norm: 1 / number of identical copies -- counting only
         copies on ``axes`` (those the squared sums are added over; default: every axis)."""
-        over = None if axes is None else {x for a in axes for x in axis_parts(a)}
-        if over is not None and "pp" in over:
-            over.add("embed")  # the tied embedding's copies sit on two pp ranks
-        if over is not None and over & {"dp", "cp"}:
-            over.add("edp")  # an expert's copies sit on the dp x cp ranks of one ep rank
+        # (by grid dimension: the tied embedding's copies sit on two pp ranks, an expert's on
+        # the dp x cp ranks of one ep rank, a hybrid shard's on the dp replicas)
+        over = None if axes is None else {x for a in axes for x in covered_dims(a)}
         return 1.0 / math.prod(mesh.size(a) for a in self.replicated
-                               if over is None or a in over)
+                               if over is None or covered_dims(a) & over)
 
     def valid(self) -> tuple[slice, ...]:
         """Slices of the local tensor that lie inside the global one (padding excluded)."""
@@ -122,7 +121,7 @@ def attach_specs(model: nn.Module, mesh: Mesh) -> None:
     Gradients are averaged over dp, or over dp x cp together (``dp_cp``) when cp > 1: each cp
     rank's gradient is that of its share of the tokens.
     """
-    replicated = tuple(a for a in ("dp", "cp", "tp") if mesh.size(a) > 1)
+    replicated = tuple(a for a in AXES if a != "pp" and mesh.size(a) > 1)
     reduce_axis = "dp_cp" if mesh.size("cp") > 1 else "dp"
     for name, p in model.named_parameters():
         if getattr(p, ATTR, None) is None:
@@ -138,7 +137,7 @@ def norm_axes(specs: list[ShardSpec], mesh: Mesh) -> tuple[str, ...]:
     cp): there each rank already holds the whole sum. Mesh order, so every rank agrees; dp and
     cp together become their joint axis ``dp_cp`` (one all-reduce instead of two).
     """
-    axes = tuple(a for a in ("pp", "dp", "cp", "tp") if mesh.size(a) > 1
+    axes = tuple(a for a in AXES if mesh.size(a) > 1
                  and not all(a in s.replicated for s in specs))
     if "dp" in axes and "cp" in axes:
         axes = tuple("dp_cp" if a == "dp" else a for a in axes if a != "cp")
