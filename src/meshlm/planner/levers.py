@@ -3,7 +3,8 @@
 When a run does not fit -- refused before it starts, or out of memory while it runs -- the user
 gets the changes of one config key each that lower its peak, with the bytes each saves: a
 smaller micro-batch, more activation recomputation, the chunked loss, the fused AdamW,
-compilation, a higher ZeRO stage, optimizer states offloaded to the host. The planner orders
+compilation, a higher ZeRO stage, a larger ZeRO shard group (hybrid sharding's
+``parallel.dp_shard``), optimizer states offloaded to the host. The planner orders
 them as it orders layouts: those that fit first, fastest predicted step first; then those
 that do not fit alone, most bytes saved first.
 
@@ -62,6 +63,10 @@ def candidates(work: Workload, lo: Layout, hw: Accelerator
     if lo.dp * lo.cp > 1 and lo.zero < 3:
         for z in range(lo.zero + 1, 4):
             out.append(("parallel.zero", str(z), work, replace(lo, zero=z)))
+    if lo.hybrid and lo.zero:  # larger shard groups: each rank holds less (dp_shard = dp: plain)
+        for d in range(lo.shard_size + 1, lo.dp + 1):
+            if lo.dp % d == 0:
+                out.append(("parallel.dp_shard", str(d), work, replace(lo, dp_shard=d)))
     if lo.offload == "none" and not hw.is_cpu:
         out.append(("parallel.offload", "cpu", work, replace(lo, offload="cpu")))
     return out

@@ -8,7 +8,10 @@ gradients with AdamW moments (``parallel/data.py``: 16Ψ). Stage 0 holds ``(w + 
 stage 1 ``(w + g) Ψ + o Ψ / N``; stage 2 ``w Ψ + (g + o) Ψ / N``; stage 3 ``(w + g + o) Ψ / N``.
 Ψ on a rank is the layers of its pipeline stage, with attention and MLP weights split over tp
 (norms replicated), the vocabulary padded to a multiple of tp, routed experts split over ep
-and sharded over dp x cp / ep (Megatron-Core's expert data parallelism). With
+and sharded over dp x cp / ep (Megatron-Core's expert data parallelism). Under hybrid sharding
+(HSDP, ``parallel.dp_shard`` < dp) ZeRO shards over one shard group, N = dp_shard x cp ranks
+(experts over dp_shard x cp / ep), and the dp / dp_shard groups hold the same shards
+(:func:`shard_ranks`). With
 ``offload`` = ``cpu`` or ``disk`` (ZeRO-Offload / ZeRO-Infinity, ``parallel/offload.py``) the
 optimizer states leave the device: 0 device bytes, reported apart (``MemoryBreakdown.host``).
 
@@ -105,8 +108,8 @@ class StageParams:
     """Parameters one rank of a pipeline stage holds (after tp/ep splitting)."""
 
     layers: int
-    dense: float  # sharded by ZeRO over dp x cp
-    expert: float  # sharded by ZeRO over dp x cp / ep
+    dense: float  # sharded by ZeRO over dp x cp (hybrid: dp_shard x cp)
+    expert: float  # sharded by ZeRO over dp x cp / ep (hybrid: dp_shard x cp / ep)
     matmul: float  # weights that take part in matmuls (bf16 autocast copies)
     layer_unit: float  # one layer's parameters (ZeRO-3 gathers)
     root_unit: float  # embedding + final norm + head on this stage
@@ -160,6 +163,12 @@ class MemoryBreakdown:
 
 
 # ---------------------------------------------------------------------- parameters
+def shard_ranks(lo: Layout) -> int:
+    """Ranks ZeRO shards the states over: dp x cp, or one shard group of dp_shard x cp under
+    hybrid sharding (its replicas hold the same shards)."""
+    return lo.shard_size * lo.cp
+
+
 def stage_layers(n_layers: int, lo: Layout, rank: int) -> list[int]:
     """Layer ids held by pipeline rank ``rank``: its stages ``rank, rank + pp, ...`` of
     ``pp x pp_virtual`` (Megatron's interleaving), split as the trainer splits them."""
@@ -214,7 +223,7 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
 def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank (ZeRO paper, fig. 1)."""
     w, g, o = STATE_BYTES[work.states]
-    n_dense = lo.dp * lo.cp
+    n_dense = shard_ranks(lo)
     n_expert = max(1, n_dense // lo.ep)
 
     def sharded(count: float, n: int, bytes_per: int, stage_min: int) -> float:
@@ -414,7 +423,7 @@ def step_temporaries(work: Workload, lo: Layout, p: StageParams, stage: int) -> 
     when the moments are offloaded, or fused), or -- before it, not beside it -- clipping by a
     sharded global norm (each gradient tensor squared in fp64: 16 bytes per element of the
     largest; torch's own clipping on whole gradients takes per-tensor norms)."""
-    owned = p.total / (lo.dp * lo.cp if lo.zero >= 1 else 1)
+    owned = p.total / (shard_ranks(lo) if lo.zero >= 1 else 1)
     adam = OPTIMIZER_TEMP[work.optimizer] * owned if lo.offload == "none" else 0.0
     sharded_norm = lo.tp > 1 or lo.pp > 1 or lo.ep > 1 or (lo.zero >= 1 and lo.dp * lo.cp > 1)
     clip = 16 * largest_tensor(work, lo, stage) if sharded_norm else 0.0

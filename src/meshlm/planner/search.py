@@ -6,6 +6,8 @@ divides the layers; cp divides the sequence into 2 cp chunks; ep divides the exp
 dp x cp), crossed with the ZeRO stage (0-3; 0-1 with pipelining, as Megatron and DeepSpeed
 allow), every micro-batch size dividing the per-replica batch, recomputation and, with pp > 1,
 the schedules 1F1B, interleaved 1F1B (v = 2, 4, ... dividing the layers per stage) and ZB-H1.
+With ZeRO, ZeRO's group is every divisor ``dp_shard`` of dp (hybrid sharding: shard groups of
+dp_shard x cp ranks, replicated dp / dp_shard times); dp_shard = dp is plain ZeRO.
 AFAB is left out: it has 1F1B's bubble and holds more activations, so it never ranks higher.
 
 Two cuts keep the search fast without losing the best layout. The recomputation modes are
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..layout import RECOMPUTE, Layout
@@ -134,32 +136,45 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
         for stage in zero:
             if base.pp > 1 and stage > 1:
                 continue
-            best: Plan | None = None
-            for rc in recompute:
-                lo = Layout(**{**base.as_dict(), "zero": stage, "recompute": rc,
-                               "tp_overlap": tp_overlap and base.tp > 1})
-                if allowed is not None and not allowed(lo):
-                    continue
-                if lo.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
-                               strict=True):
-                    break
-                mem = memory(work, lo, hw)
-                if mem.fits:
-                    plan = Plan(lo, mem, step_time(work, lo, hw))
-                    if best is None or plan.tokens_per_s > best.tokens_per_s:
-                        best = plan
-                    if rc != "selective":
-                        break  # what follows recomputes a superset: slower
-            if best is not None:
-                found.append(best)
+            # dp_shard = 0: plain ZeRO (all of dp); hybrid sharding needs a ZeRO stage
+            shards = [0] + ([d for d in _divisors(base.dp) if d < base.dp] if stage else [])
+            for dp_shard in shards:
+                best = _best_recompute(work, world, hw, allowed, recompute, gpn, Layout(
+                    **{**base.as_dict(), "zero": stage, "dp_shard": dp_shard,
+                       "tp_overlap": tp_overlap and base.tp > 1}))
+                if best is not None:
+                    found.append(best)
     found.sort(key=_rank_key)
     return found[:top]
 
 
+def _best_recompute(work: Workload, world: int, hw: Accelerator,
+                    allowed: Callable[[Layout], bool] | None, recompute: tuple[str, ...],
+                    gpn: int | None, base: Layout) -> Plan | None:
+    """The fastest recomputation mode of ``base`` that fits (module docstring's cut)."""
+    best: Plan | None = None
+    for rc in recompute:
+        lo = replace(base, recompute=rc)
+        if allowed is not None and not allowed(lo):
+            continue
+        if lo.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
+                       strict=True):
+            break
+        mem = memory(work, lo, hw)
+        if mem.fits:
+            plan = Plan(lo, mem, step_time(work, lo, hw))
+            if best is None or plan.tokens_per_s > best.tokens_per_s:
+                best = plan
+            if rc != "selective":
+                break  # what follows recomputes a superset: slower
+    return best
+
+
 def _rank_key(p: Plan) -> tuple:
     """Fastest first; among equally fast layouts (to 1e-6) the simpler one: fewer pipeline
-    and context ranks, less tensor parallelism, lower ZeRO stage, no interleaving."""
+    and context ranks, less tensor parallelism, lower ZeRO stage, fewer shard-group replicas,
+    no interleaving."""
     lo = p.layout
     return (-round(p.tokens_per_s, -int(math.floor(math.log10(max(p.tokens_per_s, 1e-30)))) + 5),
-            lo.cp, lo.pp, lo.tp, lo.ep, lo.zero, lo.pp_virtual, lo.pp_schedule != "1f1b", lo.sp,
-            -lo.micro_batch)
+            lo.cp, lo.pp, lo.tp, lo.ep, lo.zero, lo.dp_rep, lo.pp_virtual,
+            lo.pp_schedule != "1f1b", lo.sp, -lo.micro_batch)

@@ -58,6 +58,12 @@ do it:
   Li et al. 2020) -- exposed: what exceeds that backward; ZeRO-2 does it every micro-batch;
   with pipelining it runs after the flush (meshlm and Megatron): exposed;
 - ZeRO-1/2 parameter all-gather after the optimizer step: exposed;
+- hybrid sharding (``dp_shard`` < dp): ZeRO's reduce-scatters and all-gathers run within the
+  shard group (dp_shard x cp ranks, ``tp`` apart: inside a node when tp x dp_shard x cp <= GPUs
+  per node), and once per step each rank all-reduces its gradient shard (1 / (dp_shard x cp)
+  of the stage's gradients; experts 1 / edp_shard) with the ``dp_rep`` ranks holding the same
+  shard (``tp x cp x dp_shard`` apart, typically across nodes), after the shard group's
+  reduction: exposed;
 - ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight: forward gathers hide
   behind the forward, backward gathers and reduce-scatters behind the backward, the first
   layer's gather never;
@@ -106,6 +112,7 @@ from .memory import (
     STATE_BYTES,
     layer_activations,
     layer_kinds,
+    shard_ranks,
     stage_layers,
     stage_params,
 )
@@ -375,25 +382,34 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     a = ACT_BYTES[work.dtype]
     m = lo.micro_batches(work.global_batch)
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    n_dp = lo.dp * lo.cp
+    # ZeRO's group: dp x cp, or one shard group (dp_shard x cp) whose replicas then reduce
+    # each gradient shard across ``dp_rep`` (hybrid sharding; the mesh's axis names)
+    hybrid = lo.hybrid and lo.zero >= 1
+    n_dp = shard_ranks(lo) if hybrid else lo.dp * lo.cp
     dp_axis = "dp_cp" if lo.cp > 1 else "dp"  # the trainer reduces over dp x cp together
+    if hybrid:
+        dp_axis = "dp_shard_cp" if lo.cp > 1 else "dp_shard"
     ev: list[CommEvent] = []
     # expert parallelism: expert weights are reduced over their copies (edp), the rest over dp
     n_edp = n_dp // lo.ep
     expert = p.expert if lo.ep > 1 else 0.0
     groups = [(dp_axis, n_dp, p.total - expert, p.dense + p.expert - expert - p.root_unit)]
-    if expert and n_edp > 1:
-        groups.append(("edp", n_edp, expert, expert))
+    if expert:
+        groups.append(("edp_shard" if hybrid else "edp", n_edp, expert, expert))
     for axis, n, params, layer_params in groups:
+        grads, weights = params * (4 if work.fp32_grad_reduce else g), params * w
+        if hybrid and lo.dp_rep > 1:  # this rank's gradient shard, across the replicas
+            ev.append(CommEvent("dp", "all_reduce", "dp_rep", grads / n, 1, lo.dp_rep,
+                                lo.tp * n_dp, "exposed"))
         if n == 1:
             continue
 
         def dp(op: str, nbytes: float, calls: float, overlap: str, axis: str = axis,
                n: int = n) -> None:
-            stride = lo.tp * (lo.ep if axis == "edp" else 1)  # an expert's copies: every ep-th
+            # an expert's copies: every ep-th rank
+            stride = lo.tp * (lo.ep if axis.startswith("edp") else 1)
             ev.append(CommEvent("dp", op, axis, nbytes, calls, n, stride, overlap))
 
-        grads, weights = params * (4 if work.fp32_grad_reduce else g), params * w
         if lo.zero == 0:
             dp("all_reduce", grads, 1, "last_backward")
         elif lo.zero in (1, 2):
@@ -457,7 +473,7 @@ def island_event(work: Workload, lo: Layout, params: float) -> CommEvent:
     them) with the ranks owning the same elements in the other islands, in ``island_dtype``
     (streaming fragments split a round's bytes over staggered steps: the same mean per step).
     Islands are the outermost axis: the group's members are ``inner_size`` ranks apart."""
-    owned = params / (lo.dp * lo.cp if lo.zero >= 1 else 1)
+    owned = params / (shard_ranks(lo) if lo.zero >= 1 else 1)
     return CommEvent("islands", "all_reduce", "island", owned * ACT_BYTES[work.island_dtype],
                      1 / work.inner_steps, lo.islands, lo.inner_size, "exposed")
 
@@ -584,7 +600,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         out.items[f"comm: {name}"] = v
 
     p = stage_params(work, lo, slow)
-    owned = p.total / (lo.dp * lo.cp if lo.zero >= 1 else 1)
+    owned = p.total / (shard_ranks(lo) if lo.zero >= 1 else 1)
     tensors = 2 * p.layers * 9 + 3  # parameter tensors per rank (foreach chunks)
     if rates.adam is not None:  # measured per parameter (CPU): foreach, and fused if measured
         per_param = (rates.adam_fused if work.optimizer == "fused" and rates.adam_fused

@@ -2,7 +2,7 @@
 
 The layout is :class:`meshlm.layout.Layout`, written on the command line as
 ``tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2``
-(:func:`parse_layout`).
+(:func:`parse_layout`; ``dp_shard=N`` for hybrid sharding, as :meth:`Layout.describe` writes it).
 
 Parameter and FLOP counts come from :class:`~meshlm.models.config.ModelConfig` (the one source
 the trainer's MFU also uses). :class:`ModelSpec` adds the one thing published GPT-style models
@@ -155,12 +155,12 @@ class Workload:
 
 
 _TEXT_KEYS = ("dp", "tp", "sp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule", "vpp",
-              "tp_overlap", "cp_attention", "offload")
+              "tp_overlap", "cp_attention", "offload", "dp_shard")
 # --layout keys -> Layout fields: the short names, the config's names (micro_batch, pp_schedule,
 # pp_virtual) and "mb"
 _FIELD_OF = {**{k: {v: f for f, v in SHORT_KEYS.items()}.get(k, k) for k in _TEXT_KEYS},
              **{f: f for f in SHORT_KEYS}, "mb": "micro_batch"}
-_INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "pp_virtual")
+_INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "pp_virtual", "dp_shard")
 _BOOL_FIELDS = ("sp", "tp_overlap")
 
 
