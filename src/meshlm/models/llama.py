@@ -7,6 +7,17 @@ Parallelism is applied from outside (``meshlm.parallelize``), never written here
 names (``layers.{i}.attention.wq`` ...) are the parameter names of checkpoints; the rotary
 convention is the "rotate half" one of Hugging Face Llama, so HF weights load by renaming only.
 
+Extension points -- declared slots the model's own forwards call, filled in one place by
+``meshlm.parallel.extensions`` and shown by ``print(model)``:
+
+- ``Attention.kernel``: the attention core, a parameterless module (:class:`SDPA` by default,
+  :class:`EagerAttention`, a context-parallel ring / all-to-all kernel, or one wrapped to be
+  recomputed or kept out of compiled graphs);
+- ``Block.run_layer`` / ``Block.run_ffn``: how the layer / its feed-forward is run (compiled,
+  recomputed, kept eager); None runs it directly. ``Block.choices`` names them (its repr);
+- ``Transformer.head_input`` (a module: what the LM head's input passes first) and
+  ``Transformer.run_head`` (how the final norm + head is run).
+
 Initial weights depend only on (seed, model config): every parameter is drawn from its own
 generator seeded by (seed, parameter name), so any layout can materialise exactly the tensor
 a single-process run would have.
@@ -28,10 +39,6 @@ from torch import nn
 
 from .config import ModelConfig
 from .moe import MoE, SwiGLU
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,8 +94,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+class SDPA(nn.Module):
+    """Causal attention of (B, nh, S, hd) queries on (B, nkv, S, hd) keys/values through
+    ``scaled_dot_product_attention`` (the fused kernel of the device)."""
+
+    name = "sdpa"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+
+class EagerAttention(nn.Module):
+    """The same attention written out: ``softmax(q k^T / sqrt(hd) + causal mask) v`` in the
+    inputs' dtype, the (B, nh, S, S) scores materialised (a reference; memory O(S^2))."""
+
+    name = "eager"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = q.shape[2]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, nh, S, S)
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        return scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+
+
+class _Callable(nn.Module):
+    """A plain function set as the attention core (``Attention.core = fn``)."""
+
+    name = "custom"
+
+    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.fn(q, k, v)
+
+
 class Attention(nn.Module):
-    """Grouped-query causal self-attention through ``scaled_dot_product_attention``."""
+    """Grouped-query causal self-attention; the core is the module ``kernel`` (default
+    :class:`SDPA`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -97,16 +146,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
+        self.kernel: nn.Module = SDPA()
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of (B, nh, S, hd) queries on (B, nkv, S, hd) keys/values.
+    @property
+    def core(self) -> Callable[..., torch.Tensor]:
+        """The attention core as a function of (q, k, v): the ``kernel`` module. Setting a
+        function makes it the kernel; deleting restores :class:`SDPA`."""
+        return self.kernel
 
-        Kept apart so context parallelism can swap in ring or all-to-all attention (it sets
-        an instance attribute ``core``).
-        """
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+    @core.setter
+    def core(self, fn: Callable[..., torch.Tensor]) -> None:
+        self.kernel = fn if isinstance(fn, nn.Module) else _Callable(fn)
+
+    @core.deleter
+    def core(self) -> None:
+        self.kernel = SDPA()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -115,7 +169,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)  # (B, nh, S, hd)
+        out = self.kernel(q, k, v)  # (B, nh, S, hd)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, nh*hd) -> (B, S, h)
 
 
@@ -131,10 +185,25 @@ class Block(nn.Module):
         self.feed_forward: nn.Module = (
             MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_hidden)
         )
+        # How the layer runs (set by meshlm.parallel.extensions; None: directly), and the
+        # names of the choices that made them (shown by repr)
+        self.run_layer: Callable[..., torch.Tensor] | None = None
+        self.run_ffn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.choices: dict[str, str | bool] = {}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.run_layer is not None:
+            return self.run_layer(x, cos, sin)
+        return self.layer(x, cos, sin)
+
+    def layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layer's computation (what ``run_layer`` compiles or recomputes)."""
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.ffn_norm(x)
+        return x + (self.feed_forward(h) if self.run_ffn is None else self.run_ffn(h))
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.choices.items())
 
 
 class Transformer(nn.Module):
@@ -157,10 +226,17 @@ class Transformer(nn.Module):
         self.positions: Callable[[int, torch.device], torch.Tensor | None] | None = None
         # What the LM head's input passes first (tensor parallelism: copy to the tp region or
         # the sequence-parallel all-gather); identity by default.
-        self.head_input: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.head_input: nn.Module = nn.Identity()
+        # How the final norm + head runs (compiled: set by meshlm.parallel.extensions)
+        self.run_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The names of the run-time choices applied (meshlm.parallel.extensions; shown by repr)
+        self.choices: dict[str, str | bool] = {}
         # True: forward returns the LM head's input instead of logits (a chunked loss then runs
         # the head itself, see parallel/loss.py); ``logits_out`` switches it off for sampling.
         self.emit_hidden = False
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.choices.items())
 
     def build_buffers(self, device: torch.device | str) -> None:
         """The rotary tables (and MoE selection biases) on ``device`` (a model built on the meta
@@ -208,7 +284,11 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states -> logits (or the head's input, when
-        ``emit_hidden``)."""
+        ``emit_hidden``), through ``run_head`` when set."""
+        return self.final(h) if self.run_head is None else self.run_head(h)
+
+    def final(self, h: torch.Tensor) -> torch.Tensor:
+        """The computation of :meth:`head` (what ``run_head`` compiles)."""
         x = self.head_input(self.norm(h))
         return x if self.emit_hidden else self.output(x)
 

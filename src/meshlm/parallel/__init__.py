@@ -1,7 +1,9 @@
 """Parallelism applied to a plain model: ``parallelize(model, mesh, comm, config)``.
 
 Order (torchtitan's): tensor/sequence parallel -> context parallel -> expert parallel ->
-pipeline split -> torch.compile of each block (``train.compile``) -> activation recomputation -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
+pipeline split -> the run-time choices of this rank's layers, applied together in one fixed
+order (``extensions.apply_choices``: attention kernel, ``train.compile``, ``train.recompute``)
+-> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
 returned owns gradients and the optimizer.
@@ -26,14 +28,13 @@ from ..distributed.comm import Comm
 from ..distributed.source import TensorSource, assign, read_local
 from ..distributed.spec import attach_specs, spec_of
 from ..models.llama import Transformer
-from .compile import apply_compile
 from .context import ContextParallel, apply_context_parallel
 from .data import DDPEngine
 from .engine import Engine, LocalEngine
 from .expert import apply_expert_parallel, attach_count_reducers
+from .extensions import apply_choices
 from .offload import offload_states
 from .pipeline import PipelineModel
-from .recompute import apply_recompute
 from .tensor import TensorParallel, apply_tensor_parallel
 from .zero import ZeroEngine
 from .zero3 import Zero3Engine
@@ -67,12 +68,15 @@ def materialize(model: Transformer, source: TensorSource | None, device: torch.d
 
 def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
                 train: TrainSection, source: TensorSource | None = None,
-                offload_file: Path | None = None) -> Parallelized:
+                offload_file: Path | None = None, precision: str | None = None
+                ) -> Parallelized:
     """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp,
     then the optimizer states' place (``parallel.offload``, see ``offload.py``).
 
     ``source``: values of a model built on the meta device (see module docstring).
     ``offload_file``: this rank's file of AdamW moments under ``parallel.offload=disk``.
+    ``precision``: the compute dtype's name (``precision.dtype``), recorded with the model's
+    choices (``print(model)``); None leaves it unnamed (the trainer's autocast decides).
     """
     attach_specs(model, comm.mesh)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
@@ -85,9 +89,10 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)
-    if train.compile:  # (before recomputation wraps the blocks: see compile.py)
-        apply_compile(model)
-    apply_recompute(model, train.recompute)  # (this rank's layers)
+    # attention kernel, recomputation, compile: named choices applied together, in the fixed
+    # order of extensions.py, to this rank's layers
+    apply_choices(model, cp=cp, attention=parallel.cp_attention if cp is not None else "sdpa",
+                  recompute=train.recompute, compiled=train.compile, precision=precision)
     device = comm.mesh.device()
     if parallel.zero == 3:
         # under a pipeline, parameters stay gathered for the step and gradients are reduced

@@ -1,5 +1,11 @@
 """Per-block ``torch.compile`` (``train.compile = true``), applied after parallelisation.
 
+Applied with the model's other choices in one place (``extensions.apply_choices``): each block's
+``run_layer`` is :func:`compile_fn` of its computation (``Block.layer``; a recomputed block
+checkpoints the compiled function), the model's ``run_head`` that of its final norm + head;
+kernels that communicate are wrapped in :class:`Uncompiled`, a MoE feed-forward runs through
+:func:`eager_call` (``Block.run_ffn``).
+
 Granularity (torchtitan's): each decoder block's forward is one compiled graph, and the final
 norm + LM head and the loss are one more each. Identical blocks share one compiled graph (dynamo
 caches per code object and parameters are graph inputs), so compile time does not grow with
@@ -47,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..models.llama import Block, Transformer
 from ..models.moe import MoE
@@ -94,21 +101,40 @@ def compile_fn(fn: Callable[..., Any]) -> GradOnly:
     return GradOnly(fn, torch.compile(fn, dynamic=False))
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile every decoder block this rank holds, and the final norm + head, in place.
+@torch.compiler.disable
+def eager_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run eagerly from inside a compiled graph (one graph break around it)."""
+    return fn(*args)
 
-    Runs before activation recomputation wraps the blocks (see module docstring). A MoE
-    feed-forward and a replaced (context-parallel) attention core stay eager.
-    """
-    for block in model.layers.values():
-        assert isinstance(block, Block)
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward.forward = torch.compiler.disable(block.feed_forward.forward)
-        if "core" in vars(block.attention):  # context parallel: ring / all-to-all exchange
-            block.attention.core = torch.compiler.disable(block.attention.core)
-        block.forward = compile_fn(block.forward)
-    if "head" not in vars(model):
-        model.head = compile_fn(model.head)
+
+class Uncompiled(nn.Module):
+    """An attention kernel kept out of compiled graphs (eager communication with
+    data-dependent shapes: the context-parallel ring / all-to-all exchange)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return eager_call(self.inner, *args)
+
+
+def run_ffn(block: Block) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How a compiled block runs its feed-forward: a MoE layer (expert dispatch) eagerly,
+    others inside the block's graph (None)."""
+    if isinstance(block.feed_forward, MoE):
+        return functools.partial(eager_call, block.feed_forward)
+    return None
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile every decoder block this rank holds, and the final norm + head, together with
+    the model's other choices (``extensions.apply_choices``: a MoE feed-forward and a
+    context-parallel attention kernel stay eager; recomputation wraps the compiled block)."""
+    from .extensions import apply_choices
+
+    apply_choices(model, compiled=True)
 
 
 def compile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -133,5 +159,5 @@ def compile_stats() -> dict[str, float]:
             "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
 
 
-__all__ = ["GradOnly", "apply_compile", "compile_fn", "compile_loss", "compile_stats",
+__all__ = ["GradOnly", "Uncompiled", "apply_compile", "compile_fn", "eager_call", "run_ffn", "compile_loss", "compile_stats",
            "configure_cache"]

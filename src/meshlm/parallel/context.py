@@ -31,11 +31,13 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..distributed.comm import Comm
 from ..layout import CP_MODES
 from ..models.llama import Transformer
 from .attention_blocks import KERNELS, default_kernel
+from .registry import ATTENTION
 from .ring_attention import Ring, block_plan, ring_attention
 from .ulysses import ulysses_attention
 
@@ -117,13 +119,45 @@ class ContextParallel:
         self.ring.tiles = 0
 
 
+class ContextParallelAttention(nn.Module):
+    """The attention kernel of a context-parallel model: ``cp``'s ring / zigzag / Ulysses
+    attention (registered under the mode's name, ``registry.ATTENTION``)."""
+
+    communicates = True  # eager exchange with data-dependent shapes: kept out of compiled graphs
+
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+        self.name = cp.mode
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.cp.attention(q, k, v)
+
+    def extra_repr(self) -> str:
+        return f"{self.cp.mode}, cp={self.cp.size}"
+
+
+def _kernel(mode: str):  # noqa: ANN202
+    def build(cp: object) -> nn.Module:
+        if not isinstance(cp, ContextParallel) or cp.mode != mode:
+            raise ValueError(f"attention kernel {mode!r} needs context parallelism in mode "
+                             f"{mode!r} (parallel.cp > 1, parallel.cp_attention={mode})")
+        return ContextParallelAttention(cp)
+
+    return build
+
+
+for _mode in CP_MODES:
+    ATTENTION.register(_mode, _kernel(_mode))
+
+
 def apply_context_parallel(model: Transformer, comm: Comm, mode: str,
                            kernel: str | None = None) -> ContextParallel:
-    """Make ``model`` run on this rank's share of each sequence (see module docstring)."""
+    """Make ``model`` run on this rank's share of each sequence (see module docstring): its
+    positions. Its attention kernel, ``mode``, is one of the choices applied together by
+    ``extensions.apply_choices`` (with this helper as ``cp``)."""
     cp = ContextParallel(comm, mode, kernel)
     model.positions = cp.local_positions
-    for layer in model.layers.values():
-        layer.attention.core = cp.attention
     return cp
 
 

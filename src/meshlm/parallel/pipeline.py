@@ -9,7 +9,10 @@ of the plain model, so parameter names stay those of the one-process model.
 micro-batches. Activations and their gradients move with ``batch_isend_irecv`` over the pp
 axis, each run of consecutive send/recv actions of the table as one group with one handle --
 exactly the groups ``schedules.simulate`` checks under NCCL's rule; shapes are known ahead
-(micro-batch x sequence [/ tp with SP] x hidden, fp32), so there is no shape handshake. A
+(micro-batch x sequence [/ tp with SP] x hidden), so there is no shape handshake. They travel
+in the compute dtype (:func:`compute_dtype`: bf16 / fp16 under autocast, fp32 otherwise) and
+are widened back to fp32 -- the residual stream's dtype -- on arrival. Actions dispatch through
+a table (op -> method) built once per executor. A
 compute action waits for the group holding its input; groups holding only sends are waited at
 the end of the step. Timings (the timeline, the measured bubble) come from CUDA events on GPU
 -- the kernels' times, not their launches' -- and from the host clock on CPU. Zero-bubble ``I``/``W`` passes: ``I``
@@ -22,8 +25,8 @@ backward -- forms only the input gradient and hands ``(x, dy)`` to the executor.
 forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls.
 
 Communication per micro-batch and stage boundary: one activation forward and one gradient
-backward of ``b s h`` fp32 values (``b s h / tp`` with sequence parallelism); the I/W split adds
-none. Memory: a rank holds the activations of its in-flight micro-batches -- m on the first
+backward of ``b s h`` values in the compute dtype (2 bytes each under bf16 / fp16, 4 under fp32;
+``b s h / tp`` with sequence parallelism); the I/W split adds none. Memory: a rank holds the activations of its in-flight micro-batches -- m on the first
 stage for AFAB, at most p for 1F1B and ZB-H1 (p + more for interleaved) -- which the executor
 measures; ZB-H1 also keeps each linear's input and output gradient from ``I`` until ``W``
 (``b s (h_in + h_out)`` values per linear and micro-batch, eager and compiled alike).
@@ -140,18 +143,38 @@ class _Slot:
     linears: list = field(default_factory=list)  # ZB: [linear weight, input, output grad]
 
 
+def compute_dtype(autocast: Callable[[], contextlib.AbstractContextManager],
+                  device: torch.device) -> torch.dtype:
+    """The dtype autocast computes in inside ``autocast()`` on ``device`` (fp32 when off)."""
+    with autocast():
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+    return torch.float32
+
+
 class PipelineExecutor:
-    """Runs one rank's action table (see module docstring)."""
+    """Runs one rank's action table (see module docstring).
+
+    ``dtype``: the dtype activations and their gradients travel in between stages (default:
+    the compute dtype of ``autocast``, :func:`compute_dtype`).
+    """
+
+    LIVE = {"F": 1, "B": -1, "W": -1}  # micro-batches an action brings into / out of flight
 
     def __init__(self, pipe: PipelineModel, comm: Comm, schedule: str, m: int, v: int,
                  act_shape: tuple[int, ...], loss_fn: Callable, autocast: Callable,
-                 device: torch.device, compiled: bool = False) -> None:
+                 device: torch.device, compiled: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         self.pipe, self.comm, self.m = pipe, comm, m
         self.pp, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.actions = build_schedule(schedule, self.pp, m, v)[self.rank]
         self.act_shape, self.loss_fn, self.autocast, self.device = (
             act_shape, loss_fn, autocast, device)
         self.split = schedule == "zb"
+        self.wire_dtype = dtype if dtype is not None else compute_dtype(autocast, device)
+        self.act_dtype = torch.float32  # stage inputs and outputs (the residual stream)
+        self.dispatch: dict[str, Callable[[Action], None]] = {
+            "F": self._do_F, "B": self._do_B, "I": self._do_I, "W": self._do_W}
         # ZB, eager: forward hooks capture each linear's input, and its output gradient in I.
         # ZB, compiled blocks (train.compile): a block's compiled backward exposes no output
         # gradient to a hook, so the linears become split linears whose backward (in I)
@@ -161,7 +184,7 @@ class PipelineExecutor:
         self._split_weights: list[nn.Parameter] = []
         if self.split and compiled:
             self._split_weights = split_linears(
-                mod for s in pipe.stages for mod in pipe.stage_modules(s))
+                pipe.model, [mod for s in pipe.stages for mod in pipe.stage_modules(s)])
         if self.capture:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
@@ -204,9 +227,9 @@ class PipelineExecutor:
             self._wait_input(a)  # (waiting is bubble, not compute: outside the timed interval)
             start = clock.mark()
             with phase("forward" if a.op == "F" else "backward"):
-                getattr(self, f"_do_{a.op}")(a)
+                self.dispatch[a.op](a)
             spans.append((a, start, clock.mark()))
-            live += {"F": 1, "B": -1, "W": -1}.get(a.op, 0)
+            live += self.LIVE.get(a.op, 0)
             self.peak_live = max(self.peak_live, live)
             i += 1
         for w in self.sends:
@@ -232,7 +255,7 @@ class PipelineExecutor:
             if a.op.startswith("SEND"):
                 ops.append(("send", self.to_send.pop(key), a.peer))
             else:
-                buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+                buf = torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.device)
                 keys.append((key, buf))
                 ops.append(("recv", buf, a.peer))
         handle = self.comm.batch_p2p(ops, AXIS)
@@ -254,10 +277,15 @@ class PipelineExecutor:
             self.recvd[key] = (buf, None)
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """A received activation or gradient, widened to the stage's dtype."""
         buf, work = self.recvd.pop(key)
         if work is not None:
             work.wait()
-        return buf
+        return buf.to(self.act_dtype)
+
+    def _send(self, key: tuple[str, int, int], x: torch.Tensor) -> None:
+        """Queue an activation or gradient for its send action, in the wire dtype."""
+        self.to_send[key] = x.to(self.wire_dtype)
 
     # -- compute actions ----------------------------------------------------------------------
     def _do_F(self, a: Action) -> None:
@@ -280,7 +308,7 @@ class PipelineExecutor:
         slot.out, slot.aux = out, (aux / self.m if aux is not None else None)
         self.slots[(a.mb, a.stage)] = slot
         if a.stage < self.pipe.n_stages - 1:
-            self.to_send[("F", a.mb, a.stage)] = out.detach()
+            self._send(("F", a.mb, a.stage), out.detach())
 
     def _roots(self, a: Action, slot: _Slot) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Backward roots: the stage output (its received gradient; the last stage's loss:
@@ -299,7 +327,7 @@ class PipelineExecutor:
         roots, grads = self._roots(a, slot)
         torch.autograd.backward(roots, grads)
         if a.stage > 0:
-            self.to_send[("B", a.mb, a.stage)] = slot.inp.grad
+            self._send(("B", a.mb, a.stage), slot.inp.grad)
 
     def _do_I(self, a: Action) -> None:
         """Gradient of the stage input and of every non-matmul weight; linears deferred to W."""
@@ -314,7 +342,7 @@ class PipelineExecutor:
         with capture_into(slot.linears) if self._split_weights else contextlib.nullcontext():
             got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)
         if slot.inp is not None:
-            self.to_send[("B", a.mb, a.stage)] = got[0]
+            self._send(("B", a.mb, a.stage), got[0])
             got = got[1:]
         for p, g in zip(others, got, strict=True):
             _accumulate(p, g)
@@ -347,13 +375,14 @@ class PipelineExecutor:
             if owner != self.rank:
                 continue
             if s > 0:
-                x = torch.empty(shape, dtype=torch.float32, device=self.device)
-                self.comm.batch_p2p([("recv", x, (s - 1) % self.pp)], AXIS).wait()
+                buf = torch.empty(shape, dtype=self.wire_dtype, device=self.device)
+                self.comm.batch_p2p([("recv", buf, (s - 1) % self.pp)], AXIS).wait()
+                x = buf.to(self.act_dtype)
             with self.autocast():
                 out, _ = self.pipe.forward(s, x, ids.shape[1])
             if s < self.pipe.n_stages - 1:
-                self.comm.batch_p2p([("send", out.float().contiguous(), (s + 1) % self.pp)],
-                                    AXIS).wait()
+                self.comm.batch_p2p([("send", out.to(self.wire_dtype).contiguous(),
+                                      (s + 1) % self.pp)], AXIS).wait()
         return out if self.pipe.n_stages - 1 in self.pipe.stages else None
 
 

@@ -11,6 +11,11 @@
   of the attention kernel are saved, everything else recomputed. MoE layers (their routed
   matmuls have data-dependent shapes) get ``selective``, as the planner counts them.
 
+Each mode is a registered choice (``registry.RECOMPUTE``, a :class:`Recompute` plan); the plan
+is applied with the other choices in one place (``extensions.apply_choices``): the attention
+kernel wrapped in :class:`Checkpointed` (printed as such), the layer run through
+:func:`checkpointed` (``Block.run_layer``; its repr names the mode).
+
 Replays compute exactly what the first forward computed, collectives included (a
 tensor-parallel region's all-reduce or all-gather, an expert all-to-all, a ring exchange run
 again in backward); once-per-forward effects (router statistics, tile counters) are skipped
@@ -27,19 +32,21 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
-from ..layout import RECOMPUTE
-from ..models.llama import Block, Transformer
-from ..models.moe import MoE
+from ..layout import RECOMPUTE as MODES
+from ..models.llama import Transformer
 from ..models.replay import replay
+from .registry import RECOMPUTE
 
 _MM = torch.ops.aten.mm.default
 # attention kernels whose outputs op-level recomputation keeps (the CPU and CUDA SDPA kernels)
@@ -101,18 +108,54 @@ def checkpointed(fn: Callable[..., torch.Tensor], context_fn: Callable[[], Any] 
     return run
 
 
+class Checkpointed(nn.Module):
+    """An attention kernel whose output is not kept: recomputed in backward (selective)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.inner(*args)
+        return checkpoint(_Replayed(self.inner), *args, use_reentrant=False)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What one mode recomputes: the attention kernel, or the whole layer (under a selective
+    ``policy`` -- a ``context_fn`` factory -- or none: everything); ``moe``: the mode used
+    instead on a MoE layer."""
+
+    name: str
+    kernel: bool = False
+    layer: bool = False
+    policy: Callable[[], Callable[[], Any]] | None = None
+    moe: str | None = None
+
+    def for_layer(self, moe: bool) -> Recompute:
+        return RECOMPUTE[self.moe] if moe and self.moe else self
+
+    def run_layer(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+        """How a layer computing ``fn`` runs under this plan (None: ``fn`` is not wrapped)."""
+        if not self.layer:
+            return None
+        return checkpointed(fn, self.policy() if self.policy is not None else None)
+
+
+RECOMPUTE.register("none", Recompute("none"))
+RECOMPUTE.register("selective", Recompute("selective", kernel=True))
+RECOMPUTE.register("op", Recompute("op", layer=True, policy=_op_policy, moe="selective"))
+RECOMPUTE.register("full", Recompute("full", layer=True))
+assert RECOMPUTE.names() == MODES, (RECOMPUTE.names(), MODES)
+
+
 def apply_recompute(model: Transformer, mode: str) -> None:
-    """Wrap every decoder layer this rank holds for ``mode`` (see module docstring)."""
+    """Recompute every decoder layer this rank holds in ``mode`` (see module docstring),
+    together with the model's other choices (``extensions.apply_choices``)."""
     if mode not in RECOMPUTE:
-        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE)}")
-    if mode == "none":
-        return
-    for block in model.layers.values():
-        assert isinstance(block, Block)
-        moe = isinstance(block.feed_forward, MoE)
-        if mode == "selective" or (mode == "op" and moe):
-            block.attention.core = checkpointed(block.attention.core)
-        else:  # the layer's own forward (module hooks -- tp regions, ZeRO-3 -- stay around it;
-            # a compiled block's forward is recomputed compiled, see parallel/compile.py)
-            forward = vars(block).get("forward", functools.partial(Block.forward, block))
-            block.forward = checkpointed(forward, _op_policy() if mode == "op" else None)
+        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}")
+    from .extensions import apply_choices
+
+    apply_choices(model, recompute=mode)

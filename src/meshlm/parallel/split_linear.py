@@ -30,7 +30,7 @@ was wrong by 60-90 %). The copy moves ``b s (h_in + h_out)`` values per linear a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -97,24 +97,33 @@ def split_forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y if lin.bias is None else y + lin.bias.to(y.dtype)  # (bias: in I)
 
 
-def _bound(lin: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return split_forward(lin, x)
+class SplitLinear(nn.Linear):
+    """An ``nn.Linear`` run through :func:`split_forward`, holding the same parameters as the
+    linear it replaces (names, state dict and shard specs unchanged)."""
 
-    return forward
+    def __init__(self, lin: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight = lin.weight
+        self.register_parameter("bias", lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_forward(self, x)
 
 
-def split_linears(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """Route every ``nn.Linear`` inside ``modules`` through :func:`split_forward` (in place:
-    the instance's ``forward``; class, parameters and state dict unchanged); returns their
-    weights."""
+def split_linears(root: nn.Module, modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Replace every ``nn.Linear`` inside ``modules`` (each a module of ``root``, or itself a
+    linear) by a :class:`SplitLinear` of the same parameters, in its parent within ``root``;
+    returns their weights."""
+    chosen = {id(lin) for mod in modules for lin in mod.modules() if type(lin) is nn.Linear}
     weights = []
-    for mod in modules:
-        for lin in mod.modules():
-            if isinstance(lin, nn.Linear):
-                lin.forward = _bound(lin)
+    for parent in list(root.modules()):
+        for name, lin in list(parent.named_children()):
+            if id(lin) in chosen:
+                setattr(parent, name, SplitLinear(lin))
                 weights.append(lin.weight)
     return weights
 
 
-__all__ = ["capture_into", "linear", "linear_dx", "split_forward", "split_linears"]
+__all__ = ["SplitLinear", "capture_into", "linear", "linear_dx", "split_forward",
+           "split_linears"]

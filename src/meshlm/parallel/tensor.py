@@ -199,6 +199,21 @@ class TensorParallel:
         return gather_last(logits, self.comm)[..., : self.vocab_size]
 
 
+class HeadInput(nn.Module):
+    """The LM head's input made whole on every tp rank (the head is column parallel over the
+    vocabulary): the sequence-parallel all-gather, or the copy into the tp region."""
+
+    def __init__(self, comm: Comm, sp: bool) -> None:
+        super().__init__()
+        self.comm, self.sp = comm, sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_seq(x, self.comm) if self.sp else copy_to_tp(x, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{'gather_seq' if self.sp else 'copy_to_tp'}, tp={self.comm.size(AXIS)}"
+
+
 def _region_hooks(module: nn.Module, comm: Comm, sp: bool) -> None:
     """Input through f (or all-gather along seq), output through g (or reduce-scatter)."""
 
@@ -246,5 +261,5 @@ def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorPar
     if not cfg.tie_embeddings:
         _shard(model.output.weight, 0, comm, padded)
     # The head is column parallel over the vocabulary: its input must be whole on every rank.
-    model.head_input = (lambda x: gather_seq(x, comm)) if sp else (lambda x: copy_to_tp(x, comm))
+    model.head_input = HeadInput(comm, sp)
     return TensorParallel(comm, sp, v, start, valid)

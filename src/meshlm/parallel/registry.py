@@ -1,0 +1,66 @@
+"""Named choices of how a model runs: name -> factory, one small registry per kind.
+
+- ``ATTENTION``: attention kernels, name -> ``factory(cp) -> kernel module`` (``cp`` the
+  context-parallel helper, or None): ``sdpa``, ``eager`` (here), ``ring``, ``zigzag``,
+  ``ulysses`` (``context.py``);
+- ``RECOMPUTE``: activation recomputation, name -> its plan (``recompute.py``): ``none``,
+  ``selective``, ``op``, ``full``;
+- ``PRECISION``: the autocast compute dtype, name -> ``torch.dtype``: ``fp32``, ``bf16``,
+  ``fp16`` (``meshlm.precision.DTYPES``).
+
+The modules that define a choice register it when imported; ``extensions.apply_choices`` is the
+one place that looks them up and applies them. Communication and memory: none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+from torch import nn
+
+from ..models.llama import SDPA, EagerAttention
+from ..precision import DTYPES
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Choices of one kind by name, in registration order."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str, item: T) -> T:
+        if name in self._items:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._items[name] = item
+        return item
+
+    def __getitem__(self, name: str) -> T:
+        if name not in self._items:
+            raise ValueError(f"{self.kind} {name!r} is not one of {', '.join(self._items)}")
+        return self._items[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._items)
+
+
+KernelFactory = Callable[[object], nn.Module]  # (context-parallel helper or None) -> kernel
+
+ATTENTION: Registry[KernelFactory] = Registry("attention kernel")
+ATTENTION.register("sdpa", lambda cp: SDPA())
+ATTENTION.register("eager", lambda cp: EagerAttention())
+
+RECOMPUTE: Registry[object] = Registry("recompute mode")  # filled by recompute.py
+
+PRECISION: Registry[torch.dtype] = Registry("precision")
+for _name, _dtype in DTYPES.items():
+    PRECISION.register(_name, _dtype)
+
+__all__ = ["ATTENTION", "PRECISION", "RECOMPUTE", "Registry"]
