@@ -2,12 +2,19 @@
 
 A config is a set of dataclass sections (``[model]``, ``[data]``, ``[train]``, ``[parallel]``,
 ``[precision]``, ``[checkpoint]``, ``[run]``). Each component receives only its own section.
-Every value is checked against its field's type and range before any worker starts or any file
-is written; a bad value raises :class:`ConfigError` with one line naming the key, the value and
-what would be valid. The ``[parallel]`` keys and ``train.micro_batch`` are read as one
-:class:`~meshlm.layout.Layout` (:meth:`Config.layout`), checked by the layout's own rules.
-``run.resume`` is a mode (``false``, ``true``, ``auto``); booleans are read as the first two.
-The resolved config is written as ``config.toml`` into the run directory.
+What a key accepts is declared once, on its field (:func:`meshlm.schema.declare`: a
+:class:`~meshlm.schema.Choice` or a :class:`~meshlm.schema.Range`; :data:`RULES` lists them);
+the layout's named values come from :mod:`meshlm.layout`, the dtypes from
+:data:`meshlm.precision.DTYPES`. :func:`load_config` parses every value as its field's type,
+:func:`resolve` derives what was left to meshlm (the automatic ``train.micro_batch``), and
+:func:`validate` checks every rule -- the declared ones and those relating keys -- without
+changing anything, before any worker starts or any file is written; a bad value raises
+:class:`ConfigError` with one line naming the key, the value and what would be valid, made
+from the declaration. The ``[parallel]`` keys and ``train.micro_batch`` are read as one
+:class:`~meshlm.layout.Layout` (:meth:`Config.layout`), checked by the layout's own rules;
+:func:`resolve_world` fixes what depends on the world. ``run.resume`` is a mode (``false``,
+``true``, ``auto``); booleans are read as the first two, also when set in code. The resolved
+config is written as ``config.toml`` into the run directory.
 
 No communication; reading ``model.init_from``'s ``config.json`` is the only file access besides
 the TOML file and the existence checks of paths.
@@ -21,13 +28,27 @@ import os
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .layout import CONFIG_KEYS, PARALLEL_KEYS, Layout
+from .layout import (
+    CONFIG_KEYS,
+    CP_MODES,
+    OFFLOADS,
+    PARALLEL_KEYS,
+    RECOMPUTE,
+    SCHEDULES,
+    ZERO_STAGES,
+    Layout,
+)
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
+from .precision import DTYPES as TORCH_DTYPES
+from .schema import Choice, Range, Rule, declare, jointly, rules
+
+# precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
+DTYPES = tuple(TORCH_DTYPES)
 
 
 class ConfigError(ValueError):
@@ -39,7 +60,7 @@ class ModelSection:
     """``preset`` plus optional overrides of any :class:`ModelConfig` field, and where the
     initial weights come from (``init_from``; not a shape field)."""
 
-    preset: str = "small"
+    preset: str = declare("small", Choice(tuple(PRESETS), what="preset"))
     n_layers: int | None = None
     dim: int | None = None
     n_heads: int | None = None
@@ -72,53 +93,60 @@ _NOT_SHAPE = ("preset", "init_from")
 class DataSection:
     path: str = ""  # "" -> the embedded default corpus (this interpreter's standard library)
     tokenizer: str = ""  # a tokenizer.json; "" -> train a byte-level BPE on the corpus (cached)
-    vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
-    seq_len: int = 256
-    val_fraction: float = 0.05  # share of files held out for validation
+    # size of the BPE trained when no tokenizer is given (token ids are stored as uint32)
+    vocab_size: int = declare(4096, Range(ge=260, note="256 bytes + special tokens",
+                                          most=2**32 - 1))
+    seq_len: int = declare(256, Range(ge=2))
+    # share of files held out for validation
+    val_fraction: float = declare(0.05, Range(gt=0, lt=1))
     text_field: str = "text"  # JSONL field holding the text
     cache_dir: str = ""  # "" -> $XDG_CACHE_HOME/meshlm or ~/.cache/meshlm
 
 
 @dataclass
 class TrainSection:
-    steps: int = 500
-    global_batch: int = 16  # sequences per optimizer step
+    steps: int = declare(500, Range(gt=0))
+    global_batch: int = declare(16, Range(gt=0))  # sequences per optimizer step
     # sequences per forward/backward on one data-parallel rank; 0 -> global_batch / dp, made
     # smaller (a divisor) when the planner says it does not fit the device (meshlm train)
-    micro_batch: int = 0
-    seed: int = 1234
+    micro_batch: int = declare(0, Range(gt=0, zero="global_batch / parallel.dp"))
+    seed: int = declare(1234, Range(ge=0))
     # adamw | sgd (SGD with momentum beta1 and L2 weight decay: linear in the gradient, so
     # e.g. DiLoCo with one inner step and outer lr 1 is exactly synchronous training)
-    optimizer: str = "adamw"
+    optimizer: str = declare("adamw", Choice(("adamw", "sgd")))
     # AdamW's kernels: auto (torch's fused AdamW where it has one for the device: CUDA, CPU) |
     # fused | foreach (multi-tensor; a temporary as large as the moments); see optim.py
-    adamw_impl: str = "auto"
-    lr: float = 3e-3
+    adamw_impl: str = declare("auto", Choice(("auto", "fused", "foreach")))
+    lr: float = 3e-3  # lr > 0 and 0 <= min_lr <= lr (checked together)
     min_lr: float = 3e-4
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    eval_every: int = 100  # 0 disables evaluation
-    eval_batches: int = 8
-    eval_batch_size: int = 8  # sequences per evaluation batch (independent of the layout)
-    log_every: int = 10
-    checkpoint_every: int = 0  # 0 -> only at the end
-    peak_flops: float = 0.0  # per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)
+    warmup_steps: int = declare(50, Range(ge=0))
+    weight_decay: float = declare(0.1, Range(ge=0))
+    beta1: float = declare(0.9, Range(ge=0, lt=1))
+    beta2: float = declare(0.95, Range(ge=0, lt=1))
+    eps: float = declare(1e-8, Range(gt=0))
+    grad_clip: float = declare(1.0, Range(ge=0))  # 0 disables clipping
+    eval_every: int = declare(100, Range(ge=0))  # 0 disables evaluation
+    eval_batches: int = declare(8, Range(ge=0))  # (>= 1 when eval_every > 0)
+    # sequences per evaluation batch (independent of the layout)
+    eval_batch_size: int = declare(8, Range(ge=1))
+    log_every: int = declare(10, Range(ge=1))
+    checkpoint_every: int = declare(0, Range(ge=0))  # 0 -> only at the end
+    # per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)
+    peak_flops: float = declare(0.0, Range(ge=0, note="0: measured or datasheet"))
     # activation recomputation: none | selective (attention core) | op (every other matmul
     # output kept) | full (whole decoder layers); see parallel/recompute.py
-    recompute: str = "none"
-    loss: str = "torch"  # torch (whole logits) | chunked (LM head + loss over token chunks)
+    recompute: str = declare("none", Choice(RECOMPUTE))  # (checked by the layout)
+    # torch (whole logits) | chunked (LM head + loss over token chunks)
+    loss: str = declare("torch", Choice(("torch", "chunked")))
     # torch.compile each decoder block, the final norm + head and the loss after
     # parallelisation (inductor; needs a C++ compiler on CPU); see parallel/compile.py
     compile: bool = False
-    loss_chunk: int = 1024  # tokens per chunk of the chunked loss
+    loss_chunk: int = declare(1024, Range(ge=1))  # tokens per chunk of the chunked loss
     # a non-finite loss or gradient norm: stop (error, nothing saved) | skip (drop the step) |
     # rollback (reload the last checkpoint, skip the offending batches); see train/nonfinite.py
-    on_nonfinite: str = "stop"
-    max_skips: int = 10  # consecutive skipped / rolled-back steps that end the run
+    on_nonfinite: str = declare("stop", Choice(("stop", "skip", "rollback")))
+    # consecutive skipped / rolled-back steps that end the run
+    max_skips: int = declare(10, Range(ge=1))
     # global batches never trained on, e.g. "120,121" (Megatron's --iterations-to-skip):
     # step k takes the k-th batch not listed; rollback adds the batches it skips
     skip_batches: str = ""
@@ -126,35 +154,42 @@ class TrainSection:
 
 @dataclass
 class ParallelSection:
-    dp: int = 0  # 0 -> inferred: world / (pp * cp * tp) under torchrun or SLURM, else 1
-    tp: int = 1
+    # The layout's keys (all but offload_dir, bucket_mb, auto) are checked by Layout.problems
+    # (dp, islands and offload also by validate, first); their values come from meshlm.layout.
+    # 0 -> inferred: world / (pp * cp * tp) under torchrun or SLURM, else 1
+    dp: int = declare(0, Range(ge=1, zero="inferred from the world size"))
+    tp: int = declare(1, Range(ge=1))
     sp: bool = False
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1
+    pp: int = declare(1, Range(ge=1))
+    pp_schedule: str = declare("1f1b", Choice(SCHEDULES))
+    pp_virtual: int = declare(1, Range(ge=1))
     pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
-    cp: int = 1
-    cp_attention: str = "zigzag"  # zigzag | ring | ulysses (context-parallel attention)
-    ep: int = 1
-    zero: int = 0
-    offload: str = "none"  # optimizer states: none | cpu (host memory, GPU runs) | disk (memmap)
+    cp: int = declare(1, Range(ge=1))
+    # zigzag | ring | ulysses (context-parallel attention)
+    cp_attention: str = declare("zigzag", Choice(CP_MODES))
+    ep: int = declare(1, Range(ge=1))
+    zero: int = declare(0, Choice(ZERO_STAGES))
+    # optimizer states: none | cpu (host memory, GPU runs) | disk (memmap)
+    offload: str = declare("none", Choice(OFFLOADS))
     offload_dir: str = ""  # where offload=disk keeps them; "" -> <run.dir>/offload
-    bucket_mb: float = 25.0  # gradient bucket size of DDP and ZeRO-1/2
+    bucket_mb: float = declare(25.0, Range(gt=0))  # gradient bucket size of DDP and ZeRO-1/2
     auto: bool = False  # let the planner pick the layout of the world (see meshlm plan)
     # DiLoCo: islands of the inner layout above, synchronised every diloco.inner_steps steps
     # (world = islands * pp * dp * cp * tp); 1 = plain synchronous training
-    islands: int = 1
+    islands: int = declare(1, Range(ge=1))
     # hybrid sharding (HSDP): ZeRO shards over groups of dp_shard dp ranks (within a node),
     # replicated dp / dp_shard times (across nodes); 0 -> all of dp (plain ZeRO)
-    dp_shard: int = 0
+    dp_shard: int = declare(0, Range(ge=1, zero="all of dp"))
 
 
 @dataclass
 class PrecisionSection:
-    dtype: str = "fp32"
-    grad_reduce_dtype: str = "fp32"  # dtype of gradient reductions: fp32 | bf16 (half traffic)
-    loss_scale: float = 65536.0  # fp16: initial dynamic loss scale
-    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    dtype: str = declare("fp32", Choice(DTYPES))
+    # dtype of gradient reductions: fp32 | bf16 (half traffic)
+    grad_reduce_dtype: str = declare("fp32", Choice(tuple(d for d in DTYPES if d != "fp16")))
+    loss_scale: float = declare(65536.0, Range(gt=0))  # fp16: initial dynamic loss scale
+    # fp16: steps without overflow before the scale doubles
+    loss_scale_window: int = declare(1000, Range(ge=1))
 
 
 @dataclass
@@ -167,31 +202,38 @@ class ProfileSection:
 class DistributedSection:
     # seconds a collective may wait for its peers before the job stops with a diagnosis (after
     # the first step); start-up and the first step get init_timeout_s (data, compilation)
-    timeout_s: float = 600.0
-    init_timeout_s: float = 1800.0
-    flight_records: int = 256  # collectives each rank's flight recorder keeps (run.dir/flight)
+    timeout_s: float = declare(600.0, Range(gt=0))
+    init_timeout_s: float = declare(1800.0, Range(gt=0))
+    # collectives each rank's flight recorder keeps (run.dir/flight)
+    flight_records: int = declare(256, Range(ge=1))
     # a rank whose own work per step (step time minus time waiting in collectives) exceeds
     # its peers' median by this fraction, straggler_steps steps in a row, is named in the
     # log (train/stragglers.py); 0 -> no detection (the per-rank times are still recorded)
-    straggler_threshold: float = 0.2
-    straggler_steps: int = 5
+    straggler_threshold: float = declare(0.2, Range(ge=0, note="0: no straggler detection"))
+    straggler_steps: int = declare(5, Range(ge=1))
 
 
 @dataclass
 class DilocoSection:
     # DiLoCo (Douillard et al. 2023) across parallel.islands > 1 islands; see parallel/diloco.py
-    inner_steps: int = 50  # H: optimizer steps each island takes between synchronisations
-    outer_lr: float = 0.7  # outer Nesterov SGD on the averaged pseudo-gradient
-    outer_momentum: float = 0.9  # 0: plain SGD (outer_lr 1 then averages the islands' weights)
-    reduce_dtype: str = "fp32"  # dtype of the cross-island all-reduce: fp32 | bf16 | fp16
+    # H: optimizer steps each island takes between synchronisations
+    inner_steps: int = declare(50, Range(ge=1))
+    # outer Nesterov SGD on the averaged pseudo-gradient
+    outer_lr: float = declare(0.7, Range(gt=0, finite=True))
+    # 0: plain SGD (outer_lr 1 then averages the islands' weights)
+    outer_momentum: float = declare(0.9, Range(ge=0, lt=1))
+    # dtype of the cross-island all-reduce (any of precision.dtype's)
+    reduce_dtype: str = declare("fp32", Choice(DTYPES))
     # Streaming DiLoCo (Douillard et al. 2025): the layers split into F fragments that
-    # synchronise at staggered steps (each every inner_steps), so peak traffic falls by F
+    # synchronise at staggered steps (each every inner_steps), so peak traffic falls by F;
+    # 1 <= F <= model.n_layers and F divides inner_steps (checked with those keys)
     fragments: int = 1
 
 
 @dataclass
 class CheckpointSection:
-    keep: int = 0  # keep the last K complete checkpoints; 0 -> keep all
+    # keep the last K complete checkpoints; 0 -> keep all
+    keep: int = declare(0, Range(ge=0, note="0 keeps every checkpoint"))
 
 
 RESUME_MODES = ("false", "true", "auto")
@@ -202,18 +244,25 @@ class RunSection:
     dir: str = ""  # "" -> runs/<preset>-<timestamp>
     # "true": continue from the latest checkpoint in run.dir (there must be one); "auto": the
     # same when there is one, else start fresh; "false": a new run (run.dir must be empty)
-    resume: str = "false"
-    sample_tokens: int = 120  # tokens sampled at the end of training (0: none)
+    resume: str = declare("false", Choice(RESUME_MODES))
+    # tokens sampled at the end of training (0: none)
+    sample_tokens: int = declare(120, Range(ge=0))
     sample_prompt: str = "def "
     tensorboard: bool = False
     # CPU memory (glibc): 0 -> malloc's own policy (fast); N -> every buffer above N KiB is
     # mmapped and returned to the OS when freed, so peak RSS measures live memory and stays
     # flat step after step, at the cost of page faults (small CPU runs: ~1.6x slower steps)
-    malloc_mmap_kb: int = 0
+    malloc_mmap_kb: int = declare(0, Range(ge=0, note="0: malloc's own policy"))
     # CPU memory (glibc): true -> freed buffers stay in the process (no mmap below 1 GiB, no
     # trim), so a step reuses last step's pages instead of faulting in fresh ones: eager CPU
     # steps ~10 % faster, compiled ones about the same; peak RSS then counts freed memory too
     malloc_keep: bool = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # run.resume is a mode: a spelling of one set in code (True, "TRUE") is stored as it
+        if name == "resume":
+            value = _resume_spelling(value) or value
+        super().__setattr__(name, value)
 
 
 @dataclass
@@ -291,14 +340,11 @@ class Config:
 
 
 SECTIONS = {f.name: f for f in fields(Config)}
-DTYPES = ("fp32", "bf16", "fp16")
-REDUCE_DTYPES = ("fp32", "bf16")
-ISLAND_DTYPES = ("fp32", "bf16", "fp16")
-LOSSES = ("torch", "chunked")
-NONFINITE = ("stop", "skip", "rollback")
-OPTIMIZERS = ("adamw", "sgd")
-ADAMW_IMPLS = ("auto", "fused", "foreach")
-OFFLOADS = ("none", "cpu", "disk")
+# Every declared rule by dotted key ("train.steps" -> Range(gt=0)): what each key accepts.
+RULES: dict[str, Rule] = {
+    dotted: rule for name, f in SECTIONS.items()
+    for dotted, rule in rules(f.default_factory, name).items()  # type: ignore[arg-type]
+}
 
 
 # ------------------------------------------------------------------ parsing values
@@ -369,9 +415,9 @@ def _parse(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
-def resume_mode(value: Any, key: str = "run.resume") -> str:
-    """``run.resume`` as one of :data:`RESUME_MODES`; booleans and their spellings are read as
-    ``"true"``/``"false"``."""
+def _resume_spelling(value: Any) -> str | None:
+    """The mode of :data:`RESUME_MODES` that ``value`` spells (booleans and their spellings
+    read as ``"true"``/``"false"``); None: none."""
     if isinstance(value, bool):
         return "true" if value else "false"
     text = str(value).strip().lower() if isinstance(value, str | int) else ""
@@ -379,10 +425,17 @@ def resume_mode(value: Any, key: str = "run.resume") -> str:
         return "true"
     if text in ("false", "0", "no", "off"):
         return "false"
-    if text == "auto":
-        return "auto"
-    raise ConfigError(f"{key}={value!r}: expected one of {', '.join(RESUME_MODES)} "
-                      "(or a boolean)")
+    return text if text in RESUME_MODES else None
+
+
+def resume_mode(value: Any, key: str = "run.resume") -> str:
+    """``run.resume`` as one of :data:`RESUME_MODES`; booleans and their spellings are read as
+    ``"true"``/``"false"``."""
+    mode = _resume_spelling(value)
+    if mode is None:
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(RESUME_MODES)} "
+                          "(or a boolean)")
+    return mode
 
 
 # Keys whose values are read by their own function instead of by the field's type.
@@ -448,8 +501,49 @@ def load_config(
             raise ConfigError(f"override {item!r} must look like --section.key=value")
         key, _, value = text.partition("=")
         _set(cfg, key.strip(), value)
+    resolve(cfg)
     validate(cfg, check_paths=check_paths)
     return cfg
+
+
+# ------------------------------------------------------------------ derived values
+def resolve(cfg: Config) -> Config:
+    """Set the values a config leaves to meshlm, before :func:`validate` checks them.
+
+    ``train.micro_batch`` left at 0 (or following the layout) becomes global_batch / (dp *
+    islands). A value that cannot be derived (the division does not come out even) is left
+    as it is, for :func:`validate` to name. ``run.resume`` needs nothing here: its spellings
+    are read into a mode when set (:class:`RunSection`). The world's values are
+    :func:`resolve_world`'s.
+    """
+    t, dp = cfg.train, max(1, cfg.parallel.dp)
+    if (_micro_batch_follows(cfg) and t.global_batch >= 1 and cfg.parallel.islands >= 1
+            and _auto_micro_batch_problem(cfg, dp) is None):
+        auto_micro_batch(cfg, dp)
+    return cfg
+
+
+def _micro_batch_follows(cfg: Config) -> bool:
+    """Whether ``train.micro_batch`` is derived from the layout (left at 0, or derived
+    before)."""
+    return cfg.train.micro_batch == 0 or cfg.micro_batch_auto
+
+
+def _auto_micro_batch_problem(cfg: Config, dp: int) -> str | None:
+    """Why ``train.micro_batch`` cannot be global_batch / (dp * islands) (None: it can)."""
+    t, k = cfg.train, cfg.parallel.islands
+    shown = f"parallel.dp * islands = {dp} * {k}" if k > 1 else f"parallel.dp={dp}"
+    if t.global_batch % (dp * k):
+        return f"train.global_batch={t.global_batch} is not divisible by {shown}"
+    return None
+
+
+def auto_micro_batch(cfg: Config, dp: int) -> None:
+    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / (dp * islands)."""
+    problem = _auto_micro_batch_problem(cfg, dp)
+    _refuse(problem)
+    cfg.micro_batch_auto = True
+    cfg.train.micro_batch = cfg.train.global_batch // (dp * cfg.parallel.islands)
 
 
 # ------------------------------------------------------------------ validation
@@ -458,28 +552,58 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _refuse(problem: str | None) -> None:
+    """Raise ConfigError with ``problem`` unless it is None."""
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _declared(cfg: Config, *keys: str) -> None:
+    """Check each of ``keys`` (``section.key``) against the rule declared on its field."""
+    for dotted in keys:
+        section, _, name = dotted.partition(".")
+        problem = RULES[dotted].problem(dotted, getattr(getattr(cfg, section), name))
+        _refuse(problem)
+
+
+def _declared_jointly(cfg: Config, *keys: str) -> None:
+    """Check ``keys``, which share one declared :class:`Range`, in one message."""
+    rule = RULES[keys[0]]
+    assert isinstance(rule, Range) and all(RULES[k] == rule for k in keys)
+    values = {k: getattr(getattr(cfg, k.partition(".")[0]), k.partition(".")[2]) for k in keys}
+    problem = jointly(rule, values)
+    _refuse(problem)
+
+
+def _resolved_layout(cfg: Config) -> Layout:
+    """:meth:`Config.layout` with the micro-batch :func:`resolve` derives (when it does)."""
+    layout = cfg.layout()
+    if _micro_batch_follows(cfg):
+        k = cfg.parallel.islands
+        layout = replace(layout, micro_batch=cfg.train.global_batch // (layout.dp * k))
+    return layout
+
+
 def validate(cfg: Config, check_paths: bool = True) -> None:
-    """Every rule that can be checked without reading data; raises ConfigError."""
+    """Every rule that can be checked without reading data; raises ConfigError naming the
+    first broken one, and changes nothing in ``cfg``.
+
+    Single keys are checked against the rules declared on their fields (:data:`RULES`); the
+    rules here relate keys, files and packages. A micro-batch left to :func:`resolve` is
+    checked as resolve derives it, so the result is the same before and after resolve.
+    """
     t, p, d = cfg.train, cfg.parallel, cfg.data
-    _check(cfg.model.preset in PRESETS,
-           f"model.preset={cfg.model.preset!r} is not a preset (valid: {', '.join(PRESETS)})")
+    _declared(cfg, "model.preset")
     if cfg.model.init_from and check_paths:
         _check(Path(cfg.model.init_from).expanduser().exists(),
                f"model.init_from={cfg.model.init_from!r} does not exist")
     mc = cfg.model_config()
-    for key in ("steps", "global_batch"):
-        _check(getattr(t, key) > 0, f"train.{key}={getattr(t, key)} must be positive")
-    _check(t.micro_batch >= 0, f"train.micro_batch={t.micro_batch} must be positive (or 0: "
-           "global_batch / parallel.dp)")
-    _check(p.dp >= 0, f"parallel.dp={p.dp} must be >= 1 (or 0: inferred from the world size)")
-    _check(p.islands >= 1, f"parallel.islands={p.islands} must be >= 1")
-    if t.micro_batch == 0 or cfg.micro_batch_auto:
-        auto_micro_batch(cfg, max(1, p.dp))
-    _check(t.on_nonfinite in NONFINITE,
-           f"train.on_nonfinite={t.on_nonfinite!r} is not one of {', '.join(NONFINITE)}")
-    _check(t.max_skips >= 1, f"train.max_skips={t.max_skips} must be >= 1")
-    _check(cfg.run.malloc_mmap_kb >= 0,
-           f"run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} must be >= 0 (0: malloc's own policy)")
+    _declared(cfg, "train.steps", "train.global_batch", "train.micro_batch", "parallel.dp",
+              "parallel.islands")
+    if _micro_batch_follows(cfg):
+        problem = _auto_micro_batch_problem(cfg, max(1, p.dp))
+        _refuse(problem)
+    _declared(cfg, "train.on_nonfinite", "train.max_skips", "run.malloc_mmap_kb")
     _check(not (cfg.run.malloc_keep and cfg.run.malloc_mmap_kb),
            f"run.malloc_keep=true and run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} contradict "
            "each other (keep freed memory vs return it): set one")
@@ -493,96 +617,56 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
             check_compiler("cuda" if torch.cuda.is_available() else "cpu")
         except CompileError as e:
             raise ConfigError(str(e)) from None
-    d_ = cfg.distributed
-    for key in ("timeout_s", "init_timeout_s"):
-        _check(getattr(d_, key) > 0, f"distributed.{key}={getattr(d_, key)} must be positive")
-    _check(d_.flight_records >= 1,
-           f"distributed.flight_records={d_.flight_records} must be >= 1")
-    _check(d_.straggler_threshold >= 0,
-           f"distributed.straggler_threshold={d_.straggler_threshold} must be >= 0 "
-           "(0: no straggler detection)")
-    _check(d_.straggler_steps >= 1,
-           f"distributed.straggler_steps={d_.straggler_steps} must be >= 1")
+    _declared(cfg, "distributed.timeout_s", "distributed.init_timeout_s",
+              "distributed.flight_records", "distributed.straggler_threshold",
+              "distributed.straggler_steps")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
            f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
-    _check(0 <= t.warmup_steps, f"train.warmup_steps={t.warmup_steps} must be >= 0")
-    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1,
-           f"train.beta1={t.beta1}, train.beta2={t.beta2} must lie in [0, 1)")
-    _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
-    _check(t.eps > 0, f"train.eps={t.eps} must be positive")
-    _check(t.optimizer in OPTIMIZERS,
-           f"train.optimizer={t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    _check(t.adamw_impl in ADAMW_IMPLS,
-           f"train.adamw_impl={t.adamw_impl!r} is not one of {', '.join(ADAMW_IMPLS)}")
+    _declared(cfg, "train.warmup_steps")
+    _declared_jointly(cfg, "train.beta1", "train.beta2")
+    _declared(cfg, "train.grad_clip", "train.eps", "train.optimizer", "train.adamw_impl")
     _check(t.optimizer == "adamw" or p.offload == "none",
            f"parallel.offload={p.offload} offloads AdamW moments: it needs train.optimizer=adamw")
-    _check(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
-    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
-    _check(t.peak_flops >= 0,
-           f"train.peak_flops={t.peak_flops} must be >= 0 (0: measured or datasheet)")
-    _check(t.eval_batch_size >= 1, f"train.eval_batch_size={t.eval_batch_size} must be >= 1")
-    for key in ("eval_every", "eval_batches", "log_every", "checkpoint_every"):
-        _check(getattr(t, key) >= 0, f"train.{key}={getattr(t, key)} must be >= 0")
-    _check(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
-    _check(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
+    _declared(cfg, "train.seed", "train.weight_decay", "train.peak_flops",
+              "train.eval_batch_size", "train.eval_every", "train.eval_batches",
+              "train.checkpoint_every", "train.log_every", "data.seq_len")
     _check(d.seq_len <= mc.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mc.max_seq_len}")
-    _check(d.vocab_size >= 260,
-           f"data.vocab_size={d.vocab_size} must be >= 260 (256 bytes + special tokens)")
-    _check(d.vocab_size <= 2**32 - 1, f"data.vocab_size={d.vocab_size} is too large")
-    _check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must lie in (0, 1)")
+    _declared(cfg, "data.vocab_size", "data.val_fraction")
     if d.path and check_paths:
         _check(Path(d.path).expanduser().exists(), f"data.path={d.path!r} does not exist")
     if d.tokenizer and check_paths:
         _check(Path(d.tokenizer).expanduser().is_file(),
                f"data.tokenizer={d.tokenizer!r} is not a file")
-    _check(cfg.precision.dtype in DTYPES,
-           f"precision.dtype={cfg.precision.dtype!r} is not one of {', '.join(DTYPES)}")
-    pr = cfg.precision
-    _check(pr.grad_reduce_dtype in REDUCE_DTYPES,
-           f"precision.grad_reduce_dtype={pr.grad_reduce_dtype!r} is not one of "
-           f"{', '.join(REDUCE_DTYPES)}")
-    _check(pr.loss_scale > 0, f"precision.loss_scale={pr.loss_scale} must be positive")
-    _check(pr.loss_scale_window >= 1,
-           f"precision.loss_scale_window={pr.loss_scale_window} must be >= 1")
-    _check(t.loss in LOSSES, f"train.loss={t.loss!r} is not one of {', '.join(LOSSES)}")
-    _check(t.loss_chunk >= 1, f"train.loss_chunk={t.loss_chunk} must be >= 1")
-    _check(p.offload in OFFLOADS,
-           f"parallel.offload={p.offload!r} is not one of {', '.join(OFFLOADS)}")
+    _declared(cfg, "precision.dtype", "precision.grad_reduce_dtype", "precision.loss_scale",
+              "precision.loss_scale_window", "train.loss", "train.loss_chunk", "parallel.offload")
     if p.offload == "disk" and p.offload_dir and check_paths:
         problem = _unwritable_dir(Path(p.offload_dir).expanduser())
         _check(problem is None, f"parallel.offload_dir={p.offload_dir!r}: {problem}")
     profile_steps(cfg.profile.steps)  # (raises ConfigError)
     validate_diloco(cfg, mc.n_layers)
-    problems = training_problems(cfg, cfg.layout(), mc)
+    problems = training_problems(cfg, _resolved_layout(cfg), mc)
     _check(not problems, problems[0] if problems else "")
-    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    _declared(cfg, "parallel.bucket_mb")
     _check(t.eval_every == 0 or t.eval_batches >= 1,
            f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0")
     _check(cfg.run.sample_tokens == 0 or bool(cfg.run.sample_prompt),
            "run.sample_prompt must not be empty when run.sample_tokens > 0")
-    _check(cfg.checkpoint.keep >= 0,
-           f"checkpoint.keep={cfg.checkpoint.keep} must be >= 0 (0 keeps every checkpoint)")
-    cfg.run.resume = resume_mode(cfg.run.resume)  # also when set in code, e.g. to True
-    if cfg.run.resume != "false":
-        _check(bool(cfg.run.dir),
-               f"run.resume={cfg.run.resume} needs run.dir naming the run to continue")
+    _declared(cfg, "checkpoint.keep")
+    resume = resume_mode(cfg.run.resume)  # (raises ConfigError)
+    if resume != "false":
+        _check(bool(cfg.run.dir), f"run.resume={resume} needs run.dir naming the run to continue")
     if cfg.run.tensorboard:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
-    _check(cfg.run.sample_tokens >= 0, f"run.sample_tokens={cfg.run.sample_tokens} must be >= 0")
+    _declared(cfg, "run.sample_tokens")
 
 
 def validate_diloco(cfg: Config, n_layers: int) -> None:
     """The ``[diloco]`` keys, and what islands cannot be combined with."""
     g, p = cfg.diloco, cfg.parallel
-    _check(g.inner_steps >= 1, f"diloco.inner_steps={g.inner_steps} must be >= 1")
-    _check(math.isfinite(g.outer_lr) and g.outer_lr > 0,
-           f"diloco.outer_lr={g.outer_lr} must be positive")
-    _check(0 <= g.outer_momentum < 1,
-           f"diloco.outer_momentum={g.outer_momentum} must lie in [0, 1)")
-    _check(g.reduce_dtype in ISLAND_DTYPES,
-           f"diloco.reduce_dtype={g.reduce_dtype!r} is not one of {', '.join(ISLAND_DTYPES)}")
+    _declared(cfg, "diloco.inner_steps", "diloco.outer_lr", "diloco.outer_momentum",
+              "diloco.reduce_dtype")
     _check(1 <= g.fragments <= n_layers,
            f"diloco.fragments={g.fragments} must lie in [1, model.n_layers={n_layers}] "
            "(fragments are groups of whole layers)")
@@ -595,16 +679,6 @@ def validate_diloco(cfg: Config, n_layers: int) -> None:
                "do not agree on a step between synchronisations); use stop or skip")
         _check(not p.auto, "parallel.auto=true cannot be used with parallel.islands > 1 (the "
                "planner picks a layout for one synchronous world); give the inner layout")
-
-
-def auto_micro_batch(cfg: Config, dp: int) -> None:
-    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / (dp * islands)."""
-    t, k = cfg.train, cfg.parallel.islands
-    shown = f"parallel.dp * islands = {dp} * {k}" if k > 1 else f"parallel.dp={dp}"
-    _check(t.global_batch % (dp * k) == 0,
-           f"train.global_batch={t.global_batch} is not divisible by {shown}")
-    cfg.micro_batch_auto = True
-    t.micro_batch = t.global_batch // (dp * k)
 
 
 def skip_batches(text: str) -> list[int]:

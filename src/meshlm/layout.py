@@ -28,6 +28,7 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 CP_MODES = ("zigzag", "ring", "ulysses")  # context-parallel attention (parallel/context.py)
 RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
 OFFLOADS = ("none", "cpu", "disk")  # where AdamW moments live (parallel/offload.py)
+ZERO_STAGES = (0, 1, 2, 3)  # 0: none (DDP); 1: optimizer states; 2: + gradients; 3: + weights
 
 _MODEL_KEYS = ("n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "moe_ffn_hidden")
 # Layout fields that are keys of the config's [parallel] section (the rest: see CONFIG_KEYS).
@@ -163,8 +164,9 @@ class Layout:
                        f"{self.world_size} is not the world of {world} ranks")
         if self.pp_schedule not in SCHEDULES:
             out.append(_unknown_schedule(self.pp_schedule, k))
-        if self.zero not in (0, 1, 2, 3):
-            out.append(f"{k('zero')}={self.zero} must be 0, 1, 2 or 3")
+        if self.zero not in ZERO_STAGES:
+            out.append(f"{k('zero')}={self.zero} must be "
+                       f"{', '.join(map(str, ZERO_STAGES[:-1]))} or {ZERO_STAGES[-1]}")
         if self.cp_attention not in CP_MODES:
             out.append(f"{k('cp_attention')}={self.cp_attention!r} is not one of "
                        f"{', '.join(CP_MODES)}")
