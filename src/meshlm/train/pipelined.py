@@ -1,20 +1,23 @@
 """The trainer's side of pipeline parallelism: one schedule per step, forward-only passes.
 
-:class:`PipelineRunner` owns the schedule executor of this rank and runs a step's micro-batches
+:class:`PipelineRunner` is the step runner of a pipelined layout (train/steps.py has the
+interface): it owns the schedule executor of this rank and runs a step's micro-batches
 through it (gradients stay local until the engine reduces them after the last micro-batch;
 the tied embedding's two copies are summed first), a forward-only pass for evaluation and
-sampling, and the measured bubble. Communication: the executor's activations and gradients
-over pp, plus one all-reduce over pp of the loss sum and one of the bubble per step.
+sampling, and the measured bubble and timeline. Communication: the executor's activations and
+gradients over pp, plus one all-reduce over pp of the loss sum and one of the bubble per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..config import Config
 from ..distributed.comm import Comm
+from ..distributed.phases import phase
 from ..parallel.engine import Engine
 from ..parallel.pipeline import PipelineExecutor, PipelineModel
 from ..parallel.tensor import TensorParallel
@@ -27,6 +30,7 @@ class PipelineRunner:
     def __init__(self, cfg: Config, pipe: PipelineModel, engine: Engine, tp: TensorParallel | None,
                  comm: Comm, loss_fn: Callable, precision: Precision, device: torch.device) -> None:
         self.pipe, self.engine, self.tp, self.comm = pipe, engine, tp, comm
+        self.precision, self.schedule = precision, cfg.parallel.pp_schedule
         # tokens of a sequence on this rank: its context-parallel share
         self.seq_len = cfg.data.seq_len // comm.size("cp")
         self.dim, self.loss_fn = pipe.model.cfg.dim, loss_fn
@@ -48,14 +52,17 @@ class PipelineRunner:
 
         Gradients are left for the engine to reduce (``finish_grads``) after the last one.
         """
-        self.engine.set_sync(False)
-        self.engine.begin_step()
-        loss_sum = self.executor.run(micro, self.seq_len)  # last stage only
-        self.pipe.sync_tied_grads(self.comm)
-        pp = self.comm.size("pp")
-        loss, bubble = self.comm.reduce_scalars([loss_sum / len(micro), self.executor.bubble()],
-                                                "pp")
-        self.bubble = bubble / pp
+        scaler = self.precision.scaler
+        self.executor.grad_scale = scaler.scale if scaler is not None else 1.0
+        with phase("forward"):  # (the executor marks its backward actions)
+            self.engine.set_sync(False)
+            self.engine.begin_step()
+            loss_sum = self.executor.run(micro, self.seq_len)  # last stage only
+            self.pipe.sync_tied_grads(self.comm)
+            pp = self.comm.size("pp")
+            loss, bubble = self.comm.reduce_scalars(
+                [loss_sum / len(micro), self.executor.bubble()], "pp")
+            self.bubble = bubble / pp
         return loss
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor | None:
@@ -70,6 +77,17 @@ class PipelineRunner:
         out = self.forward(inputs)
         loss = float(self.loss_fn(out, targets)) if out is not None else 0.0
         return self.comm.reduce_scalars([loss], "pp")[0]
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The measured bubble of the step and the most micro-batches alive at once."""
+        return {"pp_bubble": self.bubble, "pp_peak_live": self.executor.peak_live}
+
+    def timeline(self) -> dict[str, Any]:
+        """The last step's measured actions of this rank (``timeline/rank_NNNN.json``)."""
+        mesh = self.comm.mesh
+        return {"pp_rank": mesh.local_rank("pp"), "pp": mesh.size("pp"),
+                "schedule": self.schedule, "step_time": self.executor.step_time,
+                "actions": self.executor.timeline}
 
     def logits(self, ids: torch.Tensor, v_local: int) -> torch.Tensor:
         """(B, S, V_local) logits of the last stage, broadcast to every stage."""

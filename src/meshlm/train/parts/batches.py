@@ -1,0 +1,62 @@
+"""The data part: the cached token data, this rank's micro-batches of a step, validation batches.
+
+:func:`load_data` builds (or finds) the cache on the logging rank first, then the other ranks
+read it (one barrier). :class:`Batches` draws the global batch of step k from (seed, k) and
+hands this rank its share: data-parallel ranks of every island split the batch (island k's dp
+ranks read shares k dp ... (k + 1) dp - 1 of dp * islands), context-parallel ranks read their
+positions of each sequence. No communication after start-up; memory: the memory-mapped token
+arrays and one step's micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ...config import DataSection, TrainSection, skip_batches
+from ...data import DataBundle, build_data
+from ...data.sampler import StepSampler, val_batches
+from ...distributed.comm import Comm
+from ...distributed.mesh import Mesh
+
+Log = Callable[[str], None]
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def load_data(section: DataSection, comm: Comm, log: Log) -> DataBundle:
+    """Rank 0 builds (or finds) the cached data first; the others then read the cache."""
+    main = comm.mesh.is_logging_rank
+    if main:
+        data = build_data(section, log=log)
+    comm.barrier()
+    if not main:
+        data = build_data(section, log=_quiet)
+    return data
+
+
+class Batches:
+    """The step sampler (resumable, with its skip list) and the fixed validation batches."""
+
+    SECTION = "data"
+
+    def __init__(self, section: DataSection, train: TrainSection, data: DataBundle,
+                 mesh: Mesh, positions: np.ndarray | None = None) -> None:
+        self.section, self.train = section, train
+        self.dp_size = mesh.size("dp") * mesh.islands
+        self.dp_rank = mesh.island * mesh.size("dp") + mesh.local_rank("dp")
+        self.positions = positions  # this rank's share of each sequence (context parallel)
+        self.sampler = StepSampler(data.train_tokens, section.seq_len, train.global_batch,
+                                   train.seed)
+        self.sampler.skip_batches(skip_batches(train.skip_batches))
+        self.val = val_batches(data.val_tokens, section.seq_len, train.eval_batch_size,
+                               train.eval_batches)
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (inputs, targets) micro-batches of ``step``."""
+        return self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size,
+                                               self.train.micro_batch, self.positions)

@@ -1,0 +1,73 @@
+"""How a step's micro-batches become gradients: one runner per layout, one interface.
+
+A runner has ``forward_backward(micro) -> loss``: every micro-batch of this rank's share of the
+step through forward and backward, gradients left for the engine to reduce, and the mean loss
+of this rank's share (of this pipeline under pp); ``eval_loss(inputs, targets)`` for
+evaluation; ``record(step)`` for its fields of the metrics record; ``timeline()`` for what it
+measured of the last step (None: nothing). :class:`MicroBatchRunner` runs the micro-batches
+one after the other on a model without pipeline stages (communication: the engine's gradient
+reduction, overlapped with the last backward); :class:`~meshlm.train.pipelined.PipelineRunner`
+runs them through the pipeline schedule. Memory: the activations of one micro-batch (of the
+schedule's live micro-batches under pp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ..distributed.phases import phase
+from ..models.llama import Transformer
+from ..parallel.engine import Engine
+from ..precision import Precision
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepRunner(Protocol):
+    def forward_backward(self, micro: MicroBatches) -> float: ...
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float: ...
+
+    def record(self, step: int) -> dict[str, Any]: ...
+
+    def timeline(self) -> dict[str, Any] | None: ...
+
+
+class MicroBatchRunner:
+    """Micro-batches one after the other: forward, backward of loss / n (the mean over the
+    step), the engine told to communicate on the last one only (DDP's no_sync)."""
+
+    def __init__(self, model: Transformer, engine: Engine, loss_fn: Callable,
+                 precision: Precision, device: torch.device,
+                 after_micro_batch: Callable[[], None] = lambda: None) -> None:
+        self.model, self.engine, self.loss_fn = model, engine, loss_fn
+        self.precision, self.device = precision, device
+        self.after_micro_batch = after_micro_batch  # (tests: a rank that freezes in a step)
+
+    def forward_backward(self, micro: MicroBatches) -> float:
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro):
+            self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with phase("forward"), self.precision.autocast():
+                loss = self.loss_fn(self.model(inputs), targets)
+                aux = self.model.aux_loss()
+            with phase("backward"):
+                self.precision.scale((loss + aux) / len(micro)).backward()
+            total += loss.detach()
+            self.after_micro_batch()
+        return float(total) / len(micro)
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss of (B, S) ``inputs`` and ``targets`` (forward only)."""
+        with self.precision.autocast():
+            return float(self.loss_fn(self.model(inputs), targets))
+
+    def record(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def timeline(self) -> dict[str, Any] | None:
+        return None
