@@ -1,7 +1,8 @@
 """Flat buffers of parameters: the layout shared by DDP buckets and ZeRO shards.
 
 A :class:`FlatGroup` lays a list of parameters end to end in one 1-D buffer, padded to a
-multiple of the data-parallel size ``n`` so it splits into ``n`` equal shards; rank r owns
+multiple of the shard group's size ``n`` (the data-parallel size, or ``dp_shard`` under hybrid
+sharding) so it splits into ``n`` equal shards; rank r owns
 elements ``[r S, (r + 1) S)`` with ``S = padded / n``. A shard generally cuts through
 parameters, so the optimizer sees it as *pieces*: one tensor per (parameter, shard) overlap,
 each a view of the shard, tagged with the parameter's weight-decay group. AdamW is element-wise,
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..distributed.mesh import axis_parts
+from ..distributed.mesh import without_sharded
 from ..distributed.spec import spec_of, update_spec
 
 
@@ -37,7 +38,7 @@ class FlatGroup:
     params: list[nn.Parameter]
     names: list[str]
     n_shards: int
-    axis: str = "dp"  # the mesh axis the shards are spread over (dp, or dp_cp)
+    axis: str = "dp"  # the mesh axis the shards are spread over (dp, dp_cp, dp_shard, ...)
     offsets: list[int] = field(init=False)
     shapes: list[torch.Size] = field(init=False)  # recorded now: ZeRO-3 later frees the data
     numel: int = field(init=False)  # unpadded
@@ -89,9 +90,9 @@ class FlatGroup:
         for i, p in enumerate(self.params):
             a, b = self.span(i)
             mine = (min(max(lo - a, 0), b - a), min(max(hi - a, 0), b - a))
-            spec = spec_of(p)
-            update_spec(p, flat=mine, replicated=tuple(x for x in spec.replicated
-                                                       if x not in axis_parts(self.axis)))
+            # (sharded over dp_shard under hybrid sharding, the copies left are on dp_rep)
+            update_spec(p, flat=mine, replicated=without_sharded(spec_of(p).replicated,
+                                                                 self.axis))
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views (original shapes) into a flat buffer of this layout."""

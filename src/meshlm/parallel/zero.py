@@ -17,6 +17,14 @@ Communication per optimizer step with ``m`` micro-batches per rank (comm log, fp
 the shards, for clipping by the global norm.
 Buckets never mix reduction groups (shard spec ``reduce_axis``): each group is sharded over
 its own axis, and each bucket records in its parameters' specs which flat range this rank owns.
+The buckets, hooks and reduce-scatters are :mod:`~meshlm.parallel.grad_reduce`'s: stage 1
+declares sharded optimizer states, stage 2 sharded gradients as well.
+
+Hybrid sharding (``parallel.dp_shard`` < dp): each group is sharded over its shard axis
+(``dp_shard``, ``dp_shard_cp``, ``edp_shard``) instead of its whole reduce axis; gradient shards
+are all-reduced across the replicas (``dp_rep``) once per step, 4Ψ/dp_shard bytes (x 1/cp over
+``dp_shard_cp``), and the after-step all-gather stays within the shard group. Optimizer states
+(and stage 2's gradients) are then 1/dp_shard (x 1/cp) of the whole per rank.
 
 Memory per rank (weights + gradients + Adam moments): stage 1 -- 4Ψ + 4Ψ + 8Ψ/n;
 stage 2 -- 4Ψ + 4Ψ/n + 8Ψ/n (plus two transient buckets during backward).
@@ -28,7 +36,7 @@ import torch
 from torch import nn
 
 from ..config import TrainSection
-from ..distributed.comm import Comm, Handle
+from ..distributed.comm import Comm
 from ..distributed.spec import (
     ParamGroup,
     ShardSpec,
@@ -40,15 +48,23 @@ from ..distributed.spec import (
 from ..optim import adamw, decayed, set_lr
 from .engine import Engine, Owned, clip_by_global_norm, optimizer_state_bytes
 from .flat import FlatGroup, split_by_size, unique_trainable
+from .grad_reduce import STAGES, GradBucket, GradReducer
 
 
 def flat_groups(model: nn.Module, comm: Comm, bucket_mb: float,
-                groups: list[ParamGroup] | None) -> list[FlatGroup]:
-    """Buckets of at most ``bucket_mb`` per reduction group, sharded over the group's axis."""
+                groups: list[ParamGroup] | None) -> list[tuple[FlatGroup, str]]:
+    """Buckets of at most ``bucket_mb`` per reduction group, each with the group's reduce
+    axis, sharded over the group's shard axis (its whole axis, or the shard group under
+    hybrid sharding: :meth:`~meshlm.distributed.mesh.Mesh.shard_axis`)."""
     if groups is None:  # ~ backward order
         groups = reduction_groups(unique_trainable(list(model.named_parameters()))[::-1])
-    return [FlatGroup([p for _, p in g], [n for n, _ in g], comm.size(group.axis), group.axis)
-            for group in groups for g in split_by_size(group.named, int(bucket_mb * 2**20))]
+    out = []
+    for group in groups:
+        shard_axis = comm.mesh.shard_axis(group.axis)
+        out += [(FlatGroup([p for _, p in g], [n for n, _ in g], comm.size(shard_axis),
+                           shard_axis), group.axis)
+                for g in split_by_size(group.named, int(bucket_mb * 2**20))]
+    return out
 
 
 class ShardedAdamW:
@@ -101,101 +117,35 @@ class ShardedAdamW:
 
 
 class ZeroEngine(Engine):
-    """ZeRO stage 1 or 2 over ``axis`` (see module docstring)."""
+    """ZeRO stage 1 or 2, each group over its shard axis (see module docstring)."""
 
     def __init__(self, model: nn.Module, cfg: TrainSection, comm: Comm, stage: int,
                  bucket_mb: float = 25.0, groups: list[ParamGroup] | None = None) -> None:
         assert stage in (1, 2)
         self.model, self.cfg, self.comm, self.stage = model, cfg, comm, stage
         attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
-        self.groups = flat_groups(model, comm, bucket_mb, groups)
-        self.param_bufs, self.grad_bufs, shard_params, shard_grads = [], [], [], []
-        self._where: dict[int, tuple[int, int]] = {}
-        for gi, g in enumerate(self.groups):
+        declared = STAGES[stage]
+        self.param_bufs, shard_params, buckets = [], [], []
+        for g, reduce_axis in flat_groups(model, comm, bucket_mb, groups):
             buf = g.flatten([p.detach() for p in g.params])
             for p, v in zip(g.params, g.views(buf), strict=True):
                 p.data = v  # parameters become views of the flat buffer
             s0, s1 = g.shard_range(comm.rank(g.axis))
             self.param_bufs.append(buf)
             shard_params.append(buf[s0:s1])
-            if stage == 1:
-                grad = torch.zeros_like(buf)
-                self.grad_bufs.append(grad)
-                shard_grads.append(grad[s0:s1])
-            else:
-                shard_grads.append(torch.zeros(g.shard_size, dtype=buf.dtype, device=buf.device))
-            for i, p in enumerate(g.params):
-                self._where[id(p)] = (gi, i)
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.shard_grads = shard_grads
-        self.opt = ShardedAdamW(model, cfg, self.groups, shard_params, shard_grads, comm)
+            buckets.append(GradBucket(g, reduce_axis, comm, declared))
+        self.groups = [b.group for b in buckets]
+        self.shard_grads = [b.grad for b in buckets]
+        self.reducer = GradReducer(comm, declared, buckets, lambda: self.reduce_dtype)
+        self.opt = ShardedAdamW(model, cfg, self.groups, shard_params, self.shard_grads, comm)
         self.optimizer = self.opt.optimizer
-        self.sync = True
-        self.ready = [0] * len(self.groups)
-        self.transient: list[torch.Tensor | None] = [None] * len(self.groups)
-        self.inflight: list[tuple[int, Handle, torch.Tensor]] = []
-        self.launched: set[int] = set()  # buckets reduce-scattered since the last finish_grads
         self.zero_grad()
 
     def set_sync(self, sync: bool) -> None:
-        self.sync = sync
-
-    # -- backward hooks ---------------------------------------------------------------
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        gi, i = self._where[id(p)]
-        g = self.groups[gi]
-        if self.stage == 1:
-            view = g.views(self.grad_bufs[gi])[i]
-            if p.grad is not view:
-                view.copy_(p.grad)
-                p.grad = view
-            if not self.sync:
-                return
-            source = self.grad_bufs[gi]
-        else:
-            if self.transient[gi] is None:
-                self.transient[gi] = torch.zeros(g.padded, dtype=p.dtype, device=p.device)
-            a, b = g.span(i)
-            self.transient[gi][a:b].copy_(p.grad.reshape(-1))
-            p.grad = None  # the full gradient is not kept (stage 2)
-            source = self.transient[gi]
-        self.ready[gi] += 1
-        if self.ready[gi] == len(g.params):
-            self._launch(gi, source)
-
-    def _launch(self, gi: int, source: torch.Tensor) -> None:
-        self.ready[gi] = 0
-        g = self.groups[gi]
-        if source.dtype != self.reduce_dtype:
-            source = source.to(self.reduce_dtype)
-        out = torch.empty(g.shard_size, dtype=source.dtype, device=source.device)
-        self.inflight.append((gi, self.comm.reduce_scatter(out, source, g.axis, async_op=True),
-                              out))
-        self.transient[gi] = None
-        self.launched.add(gi)
-        while len(self.inflight) > 2:  # bound transient memory (gloo holds ~1.25x the input)
-            self._complete(self.inflight.pop(0))
-
-    def _complete(self, item: tuple[int, Handle, torch.Tensor]) -> None:
-        gi, handle, out = item
-        handle.wait()
-        if self.stage == 1:
-            self.shard_grads[gi].copy_(out)
-        else:
-            self.shard_grads[gi].add_(out)
+        self.reducer.sync = sync
 
     def finish_grads(self) -> None:
-        for gi in range(len(self.groups)):
-            if self.ready[gi] or (self.stage == 1 and gi not in self.launched):
-                src = self.grad_bufs[gi] if self.stage == 1 else self.transient[gi]
-                if src is not None:  # parameters without gradient: reduce what there is
-                    self._launch(gi, src)
-        while self.inflight:
-            self._complete(self.inflight.pop(0))
-        for g, grad in zip(self.groups, self.shard_grads, strict=True):
-            if self.comm.mesh.grad_divisor(g.axis) > 1:
-                grad.div_(self.comm.mesh.grad_divisor(g.axis))
-        self.launched = set()
+        self.reducer.finish()
 
     # -- step --------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -209,7 +159,8 @@ class ZeroEngine(Engine):
         self.sync_held()
 
     def sync_held(self) -> None:
-        """All-gather every rank's updated shard into the whole (local) parameters."""
+        """All-gather every rank's updated shard into the whole (local) parameters, within
+        the shard group."""
         handles = []
         for gi, g in enumerate(self.groups):
             s0, s1 = g.shard_range(self.opt.ranks[gi])
@@ -220,23 +171,13 @@ class ZeroEngine(Engine):
             h.wait()
 
     def zero_grad(self) -> None:
-        for gi, g in enumerate(self.groups):
-            if self.stage == 1:
-                self.grad_bufs[gi].zero_()
-                for p, v in zip(g.params, g.views(self.grad_bufs[gi]), strict=True):
-                    p.grad = v
-            else:
-                self.shard_grads[gi].zero_()
-                for p in g.params:
-                    p.grad = None
-        self.ready = [0] * len(self.groups)
+        self.reducer.zero_grad()
 
     # -- accounting and checkpoints ----------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
-        grads = self.grad_bufs if self.stage == 1 else self.shard_grads
         return {
             "params": sum(b.numel() * b.element_size() for b in self.param_bufs),
-            "grads": sum(b.numel() * b.element_size() for b in grads),
+            "grads": self.reducer.state_bytes(),
             "optim": self.opt.state_bytes(),
         }
 

@@ -12,7 +12,14 @@ the padded unit); the full parameters exist only while the unit computes:
   parameters and gradients are freed.
 
 A layer whose parameters belong to several reduction groups (shard spec ``reduce_axis``) is
-split into one unit per group, each sharded and reduced over its own axis.
+split into one unit per group, each sharded and reduced over its own axis. The gradient hooks,
+reduce-scatters and their in-flight bound are :mod:`~meshlm.parallel.grad_reduce`'s (the stage
+that shards optimizer states, gradients and parameters).
+
+Hybrid sharding (``parallel.dp_shard`` < dp): units are sharded, gathered and reduce-scattered
+within the shard group (``dp_shard``, ``dp_shard_cp``, ``edp_shard``), and each gradient shard
+is all-reduced across the replicas (``dp_rep``) once per step: 4Ψ/dp_shard bytes (x 1/cp over
+``dp_shard_cp``). Memory per rank: (4 + 4 + 8) Ψ / dp_shard (x 1/cp) bytes.
 
 Freeing resizes the storage of the unit's one full buffer to zero (as FSDP2 does) instead of
 dropping the buffer: the weight views autograd saves in forward would otherwise keep every
@@ -45,6 +52,7 @@ from ..distributed.source import TensorSource, assign, read_local
 from ..distributed.spec import ParamGroup, attach_specs, reduction_groups, spec_of
 from .engine import Engine, Owned
 from .flat import FlatGroup, unique_trainable
+from .grad_reduce import STAGES, GradBucket, GradReducer
 from .zero import ShardedAdamW
 
 
@@ -58,9 +66,12 @@ class Unit:
 
     def __init__(self, name: str, named: list[tuple[str, nn.Parameter]], axis: str, comm: Comm,
                  source: TensorSource | None = None) -> None:
-        self.name, self.axis = name, axis
-        n, rank = comm.size(axis), comm.rank(axis)
-        self.group = FlatGroup([p for _, p in named], [nm for nm, _ in named], n, axis)
+        """``axis``: the reduction axis of the unit's parameters; the unit is sharded (and
+        gathered) over its shard axis (:meth:`~meshlm.distributed.mesh.Mesh.shard_axis`)."""
+        self.name, self.reduce_axis = name, axis
+        self.axis = comm.mesh.shard_axis(axis)
+        n, rank = comm.size(self.axis), comm.rank(self.axis)
+        self.group = FlatGroup([p for _, p in named], [nm for nm, _ in named], n, self.axis)
         self.shapes = [p.shape for p in self.group.params]
         s0, s1 = self.group.shard_range(rank)
         device = comm.mesh.device()
@@ -87,7 +98,6 @@ class Unit:
             assign(p, v)
         self.handle: Handle | None = None
         self.gathered = True
-        self.ready = 0
         self.free()
 
     def free(self) -> None:
@@ -152,12 +162,6 @@ class Zero3Engine(Engine):
                 source)
             for k, blk in blocks
         ]
-        self._unit_of: dict[int, Unit] = {}
-        for u in [*self.root, *(u for us in self.units for u in us)]:
-            for p in u.group.params:
-                self._unit_of[id(p)] = u
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.inflight: list[tuple[Unit, Handle, torch.Tensor]] = []
         if not self.keep:
             model.register_forward_pre_hook(self._root_pre_forward)
             model.register_forward_hook(self._root_post_forward)
@@ -167,6 +171,11 @@ class Zero3Engine(Engine):
         all_units = [u for u in [*self.root, *(u for us in self.units for u in us)]
                      if u.group.params]
         self.all_units = all_units
+        self._unit_of = {id(u.group): u for u in all_units}
+        self.reducer = GradReducer(
+            comm, STAGES[3], [GradBucket(u.group, u.reduce_axis, comm, STAGES[3], u.grad_shard)
+                              for u in all_units],
+            lambda: self.reduce_dtype, deferred=self.keep, on_launch=self._on_reduce_launched)
         self.opt = ShardedAdamW(model, cfg, [u.group for u in all_units],
                                 [u.shard for u in all_units], [u.grad_shard for u in all_units],
                                 comm)
@@ -232,53 +241,17 @@ class Zero3Engine(Engine):
         for u in self.all_units:
             u.free()
 
-    def _reduce_all(self) -> None:
-        for u in self.all_units:
-            grads = [q.grad if q.grad is not None else torch.zeros(
-                shape, dtype=u.shard.dtype, device=u.shard.device)
-                     for q, shape in zip(u.group.params, u.shapes, strict=True)]
-            flat = u.group.flatten(grads, self.reduce_dtype)
-            for q in u.group.params:
-                q.grad = None
-            out = torch.empty_like(flat[: u.shard.numel()])
-            self.inflight.append((u, self.comm.reduce_scatter(out, flat, u.axis,
-                                                              async_op=True), out))
-        self.release_all()
+    def _on_reduce_launched(self, b: GradBucket) -> None:
+        self._unit_of[id(b.group)].free()  # its gradients are on their way: drop the whole
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if self.keep:
-            return  # reduced once in finish_grads
-        unit = self._unit_of[id(p)]
-        unit.ready += 1
-        if unit.ready < len(unit.group.params):
-            return
-        unit.ready = 0
-        flat = unit.group.flatten([q.grad for q in unit.group.params], self.reduce_dtype)
-        for q in unit.group.params:
-            q.grad = None
-        out = torch.empty_like(flat[: unit.shard.numel()])
-        self.inflight.append((unit, self.comm.reduce_scatter(out, flat, unit.axis, async_op=True),
-                              out))
-        unit.free()
-        while len(self.inflight) > 2:
-            self._complete(self.inflight.pop(0))
-
-    def _complete(self, item: tuple[Unit, Handle, torch.Tensor]) -> None:
-        unit, handle, out = item
-        handle.wait()
-        unit.grad_shard.add_(out)
+    def set_sync(self, sync: bool) -> None:
+        self.reducer.sync = sync
 
     def finish_grads(self) -> None:
-        if self.keep:
-            self._reduce_all()
-        while self.inflight:
-            self._complete(self.inflight.pop(0))
-        pending = [u.name for u in self.all_units if u.ready]
+        pending = [self._unit_of[id(b.group)].name for b in self.reducer.pending()]
         if pending:
             raise RuntimeError(f"ZeRO-3: units {pending} did not receive all their gradients")
-        for u in self.all_units:
-            if self.comm.mesh.grad_divisor(u.axis) > 1:
-                u.grad_shard.div_(self.comm.mesh.grad_divisor(u.axis))
+        self.reducer.finish()
 
     # -- step ---------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -291,10 +264,7 @@ class Zero3Engine(Engine):
         self.opt.step(lr)
 
     def zero_grad(self) -> None:
-        for u in self.all_units:
-            u.grad_shard.zero_()
-            for p in u.group.params:
-                p.grad = None
+        self.reducer.zero_grad()
 
     def state_bytes(self) -> dict[str, int]:
         units = self.all_units
