@@ -4,7 +4,8 @@ and for the trainer's config.
 ``meshlm plan --model PRESET|FILE --gpus N --gpu KIND [--seq-len L] [--global-batch-tokens T]
 [--layout "tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2"]
 [--json]`` prints the fastest layouts that fit (a table), or with ``--layout`` the breakdown
-of that one layout. ``meshlm plan --calibrate`` measures this machine and stores the ``cpu``
+of that one layout (``dp_shard=N`` in it: hybrid sharding, ZeRO over shard groups of N dp
+ranks replicated dp / N times). ``meshlm plan --calibrate`` measures this machine and stores the ``cpu``
 entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``, :func:`config_memory`
 the memory lines of ``meshlm train --dry-run``.
 """
@@ -52,7 +53,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens per optimizer step (default: 1M on GPUs, 16 sequences on cpu)")
     p.add_argument("--layout", help='one layout to break down, e.g. "tp=8,pp=4,dp=16,zero=1,'
-                                    'mbs=1,recompute=selective,schedule=interleaved,vpp=2"')
+                                    'mbs=1,recompute=selective,schedule=interleaved,vpp=2" '
+                                    '(dp_shard=N: hybrid sharding over N dp ranks)')
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
                    help="matmul precision (default: bf16 on GPUs, fp32 on cpu)")
     p.add_argument("--states", choices=("fp32", "mixed"), default="fp32",
@@ -182,6 +184,11 @@ def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
     print(f"  seq {work.seq_len}, global batch {work.global_batch} seqs "
           f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}, "
           f"{work.loss} loss")
+    lo = plan.layout
+    if lo.hybrid:
+        print(f"  hybrid sharding: ZeRO shards over groups of {lo.shard_size * lo.cp} ranks "
+              f"(dp_shard{' x cp' if lo.cp > 1 else ''}), {lo.dp_rep} copies of each shard "
+              "(dp / dp_shard)")
     verdict = "fits" if m.fits else "does NOT fit"
     print(f"memory per device (stage {m.stage}, peak at the {m.peak_phase}): {_size(m.total)} "
           f"of {_size(m.capacity)} -- {verdict}")
