@@ -133,6 +133,8 @@ class Trainer:
         self.checkpointer = Checkpointer(
             cfg.checkpoint, cfg.run, cfg.train, lambda: to_toml(cfg), self.run_dir, m,
             self.batches, self.optimizer, self.islands, self.comm, self.memory, self.log)
+        self.parts = (self.watch, self.model_part, self.faults, self.optimizer, self.context,
+                      self.recorder, self.islands, self.batches, self.checkpointer)
         # the parts' objects under the trainer's names (tests, benchmarks, sampling)
         self.model_cfg, self.model, self.engine, self.tp = m.model_cfg, m.model, m.engine, m.tp
         self.pipe, self.cp, self.loss_fn, self.param_shapes = m.pipe, m.cp, m.loss_fn, m.param_shapes
@@ -163,12 +165,9 @@ class Trainer:
         micro = self.batches.micro_batches(step)
         self.context.begin_step()
         loss = self.runner.forward_backward(micro)  # this rank's (this pipeline's) mean
-        grad_norm = self.optimizer_update(step, loss)
+        grad_norm = self.optimizer.update(step, loss)  # (reduce, clip, step: every layout)
         n = self.mesh.size("dp_cp")  # each cp rank's loss is the mean over its equal share
         return self.comm.reduce_scalars([loss], "dp_cp")[0] / n, grad_norm
-
-    def optimizer_update(self, step: int, local_loss: float) -> float | None:
-        return self.optimizer.update(step, local_loss)
 
     @torch.no_grad()
     @phase("evaluation")
@@ -200,18 +199,6 @@ class Trainer:
         rec, self.stop_agreed = self.islands.outer_sync(step, loss, self.stop_agreed)
         return rec
 
-    def is_eval_step(self, step: int) -> bool:
-        return is_eval_step(self.cfg.train, step)
-
-    def is_save_step(self, step: int) -> bool:
-        return is_save_step(self.cfg.train, step)
-
-    def save_checkpoint(self) -> Path:
-        return self.checkpointer.save(self.step)
-
-    def load_checkpoint(self, directory: Path) -> None:
-        self.step = self.checkpointer.load(directory)
-
     # ------------------------------------------------------------------ loop
     def fit(self) -> TrainResult:
         steps = self.cfg.train.steps
@@ -241,11 +228,11 @@ class Trainer:
                     rec.update(self.outer_sync(step, loss))  # islands meet: stop agreed by all
                     if step == start + 1:
                         rec.update(out.first_step_fields(dt))
-                    if self.is_eval_step(step) and not self.stop_agreed:
+                    if is_eval_step(self.cfg.train, step) and not self.stop_agreed:
                         rec["val_loss"] = result.val_losses[step] = self.evaluate()
-                    if self.is_save_step(step) or self.stop_agreed:
+                    if is_save_step(self.cfg.train, step) or self.stop_agreed:
                         with region("meshlm.checkpoint_save"):
-                            self.save_checkpoint()
+                            self.checkpointer.save(step)
                         rec["mem_save_bytes"] = self.memory.phases["save"]
                     result.losses[step] = loss
                     out.end_step(step, rec, dt)

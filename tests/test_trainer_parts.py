@@ -1,0 +1,97 @@
+"""The trainer's structure: parts built from their own config sections, one step path.
+
+Every part of a :class:`Trainer` keeps the config section it was built from and never the
+whole config; a plain run and a pipelined run take the same ``train_step`` and ``evaluate``
+(micro-batches -> runner.forward_backward -> optimizer update -> loss reduce) and differ only
+in the runner; the metrics record is the recorder's fields plus its contributors'.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshlm.config import load_config
+from meshlm.testing import run_world
+from meshlm.train.pipelined import PipelineRunner
+from meshlm.train.steps import MicroBatchRunner
+from meshlm.train.trainer import Trainer
+
+
+def _trainer(args: list[str]) -> Trainer:
+    return Trainer(load_config(None, args), log=lambda _m: None, progress=False)
+
+
+def test_every_part_is_built_from_its_own_section(tiny_args: list[str]) -> None:
+    trainer = _trainer(tiny_args)
+    parts = trainer.parts
+    assert len(parts) == len({type(p) for p in parts}) >= 9
+    for part in parts:
+        name = type(part).__name__
+        assert part.section is getattr(trainer.cfg, part.SECTION), name
+        assert all(v is not trainer.cfg for v in vars(part).values()), name
+        annotations = [str(p.annotation) for p in
+                       inspect.signature(type(part).__init__).parameters.values()]
+        assert "Config" not in annotations, name  # sections, never the whole config
+
+
+def _one_step(args: list[str]) -> dict[str, Any]:
+    """Step 1 and one evaluation of a trainer, with the calls its parts received."""
+    trainer = _trainer(args)
+    calls: list[str] = []
+
+    def spy(obj: object, name: str) -> None:
+        method = getattr(obj, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls.append(name)
+            return method(*a, **k)
+
+        setattr(obj, name, wrapped)
+
+    spy(trainer.batches, "micro_batches")
+    spy(trainer.runner, "forward_backward")
+    spy(trainer.optimizer, "update")
+    spy(trainer.runner, "eval_loss")
+    loss, grad_norm = trainer.train_step(1)
+    step_calls = list(calls)
+    calls.clear()
+    val = trainer.evaluate()
+    return {"runner": type(trainer.runner).__name__, "step": step_calls,
+            "eval": sorted(set(calls)), "loss": loss, "grad_norm": grad_norm, "val": val,
+            "pipeline": trainer.pipeline is trainer.runner}
+
+
+def test_plain_and_pipelined_runs_take_the_same_step(tiny_args: list[str], tmp_path: Path
+                                                      ) -> None:
+    plain = _one_step(tiny_args + [f"--run.dir={tmp_path / 'plain'}"])
+    piped = run_world(2, _one_step, tiny_args + [f"--run.dir={tmp_path / 'pp'}",
+                                                 "--parallel.pp=2"])
+    assert plain["runner"] == MicroBatchRunner.__name__ and not plain["pipeline"]
+    for rank in piped:
+        assert rank["runner"] == PipelineRunner.__name__ and rank["pipeline"]
+        assert rank["step"] == plain["step"] == ["micro_batches", "forward_backward", "update"]
+        assert rank["eval"] == plain["eval"] == ["eval_loss"]
+        assert rank["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+        assert rank["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+        assert rank["val"] == pytest.approx(plain["val"], rel=1e-5)
+
+
+def test_record_merges_the_contributors_in_order(tiny_args: list[str]) -> None:
+    trainer = _trainer(tiny_args)
+
+    class Extra:
+        def record(self, step: int) -> dict[str, Any]:
+            return {"extra": step}
+
+    trainer.recorder.contributors = [*trainer.recorder.contributors, Extra()]
+    loss, grad_norm = trainer.train_step(1)
+    rec = trainer.record(1, loss, grad_norm, 1.0)
+    keys = list(rec)
+    assert rec["extra"] == 1
+    assert keys.index("comm_bytes") < keys.index("extra") < keys.index("step_time_per_rank")
+    # a dense fp32 run without pp or cp: no contributor but the test's adds a field
+    assert "loss_scale" not in rec and "pp_bubble" not in rec and "cp_attention" not in rec
