@@ -18,10 +18,14 @@ from typing import Any, Protocol
 
 import torch
 
+from ..config import Config
+from ..distributed.comm import Comm
 from ..distributed.phases import phase
 from ..models.llama import Transformer
 from ..parallel.engine import Engine
 from ..precision import Precision
+from .parts.model import ModelPart
+from .pipelined import PipelineRunner
 
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -71,3 +75,14 @@ class MicroBatchRunner:
 
     def timeline(self) -> dict[str, Any] | None:
         return None
+
+
+def build_runner(cfg: Config, model: ModelPart, precision: Precision, comm: Comm,
+                 device: torch.device, after_micro_batch: Callable[[], None]) -> StepRunner:
+    """The pipeline's runner when the model has stages (``parallel.pp`` > 1), else the plain
+    micro-batch loop (``after_micro_batch`` runs after each of its micro-batches)."""
+    if model.pipe is not None:
+        return PipelineRunner(cfg, model.pipe, model.engine, model.tp, comm, model.loss_fn,
+                              precision, device)
+    return MicroBatchRunner(model.model, model.engine, model.loss_fn, precision, device,
+                            after_micro_batch)

@@ -1,7 +1,6 @@
 """The training loop of one rank, assembled from parts (train/parts/), each built from its own
-config section: the model and its parallelisation, the batches, the optimizer update, the
-checkpointer, the recorder, fault handling, the collective watch, context parallelism and
-DiLoCo islands.
+config section: model and parallelisation, batches, optimizer update, checkpointer, recorder,
+fault handling, collective watch, context parallelism, DiLoCo islands.
 
 One optimizer step = ``grad_accum`` micro-batches of forward + backward through the layout's
 step runner (train/steps.py; train/pipelined.py under pp), each micro-batch loss divided by
@@ -18,7 +17,6 @@ all-reduce of every rank's metrics.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +32,6 @@ from ..distributed.comm import Comm, CommLog
 from ..distributed.mesh import Mesh
 from ..distributed.phases import phase, phase_of
 from ..generate import generate_text
-from .malloc import keep_freed_memory, pin_malloc_mmap_threshold
 from .metrics import PhasePeaks
 from .oom import OutOfMemory, is_oom
 from .oom import describe as describe_oom
@@ -48,16 +45,14 @@ from .parts.optimizer import OptimizerUpdate
 from .parts.recorder import Recorder
 from .parts.schedule import is_eval_step, is_save_step
 from .parts.watch import CollectiveWatch
-from .pipelined import PipelineRunner
-from .profiling import region
+from .process import keep_freed_memory, pin_malloc_mmap_threshold, set_process_policies
 from .run_dir import agree_run_dir, resolve_run_dir, write_run_files
 from .sampling import full_logits
-from .steps import MicroBatchRunner, StepRunner
+from .steps import build_runner
 from .stopping import StopSignals
 
 __all__ = ["TrainResult", "Trainer", "keep_freed_memory", "pin_malloc_mmap_threshold",
            "prepare_launch", "run_worker", "train"]
-
 Log = Callable[[str], None]
 
 
@@ -104,6 +99,7 @@ class Trainer:
         self.watch = CollectiveWatch(cfg.distributed, self.comm, self.run_dir)
         self.data = load_data(cfg.data, self.comm, self.log)
         self.memory = PhasePeaks(self.device)
+        # the parts, in the order their start-up collectives and log lines run
         m = self.model_part = ModelPart(
             cfg.model, cfg.parallel, cfg.train, cfg.precision, cfg.model_config,
             self.data.tokenizer.vocab_size, self.comm, self.device, self.run_dir, self.memory,
@@ -116,11 +112,8 @@ class Trainer:
                                          self.device.type, self.faults, self.routing)
         self.stop = StopSignals()
         self.stop_agreed = False  # some rank was asked to stop: every rank stops here
-        self.runner: StepRunner = (
-            PipelineRunner(cfg, m.pipe, m.engine, m.tp, self.comm, m.loss_fn,
-                           self.optimizer.precision, self.device) if m.pipe is not None else
-            MicroBatchRunner(m.model, m.engine, m.loss_fn, self.optimizer.precision,
-                             self.device, self.faults.after_micro_batch))
+        self.runner = build_runner(cfg, m, self.optimizer.precision, self.comm, self.device,
+                                   self.faults.after_micro_batch)  # pipeline or plain loop
         self.context = ContextShare(cfg.parallel, m.cp, self.comm, cfg.data.seq_len)
         self.recorder = Recorder(
             cfg.train, cfg.distributed, self.comm, self.device, m.engine, m.model_cfg,
@@ -131,8 +124,8 @@ class Trainer:
                                cfg.train.steps)
         self.batches = Batches(cfg.data, cfg.train, self.data, self.mesh, self.context.positions)
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, cfg.run, cfg.train, lambda: to_toml(cfg), self.run_dir, m,
-            self.batches, self.optimizer, self.islands, self.comm, self.memory, self.log)
+            cfg.checkpoint, cfg.run, lambda: to_toml(cfg), self.run_dir, m, self.batches,
+            self.optimizer, self.islands, self.comm, self.memory, self.log)
         self.parts = (self.watch, self.model_part, self.faults, self.optimizer, self.context,
                       self.recorder, self.islands, self.batches, self.checkpointer)
         # the parts' objects under the trainer's names (tests, benchmarks, sampling)
@@ -140,10 +133,10 @@ class Trainer:
         self.pipe, self.cp, self.loss_fn, self.param_shapes = m.pipe, m.cp, m.loss_fn, m.param_shapes
         self.precision, self.flight, self.diloco = (self.optimizer.precision, self.watch.flight,
                                                     self.islands.diloco)
-        self.pipeline = self.runner if isinstance(self.runner, PipelineRunner) else None
+        self.pipeline = self.runner if m.pipe is not None else None  # (a PipelineRunner)
         self.sampler, self.val = self.batches.sampler, self.batches.val
-        self.tokens_per_step = self.recorder.tokens_per_step
-        self.flops_per_token = self.recorder.flops_per_token
+        self.tokens_per_step, self.flops_per_token = (self.batches.tokens_per_step,
+                                                      self.recorder.flops_per_token)
         self.step = self.checkpointer.resume() or 0
         self.recorder.measure_peak(cfg.precision.dtype)
         self.peak, self.peak_source = self.recorder.peak, self.recorder.peak_source
@@ -231,8 +224,7 @@ class Trainer:
                     if is_eval_step(self.cfg.train, step) and not self.stop_agreed:
                         rec["val_loss"] = result.val_losses[step] = self.evaluate()
                     if is_save_step(self.cfg.train, step) or self.stop_agreed:
-                        with region("meshlm.checkpoint_save"):
-                            self.checkpointer.save(step)
+                        self.checkpointer.save(step)
                         rec["mem_save_bytes"] = self.memory.phases["save"]
                     result.losses[step] = loss
                     out.end_step(step, rec, dt)
@@ -282,12 +274,7 @@ def run_worker(cfg: Config) -> TrainResult:
 
 def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
     """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0."""
-    if cfg.run.malloc_mmap_kb:
-        pin_malloc_mmap_threshold(cfg.run.malloc_mmap_kb * 1024)
-    if cfg.run.malloc_keep:
-        keep_freed_memory()
-    if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
-        torch.set_num_threads(os.cpu_count() or 1)
+    set_process_policies(cfg.run)  # malloc, threads
     try:
         with phase("construction"):
             trainer = Trainer(cfg, log=log, progress=progress)
@@ -310,8 +297,7 @@ def _fit(trainer: Trainer, cfg: Config) -> TrainResult:
         raise failure from exc
     finally:
         trainer.watch.close()
-    checkpoint = trainer.run_dir / "checkpoints" / f"step_{trainer.step:07d}"
-    trainer.recorder.log_end(result.val_losses, checkpoint, trainer.model_cfg.is_moe)
+    trainer.recorder.log_end(result.val_losses, trainer.step, trainer.model_cfg.is_moe)
     if cfg.run.sample_tokens and not result.stopped_by:
         result.sample = trainer.sample(cfg.run.sample_prompt, cfg.run.sample_tokens)
         trainer.log("sample:\n" + result.sample)

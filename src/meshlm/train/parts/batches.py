@@ -47,6 +47,7 @@ class Batches:
     def __init__(self, section: DataSection, train: TrainSection, data: DataBundle,
                  mesh: Mesh, positions: np.ndarray | None = None) -> None:
         self.section, self.train = section, train
+        self.tokens_per_step = train.global_batch * section.seq_len
         self.dp_size = mesh.size("dp") * mesh.islands
         self.dp_rank = mesh.island * mesh.size("dp") + mesh.local_rank("dp")
         self.positions = positions  # this rank's share of each sequence (context parallel)

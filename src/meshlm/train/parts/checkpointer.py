@@ -25,12 +25,13 @@ from ...checkpoint.sharded import (
     save_checkpoint,
 )
 from ...checkpoint.state import CheckpointError, latest_valid
-from ...config import CheckpointSection, RunSection, TrainSection
+from ...config import CheckpointSection, RunSection
 from ...distributed.comm import Comm
 from ...distributed.phases import phase
 from ...parallel.expert import moe_layers
 from ..metrics import PhasePeaks
 from ..nonfinite import NonFiniteError
+from ..profiling import region
 from .batches import Batches
 from .islands import Islands
 from .model import ModelPart
@@ -49,32 +50,34 @@ class Checkpointer:
 
     SECTION = "checkpoint"
 
-    def __init__(self, section: CheckpointSection, run: RunSection, train: TrainSection,
+    def __init__(self, section: CheckpointSection, run: RunSection,
                  config_toml: Callable[[], str], run_dir: Path, model: ModelPart,
                  batches: Batches, optimizer: OptimizerUpdate, islands: Islands, comm: Comm,
                  memory: PhasePeaks, log: Log) -> None:
-        self.section, self.run, self.train, self.config_toml = section, run, train, config_toml
+        self.section, self.run, self.config_toml = section, run, config_toml
         self.root, self.run_dir = run_dir / "checkpoints", run_dir
         self.model, self.batches, self.optimizer, self.islands = model, batches, optimizer, islands
         self.comm, self.mesh, self.memory, self.log = comm, comm.mesh, memory, log
-        self.tokens_per_step = train.global_batch * batches.section.seq_len
+        self.tokens_per_step = batches.tokens_per_step
 
     def save(self, step: int) -> Path:
         """Every rank writes the shards it owns (no gather); see ``checkpoint.sharded``."""
-        mc = self.model.model_cfg
-        state = {"sampler": self.batches.sampler.state_dict(), "model": asdict(mc),
-                 **self.islands.state(),
-                 "tokens_seen": step * self.tokens_per_step,
-                 "layout": self.mesh.describe(), "scaler": self.optimizer.precision.state_dict(),
-                 **({"moe_bias": self.expert_biases()} if mc.moe_balance == "bias"
-                    and mc.is_moe else {})}
-        with phase("checkpoint save"):
-            directory = save_checkpoint(
-                self.root, step, self.model.engine, self.comm, state,
-                {"config.toml": self.config_toml(),
-                 "tokenizer.json": self.run_dir / "tokenizer.json"},
-                keep=self.section.keep, outer=self.islands.outer_pieces())
-        self.memory.measure("save", self.comm)
+        with region("meshlm.checkpoint_save"):
+            mc = self.model.model_cfg
+            state = {"sampler": self.batches.sampler.state_dict(), "model": asdict(mc),
+                     **self.islands.state(),
+                     "tokens_seen": step * self.tokens_per_step,
+                     "layout": self.mesh.describe(),
+                     "scaler": self.optimizer.precision.state_dict(),
+                     **({"moe_bias": self.expert_biases()} if mc.moe_balance == "bias"
+                        and mc.is_moe else {})}
+            with phase("checkpoint save"):
+                directory = save_checkpoint(
+                    self.root, step, self.model.engine, self.comm, state,
+                    {"config.toml": self.config_toml(),
+                     "tokenizer.json": self.run_dir / "tokenizer.json"},
+                    keep=self.section.keep, outer=self.islands.outer_pieces())
+            self.memory.measure("save", self.comm)
         return directory
 
     def expert_biases(self) -> list[list[float]]:

@@ -223,13 +223,13 @@ class Recorder:
             self.log(f"peak memory at {name}: largest rank {max(peaks) / 2**20:,.0f} MiB "
                      f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in peaks)} MiB)")
 
-    def log_end(self, val_losses: dict[int, float], checkpoint: Path, moe: bool) -> None:
+    def log_end(self, val_losses: dict[int, float], step: int, moe: bool) -> None:
         """The first and last validation loss, the last checkpoint, the routing summary."""
         if val_losses:
             first, last = min(val_losses), max(val_losses)
             self.log(f"validation loss: {val_losses[first]:.4f} (step {first}) -> "
                      f"{val_losses[last]:.4f} (step {last})")
-        self.log(f"checkpoint: {checkpoint}")
+        self.log(f"checkpoint: {self.run_dir / 'checkpoints' / f'step_{step:07d}'}")
         metrics = self.run_dir / "metrics.jsonl"
         if self.mesh.is_logging_rank and moe and metrics.exists():
             summary = router_summary(read_metrics(metrics))

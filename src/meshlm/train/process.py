@@ -1,13 +1,29 @@
-"""glibc's malloc policies of a run: ``run.malloc_mmap_kb`` and ``run.malloc_keep`` (CPU memory).
+"""Process-wide policies of a training process, set before the trainer allocates anything:
+glibc's malloc (``run.malloc_mmap_kb``, ``run.malloc_keep``; no-ops off glibc) and the
+thread count (at most one thread per CPU when ``OMP_NUM_THREADS`` is unset).
 
-Both are process-wide and set once before the trainer allocates anything; no-ops off glibc.
-No communication; they change how freed memory is returned, not how much is live.
+No communication; the malloc policies change how freed memory is returned, not how much is live.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+
+import torch
+
+from ..config import RunSection
+
+
+def set_process_policies(run: RunSection) -> None:
+    """The malloc policies of ``run`` and the thread count of this process."""
+    if run.malloc_mmap_kb:
+        pin_malloc_mmap_threshold(run.malloc_mmap_kb * 1024)
+    if run.malloc_keep:
+        keep_freed_memory()
+    if os.environ.get("OMP_NUM_THREADS") is None and torch.get_num_threads() > os.cpu_count():
+        torch.set_num_threads(os.cpu_count() or 1)
 
 
 def _libc() -> ctypes.CDLL | None:
