@@ -540,8 +540,7 @@ def _auto_micro_batch_problem(cfg: Config, dp: int) -> str | None:
 
 def auto_micro_batch(cfg: Config, dp: int) -> None:
     """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / (dp * islands)."""
-    problem = _auto_micro_batch_problem(cfg, dp)
-    _refuse(problem)
+    _refuse(_auto_micro_batch_problem(cfg, dp))
     cfg.micro_batch_auto = True
     cfg.train.micro_batch = cfg.train.global_batch // (dp * cfg.parallel.islands)
 
@@ -562,8 +561,7 @@ def _declared(cfg: Config, *keys: str) -> None:
     """Check each of ``keys`` (``section.key``) against the rule declared on its field."""
     for dotted in keys:
         section, _, name = dotted.partition(".")
-        problem = RULES[dotted].problem(dotted, getattr(getattr(cfg, section), name))
-        _refuse(problem)
+        _refuse(RULES[dotted].problem(dotted, getattr(getattr(cfg, section), name)))
 
 
 def _declared_jointly(cfg: Config, *keys: str) -> None:
@@ -571,8 +569,7 @@ def _declared_jointly(cfg: Config, *keys: str) -> None:
     rule = RULES[keys[0]]
     assert isinstance(rule, Range) and all(RULES[k] == rule for k in keys)
     values = {k: getattr(getattr(cfg, k.partition(".")[0]), k.partition(".")[2]) for k in keys}
-    problem = jointly(rule, values)
-    _refuse(problem)
+    _refuse(jointly(rule, values))
 
 
 def _resolved_layout(cfg: Config) -> Layout:
@@ -601,8 +598,7 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _declared(cfg, "train.steps", "train.global_batch", "train.micro_batch", "parallel.dp",
               "parallel.islands")
     if _micro_batch_follows(cfg):
-        problem = _auto_micro_batch_problem(cfg, max(1, p.dp))
-        _refuse(problem)
+        _refuse(_auto_micro_batch_problem(cfg, max(1, p.dp)))
     _declared(cfg, "train.on_nonfinite", "train.max_skips", "run.malloc_mmap_kb")
     _check(not (cfg.run.malloc_keep and cfg.run.malloc_mmap_kb),
            f"run.malloc_keep=true and run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} contradict "
