@@ -8,7 +8,8 @@ DiLoCo islands. Each must reproduce the reference's losses, gradient norms and f
 one-process state where ZeRO shards it; the comm log must show gradient shards all-reduced
 across the replicas (dp_rep) once per step and parameters gathered within the shard group
 only. A checkpoint written under hybrid sharding resumes exactly under plain ZeRO-3 and on
-another dp x tp layout.
+another dp x tp layout, and one written on such a layout resumes under hybrid sharding.
+Optimizer states offloaded to disk step the shards as on the device.
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ LAYOUTS = [
                           "--model.preset=tiny-moe", "--train.micro_batch=2"]),
     ("ep2-zero3", "moe", [*HSDP, "--parallel.ep=2", "--parallel.zero=3",
                           "--model.preset=tiny-moe", "--train.micro_batch=2"]),
+    ("zero2-disk", "dense", [*HSDP, "--parallel.zero=2", "--parallel.offload=disk",
+                             "--train.micro_batch=2"]),
     ("islands2", "sgd", ["--parallel.islands=2", *ONE, "--parallel.zero=2",
                          "--train.micro_batch=2", *SGD_SYNC]),
 ]
 CKPT = ["--train.steps=6", "--train.checkpoint_every=3"]
+DP2_TP2 = ["--parallel.dp=2", "--parallel.tp=2"]
 
 
 def base_args(corpus: Path, cache: Path) -> list[str]:
@@ -78,11 +82,12 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
               log=lambda _m: None, progress=False)
         refs[key] = run_dir
     runs = [[*args, f"--run.dir={root / name}"] for name, _, args in LAYOUTS]
-    runs.append([*HSDP, "--parallel.zero=3", "--train.micro_batch=2", *CKPT,
-                 f"--run.dir={root / 'saved'}"])
+    saved = {"saved": [*HSDP, "--parallel.zero=3", "--train.micro_batch=2"],
+             "saved-plain": [*DP2_TP2, "--parallel.zero=1", "--train.micro_batch=4"]}
+    runs += [[*args, *CKPT, f"--run.dir={root / name}"] for name, args in saved.items()]
     results = run_world(4, train_runs, base, runs, timeout=600)[0]
-    losses = {name: res for (name, _, _), res in zip(LAYOUTS, results[:-1], strict=True)}
-    losses["saved"] = results[-1]
+    names = [name for name, _, _ in LAYOUTS] + list(saved)
+    losses = dict(zip(names, results, strict=True))
     return base, root, refs, losses
 
 
@@ -157,24 +162,28 @@ def test_shards_are_reduced_across_replicas_once_per_step(world) -> None:  # noq
     assert "all_gather/dp_shard" in ep and not {"all_gather/dp", "all_gather/edp"} & set(ep)
 
 
-def test_checkpoint_resumes_on_other_layouts(world) -> None:  # noqa: ANN001
-    """Saved under dp 4 dp_shard 2 ZeRO-3 at step 3: resumed under plain ZeRO-3 dp 4 and
-    under dp 2 x tp 2 with ZeRO-1, each continues the uncut run exactly."""
+def test_checkpoints_reshard_to_and_from_hybrid_sharding(world) -> None:  # noqa: ANN001
+    """Saved under dp 4 dp_shard 2 ZeRO-3 at step 3: resumed under plain ZeRO-3 dp 4 and under
+    dp 2 x tp 2 with ZeRO-1; saved under dp 2 x tp 2: resumed under dp 4 dp_shard 2 ZeRO-2.
+    Each continues its uncut run exactly."""
     base, root, _, losses = world
-    src = root / "saved"
-    layouts = {"to-zero3-dp4": ["--parallel.dp=4", "--parallel.zero=3", "--train.micro_batch=2"],
-               "to-dp2-tp2": ["--parallel.dp=2", "--parallel.tp=2", "--parallel.zero=1",
-                              "--train.micro_batch=4"]}
+    resumes = {  # name: (saved run, layout resumed on)
+        "to-zero3-dp4": ("saved", ["--parallel.dp=4", "--parallel.zero=3",
+                                   "--train.micro_batch=2"]),
+        "to-dp2-tp2": ("saved", [*DP2_TP2, "--parallel.zero=1", "--train.micro_batch=4"]),
+        "to-hybrid": ("saved-plain", [*HSDP, "--parallel.zero=2", "--train.micro_batch=2"]),
+    }
     runs = []
-    for name, layout in layouts.items():
-        shutil.copytree(src, root / name)
+    for name, (src, layout) in resumes.items():
+        shutil.copytree(root / src, root / name)
         shutil.rmtree(root / name / "checkpoints" / "step_0000006")
         runs.append([*layout, *CKPT, f"--run.dir={root / name}", "--run.resume=true"])
     results = run_world(4, train_runs, base, runs)[0]
-    for name, resumed in zip(layouts, results, strict=True):
+    for (name, (src, _)), resumed in zip(resumes.items(), results, strict=True):
         assert sorted(resumed) == [4, 5, 6], name
         for step in (4, 5, 6):
-            assert abs(resumed[step] - losses["saved"][step]) / losses["saved"][step] < 1e-5, \
+            assert abs(resumed[step] - losses[src][step]) / losses[src][step] < 1e-5, \
                 (name, step)
-        worst, tensor = max_relative_difference(final_weights(root / name), final_weights(src))
+        worst, tensor = max_relative_difference(final_weights(root / name),
+                                                final_weights(root / src))
         assert worst < 1e-5, (name, tensor, worst)
