@@ -62,8 +62,9 @@ do it:
   shard group (dp_shard x cp ranks, ``tp`` apart: inside a node when tp x dp_shard x cp <= GPUs
   per node), and once per step each rank all-reduces its gradient shard (1 / (dp_shard x cp)
   of the stage's gradients; experts 1 / edp_shard) with the ``dp_rep`` ranks holding the same
-  shard (``tp x cp x dp_shard`` apart, typically across nodes), after the shard group's
-  reduction: exposed;
+  shard (``tp x cp x dp_shard`` apart, typically across nodes): each bucket's as the last
+  micro-batch's reduction of it completes (``parallel/grad_reduce.py``), so beside the last
+  backward like DDP's buckets, on the other link (with pipelining: after the flush, exposed);
 - ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight: forward gathers hide
   behind the forward, backward gathers and reduce-scatters behind the backward, the first
   layer's gather never;
@@ -400,7 +401,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         grads, weights = params * (4 if work.fp32_grad_reduce else g), params * w
         if hybrid and lo.dp_rep > 1:  # this rank's gradient shard, across the replicas
             ev.append(CommEvent("dp", "all_reduce", "dp_rep", grads / n, 1, lo.dp_rep,
-                                lo.tp * n_dp, "exposed"))
+                                lo.tp * n_dp, "last_backward"))
         if n == 1:
             continue
 
@@ -420,8 +421,10 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
             root = p.root_unit if axis == dp_axis else 0.0
             dp("all_gather", (2 * layer_params + root) * w, m, "zero3")
             dp("reduce_scatter", grads, m, "zero3")
-    if n_dp > 1 and (lo.zero or lo.ep > 1):  # some gradients differ over dp: norm summed
-        ev.append(CommEvent("dp", "all_reduce", dp_axis, 8, 1, n_dp, lo.tp, "exposed"))  # clip
+    if lo.dp * lo.cp > 1 and (lo.zero or lo.ep > 1):  # some gradients differ over dp: norm
+        # summed over dp x cp, hybrid sharding too (distributed/spec.py's ``norm_axes``)
+        ev.append(CommEvent("dp", "all_reduce", "dp_cp" if lo.cp > 1 else "dp", 8, 1,
+                            lo.dp * lo.cp, lo.tp, "exposed"))  # clip
     if lo.tp > 1:
         act = tokens * c.dim * (4 if work.dtype == "fp32" else a)
 
