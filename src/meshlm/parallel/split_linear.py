@@ -8,7 +8,9 @@ the compiled backward, which would form every weight gradient at once. Here the 
 custom op (:func:`linear`) whose registered backward returns the input gradient and no weight
 gradient; it calls a second opaque op (:func:`linear_dx`) that computes ``dx = dy W`` and hands
 ``(weight, x, dy)`` to the capture list the executor opened for the pass (:func:`capture_into`).
-``W`` then forms ``dy^T x`` from the list, exactly as eager ZB does. (The weight is the tensor
+``W`` then forms ``dy^T x`` from the list, exactly as eager ZB does. The executor puts a
+:class:`SplitLinear` (an ``nn.Linear`` holding the same parameters, printed as such) in place of
+each linear of its stages. (The weight is the tensor
 the backward was given: the parameter, or, when the block is recomputed, a detached alias of
 it; the executor matches it to its parameter by storage.) Dynamo, AOTAutograd and
 inductor see two graph nodes of known shape: a block is still one graph (no break), and
