@@ -76,10 +76,12 @@ the accelerator's reserved runtime memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from ..layout import Layout, partition_layers
+from ..models.config import ModelConfig
 from .hardware import Accelerator
 from .workload import Workload
 
@@ -172,16 +174,27 @@ def shard_ranks(lo: Layout) -> int:
 def stage_layers(n_layers: int, lo: Layout, rank: int) -> list[int]:
     """Layer ids held by pipeline rank ``rank``: its stages ``rank, rank + pp, ...`` of
     ``pp x pp_virtual`` (Megatron's interleaving), split as the trainer splits them."""
-    stages = partition_layers(n_layers, lo.pp * lo.pp_virtual, lo.pp_layers)
-    return [i for k in range(lo.pp_virtual) for i in stages[k * lo.pp + rank]]
+    return list(_stage_layers(n_layers, lo.pp, lo.pp_virtual, lo.pp_layers, rank))
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks again for every layout of one pipeline
+def _stage_layers(n_layers: int, pp: int, pp_virtual: int, pp_layers: str, rank: int
+                  ) -> tuple[int, ...]:
+    stages = partition_layers(n_layers, pp * pp_virtual, pp_layers)
+    return tuple(i for k in range(pp_virtual) for i in stages[k * pp + rank])
 
 
 def layer_kinds(work: Workload, lo: Layout, stage: int) -> dict[bool, int]:
     """How many dense (False) and MoE (True) layers pipeline rank ``stage`` holds."""
-    c = work.model.config
-    layers = stage_layers(c.n_layers, lo, stage)
+    return dict(_layer_kinds(work.model.config, lo.pp, lo.pp_virtual, lo.pp_layers, stage))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_kinds(c: ModelConfig, pp: int, pp_virtual: int, pp_layers: str, stage: int
+                 ) -> tuple[tuple[bool, int], ...]:
+    layers = _stage_layers(c.n_layers, pp, pp_virtual, pp_layers, stage)
     moe = sum(1 for i in layers if c.is_moe_layer(i))
-    return {k: n for k, n in ((False, len(layers) - moe), (True, moe)) if n}
+    return tuple((k, n) for k, n in ((False, len(layers) - moe), (True, moe)) if n)
 
 
 def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
