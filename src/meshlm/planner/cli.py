@@ -5,9 +5,9 @@ and for the trainer's config.
 [--layout "tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2"]
 [--json]`` prints the fastest layouts that fit (a table), or with ``--layout`` the breakdown
 of that one layout (``dp_shard=N`` in it: hybrid sharding, ZeRO over shard groups of N dp
-ranks replicated dp / N times). ``meshlm plan --calibrate`` measures this machine and stores the ``cpu``
-entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``, :func:`config_memory`
-the memory lines of ``meshlm train --dry-run``.
+ranks replicated dp / N times). ``meshlm plan --calibrate`` measures this machine and stores
+the ``cpu`` entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``,
+:func:`config_memory` the memory lines of ``meshlm train --dry-run``.
 """
 
 from __future__ import annotations
