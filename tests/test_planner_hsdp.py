@@ -110,6 +110,15 @@ def test_hybrid_gradients_cross_nodes_as_the_shard() -> None:
     assert plain["reduce_scatter/dp"] == pytest.approx(4 * psi)
 
 
+def test_hybrid_replica_reduction_hides_like_ddp_buckets_and_not_under_pipelining() -> None:
+    """Beside the last backward without a pipeline (on GPUs); after the flush with one."""
+    flat = step_time(LLAMA, Layout(dp=16, dp_shard=8, zero=1, micro_batch=1), H100)
+    assert flat.items["comm: dp"] < flat.comm["dp"]
+    piped = step_time(LLAMA, Layout(pp=2, dp=8, dp_shard=4, zero=1, micro_batch=1), H100)
+    assert piped.items["comm: dp"] == pytest.approx(piped.comm["dp"])
+    assert piped.volumes["all_reduce/dp_rep"] > 0
+
+
 def test_hybrid_zero3_gathers_in_the_shard_group_and_reduces_once_per_step() -> None:
     lo = Layout(dp=8, cp=2, dp_shard=4, zero=3, micro_batch=1)  # shard group: 4 x 2 ranks
     psi = stage_params(LLAMA, lo, 0).total
@@ -172,7 +181,8 @@ def run_plan(argv: list[str], capsys) -> tuple[int, str]:  # noqa: ANN001
 
 
 def test_plan_prices_a_hybrid_layout(capsys) -> None:  # noqa: ANN001
-    assert parse_layout("dp=16,dp_shard=8,zero=1").shard_size == 8
+    hybrid = Layout(tp=2, sp=True, dp=8, dp_shard=4, cp=2, zero=2, micro_batch=2)
+    assert parse_layout(hybrid.describe()) == hybrid
     argv = ["plan", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-sxm",
             "--layout", "dp=16,dp_shard=8,zero=1,mbs=1"]
     code, out = run_plan(argv, capsys)
