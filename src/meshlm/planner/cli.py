@@ -25,6 +25,7 @@ from .hardware import GIB, Accelerator, get_accelerator
 from .memory import memory
 from .search import Plan, evaluate, search
 from .workload import (
+    DTYPES,
     KERNELS,
     LOSSES,
     OPTIMIZER_KERNELS,
@@ -55,7 +56,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", help='one layout to break down, e.g. "tp=8,pp=4,dp=16,zero=1,'
                                     'mbs=1,recompute=selective,schedule=interleaved,vpp=2" '
                                     '(dp_shard=N: hybrid sharding over N dp ranks)')
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+    p.add_argument("--precision", choices=DTYPES, default=None,
                    help="matmul precision (default: bf16 on GPUs, fp32 on cpu)")
     p.add_argument("--states", choices=("fp32", "mixed"), default="fp32",
                    help="fp32: meshlm's fp32 weights/grads + Adam (16 B/param); mixed: "

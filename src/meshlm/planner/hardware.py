@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from .workload import DTYPES
 
 GIB = 2**30
 T = 1e12
@@ -237,7 +238,7 @@ class Accelerator:
         if self.cpu is None:
             cap = self.power_scale
             gemm = {d: self.peak_flops(d) * self.gemm_eff.get(d, self.gemm_eff["bf16"]) * cap
-                    for d in ("fp32", "bf16", "fp16", "fp8")}
+                    for d in DTYPES}
             # attn_eff is quoted in FlashAttention's FLOP convention (backward = 2.5 forwards);
             # the time model counts forward + backward as 3 forwards: the same seconds
             attn = self.peak_flops("bf16") * self.attn_eff * cap * 3 / (1 + FA_BWD_FLOPS)
