@@ -19,6 +19,8 @@ SRC = Path(meshlm.__file__).resolve().parent
 FORBIDDEN: dict[str, set[str]] = {
     "models": {"config", "layout", "optim", "precision", "distributed", "parallel", "train",
                "checkpoint", "planner", "cli", "launch", "testing", "data"},
+    "schema": {"models", "layout", "config", "optim", "precision", "distributed", "parallel",
+               "train", "checkpoint", "planner", "cli", "launch", "testing", "data"},
     "layout": {"config", "distributed", "parallel", "train", "checkpoint", "planner", "cli",
                "launch", "testing"},
     "config": {"distributed", "parallel", "train", "checkpoint", "planner", "cli", "launch",
