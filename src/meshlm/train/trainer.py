@@ -1,18 +1,16 @@
-"""The training loop of one rank, assembled from parts (train/parts/), each built from its own
-config section: model and parallelisation, batches, optimizer update, checkpointer, recorder,
-fault handling, collective watch, context parallelism, DiLoCo islands.
+"""The training loop of one rank, assembled from parts that are each built from their own config
+section (train/parts/): model and parallelisation, batches, optimizer update, checkpointer,
+recorder, fault handling, collective watch, context parallelism, DiLoCo islands.
 
-One optimizer step = ``grad_accum`` micro-batches of forward + backward through the layout's
-step runner (train/steps.py; train/pipelined.py under pp), each micro-batch loss divided by
-``grad_accum`` so the result is the mean over the global batch, then the optimizer update
-(reduce, clip by global norm, AdamW step at the scheduled learning rate). The data of step k
-depends only on (seed, k) and the initial weights only on (seed, model config), so any layout
-that computes the same global-batch mean reproduces this loss curve.
+A step: this rank's micro-batches through the layout's step runner (train/steps.py; under pp
+the schedule of train/pipelined.py), each loss divided by ``grad_accum`` so that the gradients
+are those of the global-batch mean, then the optimizer update (reduce, clip by global norm,
+AdamW step). The data of step k depends only on (seed, k) and the initial weights only on
+(seed, model config), so every layout reproduces the single-process loss curve.
 
 Memory per rank: weights + gradients + Adam moments = 16 bytes per parameter in fp32
-(Ψ(4 + 4 + 8)), plus the activations of one micro-batch. Communication per step: the
-engine's gradient reduction, one all-reduce of the loss over dp x cp and the recorder's one
-all-reduce of every rank's metrics.
+(Ψ(4 + 4 + 8)), plus the activations of one micro-batch. Communication per step: the engine's
+gradient reduction, one all-reduce of the loss over dp x cp, the recorder's of the metrics.
 """
 
 from __future__ import annotations
