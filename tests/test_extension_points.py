@@ -183,7 +183,7 @@ def test_context_parallel_kernel_in_any_order() -> None:
     assert all(s == structures[0] for s in structures)
 
 
-def _p2p_bytes(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]:
+def _train_each(base: list[str], runs: list[list[str]]) -> list[dict[int, float]]:
     return [train(load_config(None, base + r), log=lambda _m: None, progress=False).losses
             for r in runs]
 
@@ -197,7 +197,7 @@ def test_pipeline_activations_travel_in_the_compute_dtype(corpus_dir: Path, cach
             "--parallel.pp=2", "--parallel.pp_schedule=1f1b"]
     dtypes = ("fp32", "bf16", "fp16")
     runs = [[f"--precision.dtype={d}", f"--run.dir={tmp_path / d}"] for d in dtypes]
-    losses = run_world(2, _p2p_bytes, base, runs)[0]
+    losses = run_world(2, _train_each, base, runs)[0]
     sent = {d: read_metrics(tmp_path / d / "metrics.jsonl")[-1]["comm_bytes"] for d in dtypes}
     assert sent["fp32"]["send/pp"] % (2 * 32 * 64 * 4) == 0, sent["fp32"]  # whole activations
     for d in ("bf16", "fp16"):

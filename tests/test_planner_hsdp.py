@@ -5,11 +5,11 @@ text. With dp_shard = dp every prediction is today's. Single process, fast."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 import pytest
+from test_planner import run_plan  # (the same CLI driver)
 
 from meshlm.config import ConfigError
 from meshlm.models.presets import PRESETS
@@ -24,7 +24,6 @@ from meshlm.planner import (
     search,
     step_time,
 )
-from meshlm.planner.cli import add_plan_parser
 from meshlm.planner.levers import levers
 from meshlm.planner.memory import stage_params
 from meshlm.planner.timing import comm_events
@@ -170,14 +169,6 @@ def test_levers_offer_a_larger_shard_group() -> None:
     found = levers(LLAMA, lo, tight, top=10)
     shard = [v for v in found if v.key == "parallel.dp_shard"]
     assert shard and all(lo.dp % int(v.value) == 0 for v in shard)
-
-
-def run_plan(argv: list[str], capsys) -> tuple[int, str]:  # noqa: ANN001
-    ap = argparse.ArgumentParser(prog="meshlm")
-    add_plan_parser(ap.add_subparsers(dest="command"))
-    args, rest = ap.parse_known_args(argv)
-    code = args.func(args, rest)
-    return code, capsys.readouterr().out
 
 
 def test_plan_prices_a_hybrid_layout(capsys) -> None:  # noqa: ANN001
