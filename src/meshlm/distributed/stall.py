@@ -14,8 +14,9 @@ completion time into the flight recorder, and when the oldest pending collective
 last collective: one line on stderr and in the worker's error file (``CollectiveFailure: ...``,
 what the launcher reports), then the process exits (status 1) before the process group's own
 timeout (set to twice as long) would abort it. The verdict is therefore out within
-``timeout_s`` plus one poll. The first verdict is shared (``verdict_rank_NNNNN.txt`` in the
-flight folder): monitors that fire later repeat it rather than name a rank whose monitor has
+``timeout_s`` plus one poll. One verdict is shared: the first monitor to fire claims it
+(``verdict.claim``, created exclusively) and writes ``verdict.txt`` in the flight folder;
+monitors that fire later wait for it and repeat it rather than name a rank whose monitor has
 already exited.
 
 Communication: none. Memory: a reference to each pending work until it is seen completed (at
@@ -30,6 +31,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .flight import FlightRecorder, diagnose
@@ -104,19 +106,42 @@ class StallMonitor:
             self.on_stall(self.fired)
 
     def verdict(self) -> str:
-        """The first verdict any rank's monitor gave in this run, else this rank's own (and
-        written for the others): a rank whose monitor already exited must not be named as
-        "gone" by the monitors that fire after it."""
+        """The run's one verdict. The first monitor to fire claims it (``verdict.claim``,
+        created exclusively), diagnoses and writes ``verdict.txt``; monitors that fire after it
+        wait for that file and repeat it, so a rank whose monitor already exited is never named
+        as "gone" by another. A claim or verdict older than this monitor belongs to an earlier
+        run in the same folder and is replaced."""
         folder = self.flight.folder
-        given = sorted((p.stat().st_mtime, p) for p in folder.glob("verdict_rank_*.txt")
-                       if p.stat().st_mtime >= self.started)
-        if given:
-            return given[0][1].read_text()
-        text = diagnose(folder, self.world)
-        tmp = folder / f"verdict_rank_{self.flight.rank:05d}.txt.tmp"
-        tmp.write_text(text)
-        tmp.replace(folder / f"verdict_rank_{self.flight.rank:05d}.txt")
-        return text
+        claim, final = folder / "verdict.claim", folder / "verdict.txt"
+        if self._claim(claim):
+            text = diagnose(folder, self.world)
+            tmp = folder / f"verdict.{self.flight.rank:05d}.tmp"
+            tmp.write_text(text)
+            tmp.replace(final)
+            return text
+        deadline = time.time() + max(5.0, self.timeout_s)  # the claimer is diagnosing
+        while time.time() < deadline:
+            if self._fresh(final):
+                return final.read_text()
+            time.sleep(0.05)
+        return diagnose(folder, self.world)  # the claimer died before writing: diagnose alone
+
+    def _fresh(self, path: Path) -> bool:
+        try:
+            return path.stat().st_mtime >= self.started
+        except OSError:
+            return False
+
+    def _claim(self, path: Path) -> bool:
+        for _ in range(2):
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                return True
+            except FileExistsError:
+                if self._fresh(path):
+                    return False
+                path.unlink(missing_ok=True)  # an earlier run's claim
+        return False
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
