@@ -45,6 +45,7 @@ from .layout import (
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
 from .precision import DTYPES as TORCH_DTYPES
+from .precision import FP8_RECIPES, FP8_REST
 from .schema import Choice, Range, Rule, declare, jointly, rules
 
 # precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
@@ -184,7 +185,14 @@ class ParallelSection:
 
 @dataclass
 class PrecisionSection:
-    dtype: str = declare("fp32", Choice(DTYPES))
+    # fp8: the decoder blocks' linears in float8 (needs torchao: pip install "meshlm[fp8]"),
+    # the rest in fp8_rest
+    dtype: str = declare("fp32", Choice((*DTYPES, "fp8")))
+    # fp8 scaling (torchao's recipes): tensorwise (one scale per tensor) | rowwise (per row)
+    fp8_recipe: str = declare("tensorwise", Choice(FP8_RECIPES))
+    # under fp8, the dtype of everything outside the float8 linears: bf16, or fp32 (a
+    # numerics reference; also the fast one on CPUs without native bf16 matmul)
+    fp8_rest: str = declare("bf16", Choice(FP8_REST))
     # dtype of gradient reductions: fp32 | bf16 (half traffic)
     grad_reduce_dtype: str = declare("fp32", Choice(tuple(d for d in DTYPES if d != "fp16")))
     loss_scale: float = declare(65536.0, Range(gt=0))  # fp16: initial dynamic loss scale
@@ -635,7 +643,12 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         _check(Path(d.tokenizer).expanduser().is_file(),
                f"data.tokenizer={d.tokenizer!r} is not a file")
     _declared(cfg, "precision.dtype", "precision.grad_reduce_dtype", "precision.loss_scale",
-              "precision.loss_scale_window", "train.loss", "train.loss_chunk", "parallel.offload")
+              "precision.loss_scale_window", "precision.fp8_recipe", "precision.fp8_rest",
+              "train.loss", "train.loss_chunk", "parallel.offload")
+    if cfg.precision.dtype == "fp8":
+        _check(importlib.util.find_spec("torchao") is not None,
+               'precision.dtype=fp8 needs torchao, which is not installed '
+               '(pip install "meshlm[fp8]")')
     if p.offload == "disk" and p.offload_dir and check_paths:
         problem = _unwritable_dir(Path(p.offload_dir).expanduser())
         _check(problem is None, f"parallel.offload_dir={p.offload_dir!r}: {problem}")

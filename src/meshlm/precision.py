@@ -1,7 +1,10 @@
 """Mixed precision: autocast compute dtype over fp32 master weights, loss scaling for fp16.
 
 ``fp32``: everything in fp32. ``bf16``: matmuls in bf16 under autocast, weights, gradients and
-optimizer states in fp32 (bf16 has fp32's exponent range, so no loss scaling). ``fp16``: as bf16
+optimizer states in fp32 (bf16 has fp32's exponent range, so no loss scaling). ``fp8``: the
+decoder blocks' linear layers in float8 with dynamic scales (``meshlm.parallel.float8``), the
+rest as ``precision.fp8_rest`` (bf16, or fp32) under autocast; no loss scaling (the gradient
+casts are scaled per tensor or per row). ``fp16``: as bf16
 plus dynamic loss scaling (Micikevicius et al. 2018), in every layout: the loss is multiplied by
 the scale before backward; after the gradients are reduced, every rank unscales the gradients
 (or gradient shards) it holds and checks them for inf/nan in one fused kernel, and the flag is
@@ -22,6 +25,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# precision.dtype=fp8: the decoder blocks' linears in float8 (meshlm.parallel.float8), the rest
+# under autocast in one of these (precision.fp8_rest)
+FP8_REST = ("bf16", "fp32")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (precision.fp8_recipe)
+
+
+def autocast_dtype(dtype: str, fp8_rest: str = "bf16") -> torch.dtype:
+    """The autocast compute dtype of ``precision.dtype`` (under fp8: ``fp8_rest``'s)."""
+    return DTYPES[fp8_rest if dtype == "fp8" else dtype]
 
 
 def rank_device(device_type: str) -> torch.device:
@@ -98,11 +110,12 @@ class Precision:
     """Autocast context and, for fp16, the dynamic loss scaler, for one device type."""
 
     def __init__(self, dtype: str, device_type: str = "cpu", loss_scale: float = 65536.0,
-                 loss_scale_window: int = 1000, device: torch.device | None = None) -> None:
+                 loss_scale_window: int = 1000, device: torch.device | None = None,
+                 fp8_rest: str = "bf16") -> None:
         """``device``: where the fp16 overflow flag lives (default: this rank's device of
-        ``device_type``, :func:`rank_device`)."""
+        ``device_type``, :func:`rank_device`). ``fp8_rest``: the autocast dtype under fp8."""
         self.name = dtype
-        self.dtype = DTYPES[dtype]
+        self.dtype = autocast_dtype(dtype, fp8_rest)
         self.device_type = device_type
         self.scaler = (LossScaler(loss_scale, loss_scale_window,
                                   device=device or rank_device(device_type))

@@ -59,6 +59,19 @@ def _(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+@torch.library.custom_op("meshlm::all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
+    """Element-wise maximum of ``x`` over ``axis`` (a new tensor)."""
+    out = x.contiguous().clone()
+    _comm(key).all_reduce(out, axis, op="max")
+    return out
+
+
+@all_reduce_max.register_fake
+def _(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 def _resized(x: torch.Tensor, rows: int) -> torch.Tensor:
     """An empty tensor like ``x`` with ``rows`` rows (dim 0)."""
     return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -92,4 +105,4 @@ def _(x: torch.Tensor, key: int, axis: str) -> torch.Tensor:
     return _resized(x, x.shape[0] // _comm(key).size(axis))
 
 
-__all__ = ["all_gather", "all_reduce", "key_of", "reduce_scatter"]
+__all__ = ["all_gather", "all_reduce", "all_reduce_max", "key_of", "reduce_scatter"]

@@ -2,7 +2,8 @@
 
 Order (torchtitan's): tensor/sequence parallel -> context parallel -> expert parallel ->
 pipeline split -> the run-time choices of this rank's layers, applied together in one fixed
-order (``extensions.apply_choices``: attention kernel, ``train.compile``, ``train.recompute``)
+order (``extensions.apply_choices``: fp8 linears, attention kernel, ``train.compile``,
+``train.recompute``)
 -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
@@ -68,8 +69,8 @@ def materialize(model: Transformer, source: TensorSource | None, device: torch.d
 
 def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
                 train: TrainSection, source: TensorSource | None = None,
-                offload_file: Path | None = None, precision: str | None = None
-                ) -> Parallelized:
+                offload_file: Path | None = None, precision: str | None = None,
+                fp8_recipe: str | None = None) -> Parallelized:
     """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp,
     then the optimizer states' place (``parallel.offload``, see ``offload.py``).
 
@@ -77,6 +78,8 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     ``offload_file``: this rank's file of AdamW moments under ``parallel.offload=disk``.
     ``precision``: the compute dtype's name (``precision.dtype``), recorded with the model's
     choices (``print(model)``); None leaves it unnamed (the trainer's autocast decides).
+    ``fp8``: the decoder blocks' linears become float8 linears (``float8.py``) with the recipe
+    ``fp8_recipe``.
     """
     attach_specs(model, comm.mesh)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
@@ -91,8 +94,10 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
                           parallel.pp_layers) if pipelined else None)
     # attention kernel, recomputation, compile: named choices applied together, in the fixed
     # order of extensions.py, to this rank's layers
-    apply_choices(model, cp=cp, attention=parallel.cp_attention if cp is not None else "sdpa",
-                  recompute=train.recompute, compiled=train.compile, precision=precision)
+    apply_choices(model, cp=cp, comm=comm,
+                  attention=parallel.cp_attention if cp is not None else "sdpa",
+                  recompute=train.recompute, compiled=train.compile, precision=precision,
+                  fp8_recipe=fp8_recipe if precision == "fp8" else None)
     device = comm.mesh.device()
     if parallel.zero == 3:
         # under a pipeline, parameters stay gathered for the step and gradients are reduced

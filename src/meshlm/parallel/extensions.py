@@ -1,5 +1,6 @@
 """The one place where a model's run-time choices are applied: attention kernel, activation
-recomputation, ``torch.compile`` and the precision name.
+recomputation, ``torch.compile`` and the precision (its name; under ``fp8`` the decoder
+blocks' linears become float8 linears, ``float8.py``).
 
 Each choice is a name from a registry (``registry.py``). :func:`apply_choices` merges the given
 choices into those the model already has and rebuilds every extension point from them, always
@@ -13,6 +14,9 @@ in the same order, so applying choices one by one in any order gives the same mo
 3. layer: ``Block.layer`` compiled, then recomputed around the compiled function (full, op)
    (``Block.run_layer``);
 4. head: the final norm + head compiled (``Transformer.run_head``).
+
+0. precision: each block's linears float8 (recipe ``fp8_recipe``) under ``fp8``, plain
+   linears otherwise; amax reductions over the axes that shard them (``comm``);
 
 The names show in ``print(model)``: each block's repr reads e.g. ``attention=zigzag,
 recompute=selective, compiled=True``, the kernel's wrappers are its child modules, and the
@@ -29,10 +33,12 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from torch import nn
 
+from ..distributed.comm import Comm
 from ..models.llama import Block, Transformer
 from ..models.moe import MoE
 from . import context as _context  # noqa: F401  (registers the context-parallel kernels)
 from .compile import Uncompiled, compile_fn, run_ffn
+from .float8 import RECIPES, set_block_precision
 from .recompute import Checkpointed, Recompute
 from .registry import ATTENTION, PRECISION, RECOMPUTE
 
@@ -48,12 +54,20 @@ class Choices:
     recompute: str = "none"
     compiled: bool = False
     precision: str | None = None
+    fp8_recipe: str | None = None  # under precision fp8 (default: tensorwise)
 
     def check(self) -> None:
         ATTENTION[self.attention]
         RECOMPUTE[self.recompute]
         if self.precision is not None:
             PRECISION[self.precision]
+        if self.fp8_recipe is not None and self.fp8_recipe not in RECIPES:
+            raise ValueError(f"fp8 recipe {self.fp8_recipe!r} is not one of "
+                             f"{', '.join(RECIPES)}")
+
+    @property
+    def float8(self) -> bool:
+        return self.precision is not None and PRECISION[self.precision].float8
 
 
 def choices_of(model: Transformer) -> Choices:
@@ -69,17 +83,26 @@ def base_kernel(kernel: nn.Module) -> nn.Module:
     return kernel
 
 
-def apply_choices(model: Transformer, cp: object | None = None, **changes: object) -> Choices:
+def apply_choices(model: Transformer, cp: object | None = None, comm: Comm | None = None,
+                  **changes: object) -> Choices:
     """Apply ``changes`` (fields of :class:`Choices`) on top of ``model``'s current choices to
     every layer it holds, in the fixed order of the module docstring; returns the choices.
 
     ``cp``: the context-parallel helper a context-parallel kernel is built with (needed when the
     attention kernel changes to one; kept from the current kernel otherwise).
+    ``comm``: the communicator float8 scales are reduced with over the axes that shard a
+    linear (tp) or its tokens (cp); None on one process.
     """
     choices = replace(choices_of(model), **changes)
+    if choices.float8 and choices.fp8_recipe is None:
+        choices = replace(choices, fp8_recipe=RECIPES[0])
+    if not choices.float8:
+        choices = replace(choices, fp8_recipe=None)
     choices.check()
+    token_axes = ("cp",) if comm is not None and comm.size("cp") > 1 else ()
     for block in model.layers.values():
         assert isinstance(block, Block)
+        set_block_precision(block, choices.fp8_recipe, comm, token_axes)
         plan = RECOMPUTE[choices.recompute]
         assert isinstance(plan, Recompute)
         plan = plan.for_layer(isinstance(block.feed_forward, MoE))

@@ -23,6 +23,9 @@ whose backward exposes no output gradient to a hook, the stage's linears become 
 (``split_linear.py``): custom ops whose backward -- run by ``I`` inside the block's compiled
 backward -- forms only the input gradient and hands ``(x, dy)`` to the executor. So ``I``
 forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls.
+Under ``precision.dtype=fp8`` an eager ``W`` forms a float8 linear's ``dW`` with its float8
+matmul (``float8.weight_grad``, the same scales as one process); compiled blocks keep their
+float8 linears whole, which form ``dW`` in ``I`` (numerically the same; not deferred).
 
 Communication per micro-batch and stage boundary: one activation forward and one gradient
 backward of ``b s h`` values in the compute dtype (2 bytes each under bf16 / fp16, 4 under fp32;
@@ -47,6 +50,7 @@ from ..distributed.phases import phase
 from ..distributed.spec import spec_of, update_spec
 from ..layout import partition_layers
 from ..models.llama import Transformer
+from .float8 import Float8Linear, defer_weight_grads, weight_grad
 from .schedules import Action, build_schedule
 from .split_linear import capture_into, split_linears
 
@@ -185,7 +189,12 @@ class PipelineExecutor:
         if self.split and compiled:
             self._split_weights = split_linears(
                 pipe.model, [mod for s in pipe.stages for mod in pipe.stage_modules(s)])
+        # float8 linears (precision fp8) form only dx in I; W forms dW in float8 (float8.py)
+        self._fp8: dict[int, Float8Linear] = {}
         if self.capture:
+            for s in pipe.stages:
+                for mod in pipe.stage_modules(s):
+                    self._fp8.update(defer_weight_grads(mod))
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
                     for lin in mod.modules():
@@ -361,7 +370,10 @@ class PipelineExecutor:
                 if w is None:
                     raise RuntimeError("a split linear captured a weight that is not one of "
                                        "this rank's linear weights")
-            dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()
+            if (lin := self._fp8.get(id(w))) is not None:
+                dw = weight_grad(x, dy, lin.plan)
+            else:
+                dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()
             _accumulate(w, dw.to(w.dtype))
 
     # -- forward only (evaluation, sampling) -------------------------------------------------------

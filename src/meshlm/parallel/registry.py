@@ -5,8 +5,9 @@
   ``ulysses`` (``context.py``);
 - ``RECOMPUTE``: activation recomputation, name -> its plan (``recompute.py``): ``none``,
   ``selective``, ``op``, ``full``;
-- ``PRECISION``: the autocast compute dtype, name -> ``torch.dtype``: ``fp32``, ``bf16``,
-  ``fp16`` (``meshlm.precision.DTYPES``).
+- ``PRECISION``: how a model computes, name -> :class:`PrecisionChoice`: ``fp32``, ``bf16``,
+  ``fp16`` (an autocast dtype, ``meshlm.precision.DTYPES``), ``fp8`` (the decoder blocks'
+  linears in float8, ``float8.py``; the rest in ``precision.fp8_rest``).
 
 The modules that define a choice register it when imported; ``extensions.apply_choices`` is the
 one place that looks them up and applies them. Communication and memory: none.
@@ -15,6 +16,7 @@ one place that looks them up and applies them. Communication and memory: none.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
@@ -59,8 +61,20 @@ ATTENTION.register("eager", lambda cp: EagerAttention())
 
 RECOMPUTE: Registry[object] = Registry("recompute mode")  # filled by recompute.py
 
-PRECISION: Registry[torch.dtype] = Registry("precision")
-for _name, _dtype in DTYPES.items():
-    PRECISION.register(_name, _dtype)
 
-__all__ = ["ATTENTION", "PRECISION", "RECOMPUTE", "Registry"]
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """``dtype``: the autocast compute dtype (None: ``precision.fp8_rest``); ``float8``: the
+    decoder blocks' linear layers compute in float8 (``float8.py``)."""
+
+    dtype: torch.dtype | None
+    float8: bool = False
+
+
+PRECISION: Registry[PrecisionChoice] = Registry("precision")
+for _name, _dtype in DTYPES.items():
+    PRECISION.register(_name, PrecisionChoice(_dtype))
+PRECISION.register("fp8", PrecisionChoice(None, float8=True))
+
+__all__ = ["ATTENTION", "PRECISION", "RECOMPUTE", "PrecisionChoice", "Registry"]

@@ -59,7 +59,8 @@ class ModelPart:
             check_model(init, self.param_shapes)
             source = init.source("weight")
         par = parallelize(self.model, comm, parallel, train, source=source,
-                          offload_file=self.offload_file(), precision=precision.dtype)
+                          offload_file=self.offload_file(), precision=precision.dtype,
+                          fp8_recipe=precision.fp8_recipe)
         self.engine: Engine = par.engine
         self.tp: TensorParallel | None = par.tp
         self.pipe, self.cp = par.pipe, par.cp

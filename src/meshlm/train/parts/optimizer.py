@@ -33,7 +33,7 @@ class OptimizerUpdate:
                  routing: Routing) -> None:
         self.section, self.engine, self.comm, self.axis = section, engine, comm, axis
         self.precision = Precision(precision.dtype, device_type, precision.loss_scale,
-                                   precision.loss_scale_window)
+                                   precision.loss_scale_window, fp8_rest=precision.fp8_rest)
         self.faults, self.routing = faults, routing
         self.skipped = False  # whether the last step was skipped (fp16 overflow)
 

@@ -1,0 +1,288 @@
+"""FP8 training of the decoder blocks' linear layers, with scales every layout agrees on.
+
+``precision.dtype=fp8``: every linear layer of a decoder block -- attention q, k, v, o; the
+MLP's gate, up and down projections; a MoE layer's shared expert -- becomes a
+:class:`Float8Linear` holding the same parameters (names, state dict and shard specs unchanged).
+The router, the stacked experts, the embedding and the LM head stay in the autocast dtype
+(``precision.fp8_rest``, bf16 by default), as do attention, norms and the loss. Weights,
+gradients and optimizer states stay fp32 master copies.
+
+Each of a linear's three matmuls -- ``y = x W^T``, ``dx = dy W``, ``dW = dy^T x`` -- takes float8
+operands, cast dynamically with torchao's float8 training casts and recipes
+(``Float8LinearConfig.from_recipe_name``; ``torch._scaled_mm`` on devices that have it):
+
+- ``tensorwise``: one scale per tensor; e4m3 for ``x`` and ``W``, e5m2 for ``dy``;
+- ``rowwise``: one scale per row of each operand along the dimension its matmul reduces over;
+  e4m3 everywhere, scales rounded down to a power of two.
+
+Agreement across layouts. A scale is ``max |t|`` over the elements it covers. Where those span
+a dimension this rank holds only part of, the local maximum is all-reduced (max) over the axis
+that shards it, so every shard casts with the scale the one-process run uses:
+
+- tp, column parallel (output features ``N`` sharded): tensorwise ``W`` and ``dy``; rowwise the
+  ``dx`` operands, which reduce over ``N``;
+- tp, row parallel (input features ``K`` sharded): tensorwise ``x`` and ``W``; rowwise the
+  forward operands, which reduce over ``K``;
+- cp (tokens ``M`` sharded): tensorwise ``x`` and ``dy``; rowwise the ``dW`` operands.
+
+Data-parallel, ZeRO, pipeline and expert-parallel ranks hold whole micro-batches and (after
+ZeRO-3's gather, which moves the weights in their fp32 storage dtype) whole weights: their
+scales are local, and equal those of the one-process micro-batch holding the same samples.
+
+Zero-bubble pipelines: :func:`weight_grad` is the ``dW`` matmul alone; the executor's eager
+``W`` action calls it with the captured input and output gradient, and the linear's backward in
+``I`` (``defer_weight_grad``) forms only ``dx``.
+
+Communication: per linear and micro-batch, tensorwise, up to three one-element all-reduces
+(max) over tp (``W`` twice, ``x`` or ``dy`` once) and two over cp; rowwise, two vectors of one
+value per row (``M`` or ``K``/``N`` values) over tp and two over cp -- none on one process.
+Memory: the float8 copies of the operands are transient (one byte per value); saved for
+backward, ``x`` and ``W`` as a bf16 linear saves them.
+
+torchao is an optional dependency (``pip install "meshlm[fp8]"``); :func:`require_torchao`
+gives the one-line error when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import traceable
+from ..distributed.comm import Comm
+from ..distributed.spec import ATTR, spec_of
+from ..precision import FP8_RECIPES
+
+RECIPES = FP8_RECIPES
+# the linear layers of a decoder block that compute in float8 (paths inside the block)
+FP8_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+               "feed_forward.shared.w1", "feed_forward.shared.w2", "feed_forward.shared.w3")
+INSTALL_HINT = 'pip install "meshlm[fp8]"'
+
+
+def require_torchao() -> Any:
+    """The ``torchao.float8`` module, or a ValueError saying how to install it."""
+    try:
+        # torchao logs failed loads of GPU-only extensions at import, and torch a deprecation
+        # of how it registers an enum: neither concerns fp8 training
+        quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.CRITICAL)
+        try:
+            import torchao.float8 as f8
+        finally:
+            for q, level in zip(quiet, levels, strict=True):
+                q.setLevel(level)
+    except ImportError as exc:
+        raise ValueError(f"precision.dtype=fp8 needs torchao, which is not installed "
+                         f"({INSTALL_HINT})") from exc
+    return f8
+
+
+def torchao_available() -> bool:
+    try:
+        require_torchao()
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """How one linear casts: the recipe's configs and which axes shard which of its dims
+    (``M`` tokens, ``K`` input features, ``N`` output features)."""
+
+    recipe: str
+    config: Any  # torchao Float8LinearConfig
+    mm: Any  # torchao LinearMMConfig
+    sharded: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (dim, axes)
+    key: int = 0  # the Comm's trace key (traceable collectives); 0: no communication
+    defer_weight_grad: bool = False  # zero-bubble: dW formed later by weight_grad
+
+    def axes(self, dim: str) -> tuple[str, ...]:
+        return next((axes for d, axes in self.sharded if d == dim), ())
+
+
+def make_plan(recipe: str, sharded: tuple[tuple[str, tuple[str, ...]], ...] = (),
+              key: int = 0) -> Fp8Plan:
+    f8 = require_torchao()
+    from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+    if recipe not in RECIPES:
+        raise ValueError(f"precision.fp8_recipe={recipe!r} is not one of {', '.join(RECIPES)}")
+    config = f8.Float8LinearConfig.from_recipe_name(recipe)
+    mm = LinearMMConfig(*(ScaledMMConfig(config.emulate, g.use_fast_accum, False,
+                                         config.pad_inner_dim)
+                          for g in (config.gemm_config_output, config.gemm_config_grad_input,
+                                    config.gemm_config_grad_weight)))
+    return Fp8Plan(recipe, config, mm, sharded, key)
+
+
+# operand -> (its dims, the config field of its cast, the dim an axiswise scale covers, role)
+_OPERANDS = {
+    "x": (("M", "K"), "cast_config_input", -1, "INPUT"),
+    "w": (("K", "N"), "cast_config_weight", 0, "WEIGHT"),  # W^T, (K, N)
+    "dy": (("M", "N"), "cast_config_grad_output", -1, "GRAD_OUTPUT"),
+    "w_dx": (("K", "N"), "cast_config_weight_for_grad_input", -1, "WEIGHT"),
+    "dy_dw": (("M", "N"), "cast_config_grad_output_for_grad_weight", 0, "GRAD_OUTPUT"),
+    "x_dw": (("M", "K"), "cast_config_input_for_grad_weight", 0, "INPUT"),
+}
+
+
+def cast(t: torch.Tensor, operand: str, plan: Fp8Plan) -> torch.Tensor:
+    """``t`` (2-D) as a torchao float8 tensor scaled for its role in ``plan``'s recipe, the
+    scale's maximum taken over every shard of the dims it covers."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    dims, field, axis, role = _OPERANDS[operand]
+    cc = getattr(plan.config, field)
+    if cc.scaling_granularity is ScalingGranularity.AXISWISE:
+        amax, covered, axiswise = t.abs().amax(dim=axis, keepdim=True), (dims[axis],), axis
+    else:
+        amax, covered, axiswise = t.abs().amax(), dims, None
+    amax = amax.float()
+    for d in covered:
+        for ax in plan.axes(d):
+            amax = traceable.all_reduce_max(amax, plan.key, ax)
+    scale = amax_to_scale(amax, cc.target_dtype, plan.config.round_scales_to_power_of_2)
+    return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, plan.mm,
+                                         GemmInputRole[role], axiswise)
+
+
+def weight_grad(x: torch.Tensor, dy: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:
+    """``dW = dy^T x`` (N, K) in float8: the linear's third matmul alone."""
+    x2 = x.reshape(-1, x.shape[-1]).to(dy.dtype)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    return torch.mm(cast(dy2, "dy_dw", plan).t(), cast(x2, "x_dw", plan))
+
+
+@torch._dynamo.allow_in_graph
+class _Float8Matmul(torch.autograd.Function):
+    """``x W^T`` with all three matmuls in float8 (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan  # noqa: ANN001
+                ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.plan = plan
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.mm(cast(x2, "x", plan), cast(weight.t(), "w", plan))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        plan: Fp8Plan = ctx.plan
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = torch.mm(cast(dy2, "dy", plan), cast(weight.t(), "w_dx", plan).t())
+        dw = None if plan.defer_weight_grad else weight_grad(x, dy, plan).to(weight.dtype)
+        return dx.reshape(*dy.shape[:-1], dx.shape[-1]), dw, None
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose matmuls run in float8 per ``plan``, holding the same parameters
+    as the linear it replaces."""
+
+    def __init__(self, lin: nn.Linear, plan: Fp8Plan) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight = lin.weight
+        self.register_parameter("bias", lin.bias)
+        self.plan = plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            x = x.to(torch.get_autocast_dtype(kind))
+        # autocast must not touch the float8 operands inside (it would cast them back up)
+        with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") \
+                else contextlib.nullcontext():
+            y = _Float8Matmul.apply(x, self.weight, self.plan)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        shards = ", ".join(f"{d} over {'+'.join(a)}" for d, a in self.plan.sharded)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fp8={self.plan.recipe}" + (f", scales reduced: {shards}" if shards else ""))
+
+
+def plain_linear(lin: nn.Linear) -> nn.Linear:
+    """A plain ``nn.Linear`` holding ``lin``'s parameters (``lin`` itself when it is one)."""
+    if type(lin) is nn.Linear:
+        return lin
+    out = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(out)
+    out.in_features, out.out_features = lin.in_features, lin.out_features
+    out.weight = lin.weight
+    out.register_parameter("bias", lin.bias)
+    return out
+
+
+def _block_linears(block: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) of each of ``FP8_LINEARS`` the block has."""
+    found = []
+    for path in FP8_LINEARS:
+        *parents, leaf = path.split(".")
+        parent: nn.Module | None = block
+        for name in parents:
+            parent = getattr(parent, name, None)
+            if parent is None:
+                break
+        lin = getattr(parent, leaf, None) if parent is not None else None
+        if isinstance(lin, nn.Linear):
+            found.append((parent, leaf, lin))
+    return found
+
+
+def _sharded_dims(weight: torch.Tensor, token_axes: tuple[str, ...]
+                  ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Which axes shard the tokens (M) and the weight's N (dim 0) and K (dim 1)."""
+    by_dim: dict[str, list[str]] = {"M": list(token_axes), "N": [], "K": []}
+    for axis, dim in spec_of(weight).shards if hasattr(weight, ATTR) else ():
+        by_dim["NK"[dim]].append(axis)
+    return tuple((d, tuple(a)) for d, a in by_dim.items() if a)
+
+
+def set_block_precision(block: nn.Module, recipe: str | None, comm: Comm | None,
+                        token_axes: tuple[str, ...] = ()) -> None:
+    """Make ``block``'s linears float8 per ``recipe`` (None: plain linears again)."""
+    for parent, name, lin in _block_linears(block):
+        if recipe is None:
+            setattr(parent, name, plain_linear(lin))
+            continue
+        if isinstance(lin, Float8Linear) and lin.plan.recipe == recipe:
+            continue  # already so (its plan may have been told to defer dW)
+        sharded = _sharded_dims(lin.weight, token_axes if comm is not None else ())
+        key = traceable.key_of(comm) if comm is not None and sharded else 0
+        if comm is not None and comm.mesh.device().type == "cuda":  # GPU-only check
+            n, k = lin.weight.shape
+            if n % 16 or k % 16:
+                raise ValueError(f"precision.dtype=fp8: {name} holds a {n} x {k} weight on "
+                                 "this rank; float8 matmuls on GPU need both dims to be "
+                                 "multiples of 16")
+        setattr(parent, name, Float8Linear(plain_linear(lin), make_plan(recipe, sharded, key)))
+
+
+def defer_weight_grads(module: nn.Module) -> dict[int, Float8Linear]:
+    """Zero-bubble: the float8 linears in ``module`` form only ``dx`` in backward; returns
+    them by the id of their weight (the ``W`` action forms ``dW`` with :func:`weight_grad`)."""
+    found = {}
+    for lin in module.modules():
+        if isinstance(lin, Float8Linear):
+            lin.plan = replace(lin.plan, defer_weight_grad=True)
+            found[id(lin.weight)] = lin
+    return found
+
+
+__all__ = ["FP8_LINEARS", "RECIPES", "Float8Linear", "Fp8Plan", "cast", "defer_weight_grads",
+           "make_plan", "plain_linear", "require_torchao", "set_block_precision",
+           "torchao_available", "weight_grad"]
