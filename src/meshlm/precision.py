@@ -31,9 +31,16 @@ FP8_REST = ("bf16", "fp32")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (precision.fp8_recipe)
 
 
+def autocast_name(dtype: str, fp8_rest: str = "bf16") -> str:
+    """The name of ``precision.dtype``'s autocast compute dtype (under fp8: ``fp8_rest``): the
+    dtype of everything but float8 matmuls, and of MFU's peak (as torchtitan counts fp8 runs
+    against the 16-bit peak)."""
+    return fp8_rest if dtype == "fp8" else dtype
+
+
 def autocast_dtype(dtype: str, fp8_rest: str = "bf16") -> torch.dtype:
     """The autocast compute dtype of ``precision.dtype`` (under fp8: ``fp8_rest``'s)."""
-    return DTYPES[fp8_rest if dtype == "fp8" else dtype]
+    return DTYPES[autocast_name(dtype, fp8_rest)]
 
 
 def rank_device(device_type: str) -> torch.device:

@@ -56,26 +56,30 @@ def quick_matmul_rates(n: int = 128, seconds: float = 0.005) -> dict[str, float]
             "bf16": measure_matmul_flops(torch.bfloat16, n, seconds)}
 
 
-def bf16_warning(rates: dict[str, float], fraction: float = BF16_SLOW_FRACTION) -> str | None:
+def bf16_warning(rates: dict[str, float], fraction: float = BF16_SLOW_FRACTION,
+                 key: str = "precision.dtype") -> str | None:
     """The start-up warning when bf16 matmul is slower than ``fraction`` of fp32 (None when not).
 
-    ``rates``: FLOP/s per dtype name, e.g. :func:`quick_matmul_rates`.
+    ``rates``: FLOP/s per dtype name, e.g. :func:`quick_matmul_rates`; ``key``: the setting
+    that chose bf16 (``precision.dtype``, or ``precision.fp8_rest`` under fp8).
     """
     fp32, bf16 = rates["fp32"], rates["bf16"]
     if bf16 >= fraction * fp32:
         return None
     slower = f"{fp32 / bf16:.0f}x" if bf16 > 0 else "far"
-    return (f"warning: precision.dtype=bf16 on a CPU without native bf16 matmul: measured "
+    return (f"warning: {key}=bf16 on a CPU without native bf16 matmul: measured "
             f"{bf16 / 1e9:.1f} GFLOP/s bf16 vs {fp32 / 1e9:.1f} GFLOP/s fp32 ({slower} slower, "
             "small matmul); "
-            "--precision.dtype=fp32 trains faster here")
+            f"--{key}=fp32 trains faster here")
 
 
-def check_bf16(device: torch.device, dtype_name: str) -> str | None:
-    """:func:`bf16_warning` of this machine when the run computes in bf16 on CPU, else None."""
-    if device.type != "cpu" or dtype_name != "bf16":
+def check_bf16(device: torch.device, dtype_name: str, fp8_rest: str = "bf16") -> str | None:
+    """:func:`bf16_warning` of this machine when the run computes in bf16 on CPU (under fp8:
+    its ``fp8_rest``), else None."""
+    key = "precision.fp8_rest" if dtype_name == "fp8" else "precision.dtype"
+    if device.type != "cpu" or (fp8_rest if dtype_name == "fp8" else dtype_name) != "bf16":
         return None
-    return bf16_warning(quick_matmul_rates())
+    return bf16_warning(quick_matmul_rates(), key=key)
 
 
 def peak_flops(device: torch.device, dtype_name: str, override: float = 0.0) -> tuple[float, str]:

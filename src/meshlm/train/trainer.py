@@ -136,7 +136,7 @@ class Trainer:
         self.tokens_per_step, self.flops_per_token = (self.batches.tokens_per_step,
                                                       self.recorder.flops_per_token)
         self.step = self.checkpointer.resume() or 0
-        self.recorder.measure_peak(cfg.precision.dtype)
+        self.recorder.measure_peak(cfg.precision.dtype, cfg.precision.fp8_rest)
         self.peak, self.peak_source = self.recorder.peak, self.recorder.peak_source
         if self.main:
             write_run_files(self.run_dir, cfg, self.data.tokenizer,

@@ -26,6 +26,7 @@ from ...optim import lr_at
 from ...parallel.compile import compile_stats
 from ...parallel.engine import Engine
 from ...parallel.expert import router_summary, router_text
+from ...precision import autocast_name
 from ..metrics import MetricsWriter, PhasePeaks, read_metrics
 from ..peak import peak_flops
 from ..profiling import StepProfiler, describe_traces
@@ -60,9 +61,11 @@ class Recorder:
         self.flops_per_token = model_cfg.flops_per_token(seq_len)
         self.peak, self.peak_source = 0.0, ""
 
-    def measure_peak(self, dtype: str) -> None:
-        """The per-rank peak FLOP/s of MFU (``train.peak_flops``, or measured / datasheet)."""
-        self.peak, self.peak_source = peak_flops(self.device, dtype, self.section.peak_flops)
+    def measure_peak(self, dtype: str, fp8_rest: str = "bf16") -> None:
+        """The per-rank peak FLOP/s of MFU (``train.peak_flops``, or measured / datasheet) in
+        the autocast dtype (under fp8: ``fp8_rest``'s, the 16-bit peak as torchtitan counts)."""
+        self.peak, self.peak_source = peak_flops(self.device, autocast_name(dtype, fp8_rest),
+                                                 self.section.peak_flops)
 
     # ------------------------------------------------------------------ one step
     def record(self, step: int, loss: float, grad_norm: float | None, dt: float, wait: float,
@@ -216,7 +219,7 @@ class Recorder:
         if self.mesh.is_logging_rank:  # bf16 on a CPU without native bf16 matmul: a slowdown
             from ..peak import check_bf16
 
-            if warning := check_bf16(device, c.precision.dtype):
+            if warning := check_bf16(device, c.precision.dtype, c.precision.fp8_rest):
                 self.log(warning)
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {step}" if step else ""))
         for name, peaks in self.memory.per_rank.items():
