@@ -14,7 +14,20 @@ own per-phase peaks, construction included), for:
   whole model ``torch.compile``'d;
 - ``llama3-8b`` at vocab 32000, seq 2048, global batch 2 of micro-batch 1,
   ``train.recompute=full train.loss=chunked``: on the GPU alone (run only where meshlm's
-  planner says it fits; ``--force`` runs it anyway) and with ``parallel.offload=cpu``.
+  planner says it fits; ``--force`` runs it anyway) and with ``parallel.offload=cpu``;
+- not in the default run (``--rows``, below), FP8 against bf16, all compiled, at the Llama 3
+  8B layer shapes (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256, seq 2048) with 8
+  layers and micro-batch 2 = global batch 2 (2.8 B parameters, 1.75 B of them in the blocks;
+  about 46 GiB by the planner): ``precision.dtype=bf16``, and ``precision.dtype=fp8`` with
+  ``precision.fp8_recipe=tensorwise`` and ``rowwise``. Each runs exactly 100 steps (5 warm-up,
+  95 timed) from the same seed and batches on a learnable synthetic corpus (Zipf words, every
+  other one the fixed successor of the word before), answering the FP8 goal in one run:
+  tokens/s ratios ``fp8_tensorwise_vs_bf16_compiled`` and ``fp8_rowwise_vs_bf16_compiled``
+  (goal >= 1.2), and the loss after step 100 of each fp8 row against bf16's (goal: relative
+  difference < 1 %). Eight layers, not 32: the full model's fp32 weights, gradients and
+  AdamW states (128 GB) exceed one GPU, while with 4 layers the bf16 LM head would carry 38 %
+  of the linear FLOPs (8 layers: 23 %, the full 8B: 7 %); the speedup measured here
+  understates the full 8B's.
 
 Next to each row: the planner's predicted step time, tokens/s, MFU and memory for that config
 (``meshlm plan`` through ``planner.cli.config_workload`` / ``hardware_here`` and
@@ -32,10 +45,21 @@ meshlm's normal data path (``data.path`` + ``data.tokenizer``), so no BPE is tra
     PYTHONPATH=src python benchmarks/gpu.py                 # one GPU, about 5-6 minutes
     PYTHONPATH=src python benchmarks/gpu.py --rows meshlm-eager,plain-eager
     PYTHONPATH=src python benchmarks/gpu.py --tiny          # the same code on CPU, ~1-2 min
+    PYTHONPATH=src python benchmarks/gpu.py --rows 8b-layers-bf16,8b-layers-fp8-tensorwise,8b-layers-fp8-rowwise
+                                                            # the FP8 goal, about 5-9 minutes
+
+The fp8 rows need torchao (``pip install "meshlm[fp8]"``); where it is missing they are
+recorded as skipped with the reason. A GPU machine without internet gets it as a wheel:
+``pip download torchao==0.18.0 --no-deps`` where there is internet, then ``pip install
+--no-deps torchao-0.18.0-*.whl`` there. torchao 0.18.0 suits torch 2.11: its wheel
+(``cp310-abi3``, any Python >= 3.10) declares no torch requirement, its ``__init__`` loads its
+C++ extensions only on torch >= 2.11.0, and float8 training needs none of them (Python casts
+and ``torch._scaled_mm``; a failed extension load is a logged warning).
 
 ``--tiny`` runs every row on CPU with a tiny model (hidden 64, 2 layers, seq 32, vocab 320;
-``llama3-8b`` replaced by the ``tiny`` preset with the same recompute / loss / offload keys),
-where memory is the growth of peak resident memory over the process's resident memory before
+``llama3-8b`` replaced by the ``tiny`` preset with the same recompute / loss / offload keys,
+the 8B layer shapes by ``tiny`` with 8 heads, 2 KV heads, FFN 224, batch 2, 6 steps), where
+memory is the growth of peak resident memory over the process's resident memory before
 the model was built. GPU numbers come only from a GPU run. Writes JSON to ``--json``
 (default ``benchmarks/results/gpu.json``, or ``gpu_tiny.json`` with ``--tiny``).
 """
@@ -79,14 +103,31 @@ class Row:
 
     name: str
     impl: str  # "meshlm" (the trainer) | "plain" (the loop below)
-    shape: str  # "820m" | "8b"
+    shape: str  # "820m" | "8b" | "8b-layers"
     dtype: str = "bf16"
     compiled: bool = False
     extra: tuple[str, ...] = ()  # further meshlm overrides
     needs_fit: bool = False  # run only where the planner says it fits (unless --force)
     note: str = ""
+    corpus: str = "uniform"  # synthetic words: "uniform" | "zipf" (learnable, see below)
+    default: bool = True  # in the run without --rows
 
 
+# the Llama 3 8B decoder layer (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256, seq
+# 2048) with 8 layers: 1.75 B block parameters of 2.8 B (untied embedding and head, bf16 in
+# every row), so the float8 linears carry 77 % of the linear FLOPs (the full 8B: 93 %) and
+# weights, gradients and AdamW states (45 GB) leave room for micro-batch 2 on an 80 GB H100
+FP8_NOTE = "8B layers x8, mb 2, compiled, "
+FP8_ROWS: tuple[Row, ...] = (
+    Row("8b-layers-bf16", "meshlm", "8b-layers", compiled=True, corpus="zipf", default=False,
+        note=FP8_NOTE + "bf16 (the fp8 baseline)"),
+    Row("8b-layers-fp8-tensorwise", "meshlm", "8b-layers", dtype="fp8", compiled=True,
+        extra=("--precision.fp8_recipe=tensorwise",), corpus="zipf", default=False,
+        note=FP8_NOTE + "fp8 tensorwise"),
+    Row("8b-layers-fp8-rowwise", "meshlm", "8b-layers", dtype="fp8", compiled=True,
+        extra=("--precision.fp8_recipe=rowwise",), corpus="zipf", default=False,
+        note=FP8_NOTE + "fp8 rowwise"),
+)
 # in the order they run: when the time budget runs short, the last rows are skipped
 ROWS: tuple[Row, ...] = (
     Row("plain-eager", "plain", "820m", note="plain PyTorch loop, bf16 autocast"),
@@ -98,8 +139,17 @@ ROWS: tuple[Row, ...] = (
         note="llama3-8b, parallel.offload=cpu"),
     Row("meshlm-fp16", "meshlm", "820m", dtype="fp16", note="meshlm precision.dtype=fp16"),
     Row("meshlm-fp32", "meshlm", "820m", dtype="fp32", note="meshlm precision.dtype=fp32"),
+    *FP8_ROWS,
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
+DEFAULT_ROWS = tuple(r.name for r in ROWS if r.default)
+FP8_ROW_NAMES = tuple(r.name for r in FP8_ROWS)
+# every step of the fp8 rows counts for the loss check: warm-up + timed = these many steps
+LOSS_STEPS, TINY_LOSS_STEPS = 100, 6
+LOSS_GOAL = 0.01  # |fp8 - bf16| / bf16 of the loss after LOSS_STEPS steps
+TORCHAO_CARRY = ("torchao is not installed (GPU image, no internet): pip download "
+                 "torchao==0.18.0 --no-deps where there is internet, carry the wheel, "
+                 "pip install --no-deps torchao-0.18.0-*.whl here")
 
 
 @dataclass(frozen=True)
@@ -113,6 +163,10 @@ class Budget:
 
 def budget(row: Row, tiny: bool) -> Budget:
     """Warm-up steps, timed steps, and the row's time limit (process start to exit)."""
+    if row.shape == "8b-layers":  # warm-up + timed = the loss check's steps
+        if tiny:
+            return Budget(2, TINY_LOSS_STEPS - 2, 240.0)
+        return Budget(5, LOSS_STEPS - 5, 180.0)
     if tiny:
         limit = 240.0 if row.compiled else 90.0
         return Budget(2 if row.compiled else 1, 2 if row.name == "8b-offload" else 3, limit)
@@ -133,6 +187,8 @@ GPU_SHAPES: dict[str, list[str]] = {
              "--train.global_batch=8", "--train.micro_batch=8"],
     "8b": ["--model.preset=llama3-8b", "--data.seq_len=2048", "--train.global_batch=2",
            "--train.micro_batch=1", "--train.recompute=full", "--train.loss=chunked"],
+    "8b-layers": ["--model.preset=llama3-8b", "--model.n_layers=8", "--data.seq_len=2048",
+                  "--train.global_batch=2", "--train.micro_batch=2"],
 }
 TINY_SHAPES: dict[str, list[str]] = {
     "820m": ["--model.preset=small", "--model.n_layers=2", "--model.dim=64",
@@ -142,21 +198,49 @@ TINY_SHAPES: dict[str, list[str]] = {
     "8b": ["--model.preset=tiny", "--model.max_seq_len=64", "--data.seq_len=32",
            "--train.global_batch=2", "--train.micro_batch=1", "--train.recompute=full",
            "--train.loss=chunked", "--train.loss_chunk=16"],
+    # the 8B layer's ratios: 4:1 grouped-query attention, FFN 3.5 x dim
+    "8b-layers": ["--model.preset=tiny", "--model.n_heads=8", "--model.n_kv_heads=2",
+                  "--model.ffn_hidden=224", "--model.max_seq_len=64", "--data.seq_len=32",
+                  "--train.global_batch=2", "--train.micro_batch=2"],
 }
 GPU_VOCAB, TINY_VOCAB = 32000, 320
+SHAPE_VOCAB = {"8b-layers": 128256}  # on the GPU; every --tiny row has TINY_VOCAB
 # synthetic corpus: files x words per file (random windows are drawn from it, so it need
 # only hold a few windows; 5 % of the files are the validation split)
 GPU_CORPUS, TINY_CORPUS = (24, 25_000), (24, 400)
 
 
-def synthetic_data(cache: Path, vocab: int, files: int, words: int) -> tuple[Path, Path]:
+def corpus_ids(rng: np.random.Generator, vocab: int, words: int, corpus: str) -> np.ndarray:
+    """``words`` word ids in ``[2, vocab)``. ``uniform``: independent uniform draws (nothing to
+    learn: the loss stays near ln(vocab)). ``zipf``: a Zipf(1.1) unigram draw, but every other
+    word on average is instead the fixed successor of the word before it (a random
+    permutation), so a model lowers its loss by learning the unigram frequencies and, for the
+    frequent words, their successors -- a loss curve to compare precisions on."""
+    n = vocab - 2
+    if corpus == "uniform":
+        return rng.integers(2, vocab, size=words)
+    p = 1.0 / np.arange(1, n + 1) ** 1.1
+    draw = rng.choice(n, size=words, p=p / p.sum()) + 2
+    follow = rng.random(words) < 0.5
+    succ = (rng.permutation(n) + 2).tolist()
+    out = draw.tolist()
+    for i in range(1, words):
+        if follow[i]:
+            out[i] = succ[out[i - 1] - 2]
+    return np.asarray(out)
+
+
+def synthetic_data(cache: Path, vocab: int, files: int, words: int,
+                   corpus: str = "uniform") -> tuple[Path, Path]:
     """(text folder, tokenizer.json): a word-level tokenizer of exactly ``vocab`` ids
-    (end-of-text, unknown, ``w2`` ... ``w{vocab-1}``) and ``files`` files of ``words`` uniform
-    random words. Written once (atomically) under ``cache``; later runs reuse it unchanged, so
-    meshlm's token cache, keyed by paths and modification times, is reused as well."""
+    (end-of-text, unknown, ``w2`` ... ``w{vocab-1}``) and ``files`` files of ``words`` random
+    words (:func:`corpus_ids`). Written once (atomically) under ``cache``; later runs reuse it
+    unchanged, so meshlm's token cache, keyed by paths and modification times, is reused as
+    well."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    folder = cache / "gpu-benchmark-data" / f"v{vocab}-{files}x{words}"
+    kind = "" if corpus == "uniform" else f"-{corpus}"
+    folder = cache / "gpu-benchmark-data" / f"v{vocab}-{files}x{words}{kind}"
     text, tok = folder / "text", folder / "tokenizer.json"
     if tok.is_file() and text.is_dir():
         return text, tok
@@ -169,7 +253,7 @@ def synthetic_data(cache: Path, vocab: int, files: int, words: int) -> tuple[Pat
     (tmp / "text").mkdir()
     rng = np.random.default_rng(0)
     for i in range(files):
-        draw = rng.integers(2, vocab, size=words)
+        draw = corpus_ids(rng, vocab, words, corpus)
         (tmp / "text" / f"doc_{i:03d}.txt").write_text(" ".join(f"w{x}" for x in draw) + "\n")
     tk.save(str(tmp / "tokenizer.json"))
     try:
@@ -190,9 +274,9 @@ def default_cache() -> Path:
 def row_config(row: Row, tiny: bool, run_dir: Path, cache: Path,
                peak_flops: float = 0.0) -> Config:
     """The meshlm config of ``row`` (for plain rows: the meshlm config it mirrors)."""
-    vocab = TINY_VOCAB if tiny else GPU_VOCAB
+    vocab = TINY_VOCAB if tiny else SHAPE_VOCAB.get(row.shape, GPU_VOCAB)
     files, words = TINY_CORPUS if tiny else GPU_CORPUS
-    text, tok = synthetic_data(cache, vocab, files, words)
+    text, tok = synthetic_data(cache, vocab, files, words, row.corpus)
     shape = (TINY_SHAPES if tiny else GPU_SHAPES)[row.shape]
     args = [*shape, f"--data.path={text}", f"--data.tokenizer={tok}",
             f"--data.cache_dir={cache}", f"--data.vocab_size={vocab}",
@@ -358,6 +442,15 @@ def error_line(e: BaseException) -> str:
 CPU_PEAK_SOURCE = "CPU fp32 matmul rate (256 x 256), every dtype (--tiny)"
 
 
+def fp8_unavailable(row: Row) -> str | None:
+    """Why ``row`` cannot run here (an fp8 row without torchao), or None."""
+    if row.dtype != "fp8":
+        return None
+    from meshlm.parallel.float8 import torchao_available
+
+    return None if torchao_available() else TORCHAO_CARRY
+
+
 def cpu_peak() -> float:
     """The MFU denominator of a ``--tiny`` row: this CPU's fp32 matmul rate, for every dtype
     (where bf16 / fp16 matmuls run through a slow fallback, their own rate would put a tiny
@@ -422,6 +515,11 @@ class RowRun:
 
     def run(self) -> int:
         self.start = time.time()
+        missing = fp8_unavailable(self.row)
+        if missing:
+            self.res.update(status="skipped", error=missing, wall_s=0.0)
+            self.write()
+            return 0
         peak = cpu_peak() if not self.cuda else 0.0
         cfg = row_config(self.row, self.tiny, self.run_dir, self.cache, peak)
         self.res["config"] = [f"{k}" for k in self.config_args(cfg)]
@@ -462,7 +560,8 @@ class RowRun:
         return [f"model.preset={m.preset}", f"seq_len={cfg.data.seq_len}",
                 f"global_batch={t.global_batch}", f"micro_batch={t.micro_batch}",
                 f"recompute={t.recompute}", f"loss={t.loss}", f"compile={t.compile}",
-                f"precision={cfg.precision.dtype}", f"offload={cfg.parallel.offload}"]
+                f"precision={cfg.precision.dtype}", f"offload={cfg.parallel.offload}",
+                *([f"fp8_recipe={cfg.precision.fp8_recipe}"] * (cfg.precision.dtype == "fp8"))]
 
     def run_meshlm(self, cfg: Config) -> None:
         from meshlm.parallel.compile import compile_stats
@@ -496,6 +595,7 @@ class RowRun:
         records = read_metrics(trainer.run_dir / "metrics.jsonl")
         timed = records[self.bud.warmup:]
         self.res["final_loss"] = records[-1]["loss"]
+        self.res["losses"] = [r["loss"] for r in records]  # every step, warm-up included
         self.res["trainer_mfu"] = statistics.median(r["mfu"] for r in timed)
         self.res["trainer_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in timed)
         if "skipped_steps" in records[-1]:
@@ -623,16 +723,43 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
+RATIOS: dict[str, tuple[str, str]] = {
+    "meshlm_eager_vs_plain_eager": ("meshlm-eager", "plain-eager"),
+    "meshlm_compiled_vs_plain_compiled": ("meshlm-compiled", "plain-compiled"),
+    "meshlm_compiled_vs_meshlm_eager": ("meshlm-compiled", "meshlm-eager"),
+    "fp8_tensorwise_vs_bf16_compiled": ("8b-layers-fp8-tensorwise", "8b-layers-bf16"),
+    "fp8_rowwise_vs_bf16_compiled": ("8b-layers-fp8-rowwise", "8b-layers-bf16"),
+}
+SPEEDUP_GOAL = 1.2  # fp8 / bf16 compiled tokens/s at the 8B layer shapes
+
+
 def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     tps = {r["row"]: r.get("tokens_per_s") for r in rows if r["status"] == "ok"}
     out = {}
-    for name, (a, b) in {"meshlm_eager_vs_plain_eager": ("meshlm-eager", "plain-eager"),
-                         "meshlm_compiled_vs_plain_compiled": ("meshlm-compiled",
-                                                               "plain-compiled"),
-                         "meshlm_compiled_vs_meshlm_eager": ("meshlm-compiled",
-                                                             "meshlm-eager")}.items():
+    for name, (a, b) in RATIOS.items():
         if tps.get(a) and tps.get(b):
             out[name] = tps[a] / tps[b]
+    return out
+
+
+def fp8_loss_check(rows: list[dict[str, Any]], tiny: bool) -> dict[str, Any]:
+    """The fp8 rows' loss after the same steps from the same seed and batches as the bf16
+    row: each final loss, its relative difference from bf16's and the verdict against
+    :data:`LOSS_GOAL` (a row that did not run every step has no verdict)."""
+    want = TINY_LOSS_STEPS if tiny else LOSS_STEPS
+    got = {r["row"]: r for r in rows if r["row"] in FP8_ROW_NAMES}
+    out: dict[str, Any] = {"steps": want, "goal_rel_diff": LOSS_GOAL}
+    for name, r in got.items():
+        losses = r.get("losses") or []
+        out[name] = ({"final_loss": losses[-1], "mean_last10": statistics.fmean(losses[-10:])}
+                     if r["status"] == "ok" and len(losses) == want else
+                     {"incomplete": f"{r['status']}, {len(losses)} of {want} steps"})
+    base = out.get("8b-layers-bf16", {}).get("final_loss")
+    for name in FP8_ROW_NAMES[1:]:
+        loss = out.get(name, {}).get("final_loss")
+        if base and loss is not None:
+            rel = abs(loss - base) / base
+            out[name].update(rel_diff_vs_bf16=rel, within_goal=rel < LOSS_GOAL)
     return out
 
 
@@ -645,17 +772,32 @@ def parse_rows(text: str) -> list[Row]:
     return [r for r in ROWS if r.name in names]
 
 
+def print_loss_check(check: dict[str, Any]) -> None:
+    for name in FP8_ROW_NAMES:
+        r = check.get(name)
+        if r is None:
+            continue
+        if "incomplete" in r:
+            print(f"loss after {check['steps']} steps, {name}: - ({r['incomplete']})")
+            continue
+        rel = (f", {r['rel_diff_vs_bf16']:.2%} from bf16 (goal < {LOSS_GOAL:.0%}: "
+               f"{'met' if r['within_goal'] else 'NOT met'})" if "rel_diff_vs_bf16" in r else "")
+        print(f"loss after {check['steps']} steps, {name}: {r['final_loss']:.4f}{rel}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true",
                     help="the same rows on CPU with a tiny model (a minute or two)")
-    ap.add_argument("--rows", default=",".join(ROW_NAMES),
-                    help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                    help=f"comma-separated subset of: {', '.join(ROW_NAMES)} (default: all "
+                         f"but the fp8 ones, {', '.join(FP8_ROW_NAMES)})")
     ap.add_argument("--json", default=None, help="output JSON (default "
                     "benchmarks/results/gpu.json, or gpu_tiny.json with --tiny)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget of the whole run (default 350 s; --tiny 600 s): "
-                         "rows left when it is spent are recorded as skipped")
+                    help="wall-clock budget of the whole run (default 350 s, 560 s with an "
+                         "fp8 row; --tiny 600 s): rows left when it is spent are recorded "
+                         "as skipped")
     ap.add_argument("--force", action="store_true",
                     help="run the 8b row even where the planner says it does not fit")
     ap.add_argument("--cache-dir", default=None,
@@ -679,15 +821,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     start = time.time()
-    end = start + (args.budget_s or (600.0 if args.tiny else 350.0))
+    with_fp8 = any(r.name in FP8_ROW_NAMES for r in rows)
+    end = start + (args.budget_s or (600.0 if args.tiny else 560.0 if with_fp8 else 350.0))
     out = Path(args.json) if args.json else (
         ROOT / "benchmarks" / "results" / f"gpu{'_tiny' if args.tiny else ''}.json")
     work = Path(tempfile.mkdtemp(prefix="meshlm-gpu-bench-"))
-    # the synthetic corpus and its token files once, here, before any row (rows only read them)
+    # each synthetic corpus and its token files once, here, before any row (rows only read
+    # them); built through a bf16 config, which needs no torchao
     from meshlm.data import build_data
 
-    build_data(row_config(rows[0], args.tiny, work / "data-check", cache).data,
-               log=lambda _m: None)
+    for row in {(r.shape, r.corpus): r for r in rows}.values():
+        build_data(row_config(replace(row, dtype="bf16", extra=()), args.tiny,
+                              work / "data-check", cache).data, log=lambda _m: None)
     results: list[dict[str, Any]] = []
     for row in rows:
         left = end - time.time()
@@ -709,7 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(title, results)
     rat = ratios(results)
     for k, v in rat.items():
-        print(f"{k.replace('_', ' ')}: {v:.3f}x")
+        goal = f" (goal >= {SPEEDUP_GOAL}x)" if k.startswith("fp8_") else ""
+        print(f"{k.replace('_', ' ')}: {v:.3f}x{goal}")
+    loss_check = fp8_loss_check(results, args.tiny) if with_fp8 else {}
+    print_loss_check(loss_check)
     failed = [r["row"] for r in results if r["status"] not in ("ok", "skipped")]
     if failed:  # the logs of the rows that failed stay for reading
         print(f"logs of {', '.join(failed)}: {work}")
@@ -723,7 +871,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({
         "tiny": args.tiny, "device": device, "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "total_s": total, "rows": results,
-        "ratios": rat, **({"work_dir": str(work)} if failed else {})}, indent=1))
+        "ratios": rat, **({"fp8_loss": loss_check} if loss_check else {}),
+        **({"work_dir": str(work)} if failed else {})}, indent=1))
     print(f"wrote {out}")
     return 0
 
