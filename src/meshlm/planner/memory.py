@@ -33,6 +33,13 @@ under bf16 autocast each linear saves its own bf16 copy of its input and the bf1
 copies live until backward. meshlm's sequence parallelism keeps the all-gathered input of
 each region (it does not gather again in backward).
 
+**FP8** (``dtype="fp8"``, meshlm's ``parallel/float8.py``): activations are the rest dtype's
+(``Workload.fp8_rest``: each float8 linear saves its own autocast copy of its input, as
+autocast's linear does); the decoder-block linears save their fp32 weights themselves, so only
+the head, the router and the routed experts have 16-bit weight copies; the float8 casts are a
+transient of the largest decoder linear (:func:`fp8_linear_peak`: :data:`FP8_CAST` bytes per
+element cast, beside the float8 copy of the other operand), counted in backward.
+
 **Pipeline**: rank r holds the activations of ``min(p - r, m)`` micro-batches under 1F1B
 (Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``p (1 + (p - 1) / (p v))`` on the first
 rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the
@@ -86,11 +93,15 @@ from .hardware import Accelerator
 from .workload import Workload
 
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
-ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 recipes keep 16-bit activations
+# bytes per activation value by dtype (an fp8 workload's activations: its ``rest_dtype``'s)
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
 # bytes per logit live in the loss's backward beyond the saved 4: counted on F.cross_entropy,
 # fp32 and under bf16 autocast alike (meshlm's vocab-parallel loss is assumed the same)
 LOSS_WORKING = 8
+# bytes per element a float8 cast holds at its peak (torchao's ``hp_tensor_and_scale_to_float8``):
+# the scaled fp32 copy, its clamped copy and the float8 result (counted; a test recounts it)
+FP8_CAST = 4 + 4 + 1
 MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
 # the CUDA caching allocator's reserved-but-unallocated memory at the peak, per byte allocated
 # (meshlm's llama3-8b run on one H200: 6.34 GiB beside 132.62 GiB, 4.8 %)
@@ -115,6 +126,9 @@ class StageParams:
     matmul: float  # weights that take part in matmuls (bf16 autocast copies)
     layer_unit: float  # one layer's parameters (ZeRO-3 gathers)
     root_unit: float  # embedding + final norm + head on this stage
+    # the decoder-block linears' weights (attention, dense MLP, shared experts): float8 under
+    # ``dtype="fp8"``, with no 16-bit copy
+    block_linear: float = 0.0
 
     @property
     def total(self) -> float:
@@ -201,7 +215,7 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
     """Per-rank parameter counts of one pipeline stage (see module docstring)."""
     spec, c = work.model, work.model.config
     t, h = lo.tp, c.dim
-    dense = expert = matmul = layer_unit = 0.0
+    dense = expert = matmul = layer_unit = block_linear = 0.0
     kinds = layer_kinds(work, lo, stage)
     for is_moe, count in kinds.items():
         attn = c.attention_params() / t
@@ -214,11 +228,13 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
             dense += count * (attn + norms + router + shared)
             expert += count * routed
             matmul += count * (attn + router + shared + routed)
+            block_linear += count * (attn + shared)
             layer_unit = max(layer_unit, attn + norms + router + shared + routed)
         else:
             mlp = spec.mlp_matrices * h * c.ffn_hidden / t
             dense += count * (attn + norms + mlp)
             matmul += count * (attn + mlp)
+            block_linear += count * (attn + mlp)
             layer_unit = max(layer_unit, attn + norms + mlp)
     vocab = math.ceil(c.vocab_size / t) * h
     root = 0.0
@@ -230,7 +246,8 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
         root += h + (vocab if not c.tie_embeddings or lo.pp > 1 else 0)
         matmul += vocab
     dense += root
-    return StageParams(sum(kinds.values()), dense, expert, matmul, layer_unit, root)
+    return StageParams(sum(kinds.values()), dense, expert, matmul, layer_unit, root,
+                       block_linear)
 
 
 def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
@@ -264,7 +281,7 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
     f = c.expert_hidden * c.moe_topk + c.moe_shared_experts * c.expert_hidden if moe else (
         c.ffn_hidden)
     gated = work.model.gated_mlp or moe
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     out_t = t if lo.sp else 1  # tensors outside the tp regions are split only with sp
     items: dict[str, float] = {}
     if work.profile == "megatron":
@@ -309,7 +326,7 @@ def compiled_layer_activations(work: Workload, lo: Layout) -> dict[str, float]:
     t = lo.tp
     tokens = lo.micro_batch * work.seq_len / lo.cp
     h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     out_t = t if lo.sp else 1
     items = {
         "residual": h * 4 / out_t,  # fp32, after the attention half
@@ -353,7 +370,7 @@ def op_saved(work: Workload, lo: Layout) -> float:
     """Bytes a dense layer keeps per micro-batch under op-level selective recomputation."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
     kept = sum(matmul_outputs(work, lo)[0::2]) * a  # the 1st, 3rd, ... matmul outputs
     kept += c.n_heads * c.hd / lo.tp * a + c.n_heads * 4 / lo.tp  # attention out + lse
@@ -373,6 +390,47 @@ def recomputed(items: dict[str, float], work: Workload, lo: Layout, moe: bool = 
     tokens = lo.micro_batch * work.seq_len / lo.cp
     r = 2 if work.profile == "megatron" else 4
     return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input
+
+
+def block_linears(work: Workload, lo: Layout, moe: bool) -> list[tuple[float, float]]:
+    """(input, output) features on one rank of a layer's decoder-block linears (the ones
+    ``dtype="fp8"`` runs in float8): attention, then the dense MLP or a MoE layer's shared
+    experts (the router and the routed experts are not among them)."""
+    c, t, h = work.model.config, lo.tp, work.model.config.dim
+    hq, kv = c.n_heads * c.hd, c.n_kv_heads * c.hd
+    attn = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
+    if moe:
+        fs = c.moe_shared_experts * c.expert_hidden / t
+        return attn + ([(h, fs), (h, fs), (fs, h)] if fs else [])
+    f = c.ffn_hidden / t
+    return attn + ([(h, f), (h, f), (f, h)] if work.model.gated_mlp else [(h, f), (f, h)])
+
+
+def fp8_linear_peak(m: float, k: float, n: float, a: int) -> float:
+    """Peak bytes one float8 linear allocates in its forward or its backward (``m`` tokens,
+    ``k`` input and ``n`` output features, ``a``-byte activations), outputs included: each
+    operand cast holds :data:`FP8_CAST` bytes per element at once and keeps its float8 copy
+    (1 byte) for its matmul; forward ``x`` then ``W`` then ``y``; backward ``dy`` and ``W``
+    for ``dx``, then ``dy`` and ``x`` for ``dW`` (16-bit, then its fp32 copy) beside ``dx``."""
+    mk, kn, mn = m * k, k * n, m * n
+    forward = max(FP8_CAST * mk, mk + FP8_CAST * kn, mk + kn + a * mn)
+    dx = max(FP8_CAST * mn, mn + FP8_CAST * kn, mn + kn + a * mk)
+    dw = a * mk + max(FP8_CAST * mn, mn + FP8_CAST * mk, mn + mk + a * kn,
+                      a * kn + (4 * kn if a < 4 else 0.0))
+    return max(forward, dx, dw)
+
+
+def fp8_casts(work: Workload, lo: Layout, stage: int) -> float:
+    """Bytes of the float8 casts at their peak on pipeline rank ``stage``: the largest of its
+    decoder-block linears (``dtype="fp8"``, profile ``meshlm``; 0 otherwise). Transient: it
+    comes and goes inside one linear's forward or backward."""
+    if work.dtype != "fp8" or work.profile != "meshlm":
+        return 0.0
+    tokens = lo.micro_batch * work.seq_len / lo.cp  # a region's input is whole over tp
+    a = ACT_BYTES[work.rest_dtype]
+    return max((fp8_linear_peak(tokens, k, n, a)
+                for moe in layer_kinds(work, lo, stage) for k, n in block_linears(work, lo, moe)),
+               default=0.0)
 
 
 def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
@@ -397,7 +455,7 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
     out_t = lo.tp if lo.sp else 1
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     total = 8.0 * tokens if first else 0.0  # token ids (int64)
     if work.profile == "megatron" and first:
         total += c.dim * tokens / out_t  # embedding dropout mask
@@ -469,11 +527,14 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     v_local = math.ceil(work.model.config.vocab_size / lo.tp)
     loss = 0.0
     if stage == lo.pp - 1 and work.loss == "torch":
-        per_logit = ACT_BYTES[work.dtype] if compiled(work) and lo.tp == 1 else LOSS_WORKING
+        per_logit = (ACT_BYTES[work.rest_dtype] if compiled(work) and lo.tp == 1
+                     else LOSS_WORKING)
         loss = per_logit * tokens * v_local
     elif stage == lo.pp - 1 and work.loss == "chunked":  # one chunk's logits, twice in fp32
         loss = LOSS_WORKING * min(tokens, work.loss_chunk) * v_local
-    items["transient"] = max(loss, working if lo.recompute == "full" else 0.0)
+    # the float8 casts of one linear: beside a fully recomputed layer's rebuilt activations
+    rebuilt = working if lo.recompute == "full" else 0.0
+    items["transient"] = max(loss, rebuilt + fp8_casts(work, lo, stage))
     buffers = 0.0
     w, g, _ = STATE_BYTES[work.states]
     if lo.zero == 2:
@@ -486,9 +547,12 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     items["buffers"] = buffers
     # autocast's copies of the weights in the compute dtype: cached through the forward and
     # kept for backward by the matmuls (full recomputation rebuilds them layer by layer)
+    # (fp8: the decoder-block linears cast their fp32 weights to float8 transiently and save
+    # the parameters themselves: only the head, router and routed experts have copies)
     copies = 0.0
-    if work.profile == "meshlm" and work.dtype != "fp32":
-        copies = ACT_BYTES[work.dtype] * p.matmul
+    if work.profile == "meshlm" and work.rest_dtype != "fp32":
+        copied = p.matmul - (p.block_linear if work.dtype == "fp8" else 0.0)
+        copies = ACT_BYTES[work.rest_dtype] * copied
     items["weight copies"] = copies
     items["step temporaries"] = step_temporaries(work, lo, p, stage)
     # gradients alive through the forward and backward: kept between micro-batches or steps

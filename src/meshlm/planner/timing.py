@@ -257,6 +257,14 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
     return 3 * max(flops / rate, nbytes / rates.bandwidth(nbytes))
 
 
+def other_dtype(work: Workload) -> str:
+    """The dtype of the matmuls outside the decoder-block linears: under meshlm's ``fp8``
+    (``parallel/float8.py``) the LM head, the router, the routed experts and materialised
+    attention scores run in ``fp8_rest``; otherwise (and for the ``megatron`` profile, whose
+    frameworks may run them in float8 too) ``dtype``."""
+    return work.rest_dtype if work.profile == "meshlm" else work.dtype
+
+
 def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
     """The bytes meshlm's block saves for one micro-batch on one rank under ``lo`` (memory.py's
     ``meshlm`` profile, whatever profile the workload's memory uses): the measure of its
@@ -278,16 +286,16 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     """Seconds of one (dense or MoE) layer for one micro-batch: forward + backward +
     recomputation."""
     c = work.model.config
-    t, a = lo.tp, ACT_BYTES[work.dtype]
+    t, a = lo.tp, ACT_BYTES[work.rest_dtype]
     tokens = lo.micro_batch * work.seq_len / lo.cp
     h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
-    g_rate = rates.gemm[work.dtype]
+    g_rate, o_rate = rates.gemm[work.dtype], rates.gemm[other_dtype(work)]
     lin = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
     if moe:
         routed = tokens * c.moe_topk  # balanced router: each rank computes this many rows
         fe = c.expert_hidden
-        gemm = 3 * _gemm(routed, h, fe, a, g_rate, rates) + _gemm(tokens, h, c.moe_experts,
-                                                                  a, g_rate, rates)
+        gemm = 3 * _gemm(routed, h, fe, a, o_rate, rates) + _gemm(tokens, h, c.moe_experts,
+                                                                  a, o_rate, rates)
         shared = [(h, fe * c.moe_shared_experts / t)] * 2 + [(fe * c.moe_shared_experts / t,
                                                               h)]
         lin += shared if c.moe_shared_experts else []
@@ -301,7 +309,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     # kernels skip the masked half; materialised scores are full batched GEMMs.
     attn_flops = 4 * tokens * work.seq_len * hq / t
     attn_fwd = (0.5 * attn_flops / rates.attention(c.hd) if work.flash
-                else max(attn_flops / g_rate, tokens * work.seq_len * c.n_heads / t * a
+                else max(attn_flops / o_rate, tokens * work.seq_len * c.n_heads / t * a
                                / rates.bandwidth(tokens * h * a)))
     tensor = tokens * h * a
     # tensor parallelism copies each region's output before its all-reduce, forward and
@@ -321,7 +329,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         traffic = per_token * tokens
         bw = rates.bandwidth(tensor)
     else:
-        traffic = C_TRAFFIC[work.dtype] * eager_saved(work, lo, moe)
+        traffic = C_TRAFFIC[work.rest_dtype] * eager_saved(work, lo, moe)
         # one kernel per op reaches less of the line rate than fused kernels (hardware.py)
         bw = rates.bandwidth(tensor) * rates.eager_scale
     elem = (traffic + copies) / bw
@@ -350,15 +358,16 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
     """Embedding (first stage), LM head and loss (last stage) for one micro-batch."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     v_local = math.ceil(c.vocab_size / lo.tp)
     out: dict[str, float] = {}
     if first:  # lookup + dense gradient of the (local) embedding table
         table = v_local * c.dim * 4
         out["embedding"] = (tokens * c.dim * a + 2 * table) / rates.bandwidth(table)
     if last:
-        out["head gemm"] = _gemm(tokens, c.dim, v_local, a, rates.gemm[work.dtype], rates)
-        if work.loss == "chunked" and work.dtype != "fp32" and rates.sgemm:
+        out["head gemm"] = _gemm(tokens, c.dim, v_local, a, rates.gemm[other_dtype(work)],
+                                 rates)
+        if work.loss == "chunked" and work.rest_dtype != "fp32" and rates.sgemm:
             # meshlm's chunked loss accumulates the head weight's gradient in fp32
             # (``parallel/loss.py``: ``grad_w.addmm_(logits.t(), xc.float())``; in-place, so
             # autocast leaves it fp32): one of the three GEMMs on the CUDA cores, TF32 off
@@ -380,7 +389,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     c = work.model.config
     p = stage_params(work, lo, stage)
     w, g, _ = STATE_BYTES[work.states]
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     m = lo.micro_batches(work.global_batch)
     tokens = lo.micro_batch * work.seq_len / lo.cp
     # ZeRO's group: dp x cp, or one shard group (dp_shard x cp) whose replicas then reduce
@@ -426,7 +435,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         ev.append(CommEvent("dp", "all_reduce", "dp_cp" if lo.cp > 1 else "dp", 8, 1,
                             lo.dp * lo.cp, lo.tp, "exposed"))  # clip
     if lo.tp > 1:
-        act = tokens * c.dim * (4 if work.dtype == "fp32" else a)
+        act = tokens * c.dim * (4 if work.rest_dtype == "fp32" else a)
 
         def tp(op: str, nbytes: float, calls: float) -> None:
             ev.append(CommEvent("tp", op, "tp", nbytes, calls * m, lo.tp, 1,
@@ -489,7 +498,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     moe = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
     if not moe:
         return []
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     fwd = 2 if lo.recompute == "full" else 1
     ev = []
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
@@ -512,7 +521,7 @@ def cp_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
               ) -> list[CommEvent]:
     """Context parallelism's messages of one step (``tokens``: one micro-batch's on a rank)."""
     c = work.model.config
-    a = ACT_BYTES[work.dtype]
+    a = ACT_BYTES[work.rest_dtype]
     ids = stage_layers(c.n_layers, lo, stage)
     layers = len(ids)
     fwd = 2 if lo.recompute == "full" else 1  # a recomputed forward passes its K/V again

@@ -27,6 +27,7 @@ from ..precision import DTYPES as TRAINED_DTYPES
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = (*TRAINED_DTYPES, "fp8")
 STATES = ("fp32", "mixed")
+FP8_RESTS = ("bf16", "fp32")  # precision.fp8_rest
 PROFILES = ("meshlm", "megatron")
 LOSSES = ("torch", "fused", "chunked")
 KERNELS = ("eager", "fused")
@@ -129,10 +130,19 @@ class Workload:
     # dtype of the cross-island all-reduce (diloco.inner_steps, diloco.reduce_dtype)
     inner_steps: int = 50
     island_dtype: str = "fp32"
+    # dtype="fp8": what runs outside the decoder-block linears (precision.fp8_rest): bf16
+    # autocast, or fp32 (no autocast: 4-byte activations, no weight copies)
+    fp8_rest: str = "bf16"
 
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
+
+    @property
+    def rest_dtype(self) -> str:
+        """The dtype of activations and of the matmuls that are not float8: ``dtype``, or
+        under ``fp8`` ``fp8_rest``."""
+        return self.fp8_rest if self.dtype == "fp8" else self.dtype
 
     def problems(self) -> list[str]:
         out = []
@@ -151,6 +161,8 @@ class Workload:
         if self.optimizer not in OPTIMIZER_KERNELS:
             out.append(f"optimizer {self.optimizer!r} is not one of "
                        f"{', '.join(OPTIMIZER_KERNELS)}")
+        if self.fp8_rest not in FP8_RESTS:
+            out.append(f"fp8_rest {self.fp8_rest!r} is not one of {', '.join(FP8_RESTS)}")
         if self.seq_len < 1 or self.global_batch < 1:
             out.append(f"seq_len={self.seq_len} and global_batch={self.global_batch} must be >= 1")
         return out
