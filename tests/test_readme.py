@@ -58,6 +58,7 @@ NOT_RUN: dict[str, str] = {
                   "test_make_targets_exist)",
     "pip install .": _PIP,
     "pip install -c constraints.txt torch==2.13.0": _PIP,
+    'pip install "meshlm[fp8]"': _PIP,
     "pip install -c constraints.txt .": _PIP,
     "pip install tensorboard": "an optional package from the package index (network)",
     "meshlm convert CKPT --to-hf OUT": "placeholders; the tour's `meshlm convert runs/try "

@@ -9,7 +9,10 @@ gradients and optimizer states stay fp32 master copies.
 
 Each of a linear's three matmuls -- ``y = x W^T``, ``dx = dy W``, ``dW = dy^T x`` -- takes float8
 operands, cast dynamically with torchao's float8 training casts and recipes
-(``Float8LinearConfig.from_recipe_name``; ``torch._scaled_mm`` on devices that have it):
+(``Float8LinearConfig.from_recipe_name``). On CUDA the matmul is ``torch._scaled_mm`` (GPU-only
+path: float8 tensor cores, sm89 and later); elsewhere (CPU) torchao's emulation: the same
+float8 operands dequantised and multiplied in fp32, the product written in the requested
+dtype (``torch._scaled_mm``'s rowwise kernels write bf16 whatever is asked):
 
 - ``tensorwise``: one scale per tensor; e4m3 for ``x`` and ``W``, e5m2 for ``dy``;
 - ``rowwise``: one scale per row of each operand along the dimension its matmul reduces over;
@@ -101,7 +104,8 @@ class Fp8Plan:
 
     recipe: str
     config: Any  # torchao Float8LinearConfig
-    mm: Any  # torchao LinearMMConfig
+    mm: Any  # torchao LinearMMConfig: torch._scaled_mm (CUDA)
+    mm_emulated: Any  # ... torchao's emulation (other devices: CPU)
     sharded: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (dim, axes)
     key: int = 0  # the Comm's trace key (traceable collectives); 0: no communication
     defer_weight_grad: bool = False  # zero-bubble: dW formed later by weight_grad
@@ -118,11 +122,15 @@ def make_plan(recipe: str, sharded: tuple[tuple[str, tuple[str, ...]], ...] = ()
     if recipe not in RECIPES:
         raise ValueError(f"precision.fp8_recipe={recipe!r} is not one of {', '.join(RECIPES)}")
     config = f8.Float8LinearConfig.from_recipe_name(recipe)
-    mm = LinearMMConfig(*(ScaledMMConfig(config.emulate, g.use_fast_accum, False,
-                                         config.pad_inner_dim)
-                          for g in (config.gemm_config_output, config.gemm_config_grad_input,
-                                    config.gemm_config_grad_weight)))
-    return Fp8Plan(recipe, config, mm, sharded, key)
+
+    def mm_config(emulate: bool) -> Any:
+        return LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False,
+                                               config.pad_inner_dim)
+                                for g in (config.gemm_config_output,
+                                          config.gemm_config_grad_input,
+                                          config.gemm_config_grad_weight)))
+
+    return Fp8Plan(recipe, config, mm_config(False), mm_config(True), sharded, key)
 
 
 # operand -> (its dims, the config field of its cast, the dim an axiswise scale covers, role)
@@ -154,8 +162,9 @@ def cast(t: torch.Tensor, operand: str, plan: Fp8Plan) -> torch.Tensor:
         for ax in plan.axes(d):
             amax = traceable.all_reduce_max(amax, plan.key, ax)
     scale = amax_to_scale(amax, cc.target_dtype, plan.config.round_scales_to_power_of_2)
-    return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, plan.mm,
-                                         GemmInputRole[role], axiswise)
+    mm = plan.mm if t.is_cuda else plan.mm_emulated
+    return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, mm, GemmInputRole[role],
+                                         axiswise)
 
 
 def weight_grad(x: torch.Tensor, dy: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:
