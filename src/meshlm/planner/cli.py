@@ -238,7 +238,8 @@ def config_workload(cfg: Config, vocab_size: int | None = None) -> Workload:
                     kernels="fused" if cfg.train.compile else "eager",
                     # auto: torch's fused AdamW, which it has for CUDA and CPU parameters
                     optimizer="foreach" if cfg.train.adamw_impl == "foreach" else "fused",
-                    inner_steps=cfg.diloco.inner_steps, island_dtype=cfg.diloco.reduce_dtype)
+                    inner_steps=cfg.diloco.inner_steps, island_dtype=cfg.diloco.reduce_dtype,
+                    fp8_rest=cfg.precision.fp8_rest)
 
 
 def config_vocab(cfg: Config) -> int:

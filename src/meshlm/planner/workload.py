@@ -23,11 +23,11 @@ from ..layout import SHORT_KEYS, Layout
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
 from ..precision import DTYPES as TRAINED_DTYPES
+from ..precision import FP8_REST
 
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = (*TRAINED_DTYPES, "fp8")
 STATES = ("fp32", "mixed")
-FP8_RESTS = ("bf16", "fp32")  # precision.fp8_rest
 PROFILES = ("meshlm", "megatron")
 LOSSES = ("torch", "fused", "chunked")
 KERNELS = ("eager", "fused")
@@ -161,8 +161,8 @@ class Workload:
         if self.optimizer not in OPTIMIZER_KERNELS:
             out.append(f"optimizer {self.optimizer!r} is not one of "
                        f"{', '.join(OPTIMIZER_KERNELS)}")
-        if self.fp8_rest not in FP8_RESTS:
-            out.append(f"fp8_rest {self.fp8_rest!r} is not one of {', '.join(FP8_RESTS)}")
+        if self.fp8_rest not in FP8_REST:
+            out.append(f"fp8_rest {self.fp8_rest!r} is not one of {', '.join(FP8_REST)}")
         if self.seq_len < 1 or self.global_batch < 1:
             out.append(f"seq_len={self.seq_len} and global_batch={self.global_batch} must be >= 1")
         return out
