@@ -67,7 +67,7 @@ def test_toml_file_and_round_trip(tmp_path: Path) -> None:
          "distributed.straggler_threshold=-0.1 must be >= 0 (0: no straggler detection)"),
         ("--distributed.straggler_steps=0", "distributed.straggler_steps=0 must be >= 1"),
         ("--model.preset=gpt5", "model.preset='gpt5' is not a preset"),
-        ("--precision.dtype=fp8", "precision.dtype='fp8' is not one of"),
+        ("--precision.dtype=fp4", "precision.dtype='fp4' is not one of fp32, bf16, fp16, fp8"),
         ("--parallel.pp_schedule=gpipe", "parallel.pp_schedule='gpipe' is not one of"),
         ("--parallel.zero=4", "parallel.zero=4 must be 0, 1, 2 or 3"),
         ("--model.n_heads=3", "not divisible by model.n_heads=3"),

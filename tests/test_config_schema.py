@@ -99,10 +99,11 @@ def test_allowed_values_are_declared_once() -> None:
                           ("parallel.zero", "ZERO_STAGES")):
         assert RULES[dotted].values is getattr(layout_module, owned), dotted  # type: ignore[union-attr]
     assert DTYPES == tuple(precision.DTYPES)
-    assert RULES["precision.dtype"].values is DTYPES  # type: ignore[union-attr]
+    assert RULES["precision.dtype"].values is precision.PRECISIONS  # type: ignore[union-attr]
+    assert precision.PRECISIONS == (*DTYPES, "fp8")
     assert RULES["diloco.reduce_dtype"].values is DTYPES  # type: ignore[union-attr]
     assert set(RULES["precision.grad_reduce_dtype"].values) < set(DTYPES)  # type: ignore[union-attr]
-    assert workload.DTYPES[:len(DTYPES)] == DTYPES
+    assert workload.DTYPES is precision.PRECISIONS
     source = inspect.getsource(config_module) + inspect.getsource(workload)
     for values in (layout_module.SCHEDULES, layout_module.CP_MODES, layout_module.RECOMPUTE,
                    layout_module.OFFLOADS, DTYPES, DTYPES[:2]):

@@ -42,7 +42,8 @@ def _structure(model: Transformer) -> list:
 def test_registries_name_every_choice() -> None:
     assert set(ATTENTION.names()) == {"sdpa", "eager", "zigzag", "ring", "ulysses"}
     assert RECOMPUTE.names() == ("none", "selective", "op", "full")
-    assert {n: PRECISION[n] for n in PRECISION.names()} == DTYPES
+    assert {n: PRECISION[n].dtype for n in PRECISION.names() if n != "fp8"} == DTYPES
+    assert PRECISION["fp8"].float8 and not any(PRECISION[n].float8 for n in DTYPES)
 
 
 def test_print_shows_the_choices() -> None:

@@ -45,7 +45,7 @@ from .layout import (
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
 from .precision import DTYPES as TORCH_DTYPES
-from .precision import FP8_RECIPES, FP8_REST
+from .precision import FP8_RECIPES, FP8_REST, PRECISIONS
 from .schema import Choice, Range, Rule, declare, jointly, rules
 
 # precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
@@ -187,7 +187,7 @@ class ParallelSection:
 class PrecisionSection:
     # fp8: the decoder blocks' linears in float8 (needs torchao: pip install "meshlm[fp8]"),
     # the rest in fp8_rest
-    dtype: str = declare("fp32", Choice((*DTYPES, "fp8")))
+    dtype: str = declare("fp32", Choice(PRECISIONS))
     # fp8 scaling (torchao's recipes): tensorwise (one scale per tensor) | rowwise (per row)
     fp8_recipe: str = declare("tensorwise", Choice(FP8_RECIPES))
     # under fp8, the dtype of everything outside the float8 linears: bf16, or fp32 (a

@@ -29,6 +29,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # under autocast in one of these (precision.fp8_rest)
 FP8_REST = ("bf16", "fp32")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (precision.fp8_recipe)
+PRECISIONS = (*DTYPES, "fp8")  # precision.dtype: the autocast dtypes, and fp8
 
 
 def autocast_name(dtype: str, fp8_rest: str = "bf16") -> str:

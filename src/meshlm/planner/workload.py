@@ -22,11 +22,10 @@ from ..config import ConfigError
 from ..layout import SHORT_KEYS, Layout
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
-from ..precision import DTYPES as TRAINED_DTYPES
-from ..precision import FP8_REST
+from ..precision import FP8_REST, PRECISIONS
 
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
-DTYPES = (*TRAINED_DTYPES, "fp8")
+DTYPES = PRECISIONS
 STATES = ("fp32", "mixed")
 PROFILES = ("meshlm", "megatron")
 LOSSES = ("torch", "fused", "chunked")
