@@ -32,9 +32,10 @@ Data-parallel, ZeRO, pipeline and expert-parallel ranks hold whole micro-batches
 ZeRO-3's gather, which moves the weights in their fp32 storage dtype) whole weights: their
 scales are local, and equal those of the one-process micro-batch holding the same samples.
 
-Zero-bubble pipelines: :func:`weight_grad` is the ``dW`` matmul alone; the executor's eager
-``W`` action calls it with the captured input and output gradient, and the linear's backward in
-``I`` (``defer_weight_grad``) forms only ``dx``.
+Zero-bubble pipelines: :func:`weight_grad` is the ``dW`` matmul alone; the executor's ``W``
+action calls it with the captured input and output gradient, and the linear's backward in ``I``
+forms only ``dx`` -- eager through ``defer_weight_grad`` (module hooks capture), in compiled
+blocks as custom ops like ``split_linear.py``'s (:func:`split_linear`: the backward captures).
 
 Communication: per linear and micro-batch, tensorwise, up to three one-element all-reduces
 (max) over tp (``W`` twice, ``x`` or ``dy`` once) and two over cp; rowwise, two vectors of one
@@ -197,6 +198,66 @@ class _Float8Matmul(torch.autograd.Function):
         return dx.reshape(*dy.shape[:-1], dx.shape[-1]), dw, None
 
 
+# zero-bubble pipelines with compiled blocks: float8 linears run as custom ops whose backward
+# forms only dx and hands (weight, x, dy) to the executor's capture list (split_linear.py);
+# a custom op takes no Python object, so the plan travels as a key into this table
+_SPLIT_PLANS: dict[int, Fp8Plan] = {}
+
+
+def _plan_key(plan: Fp8Plan) -> int:
+    """``plan``'s key in the table (registered on first use, eagerly: not while tracing)."""
+    key = next((k for k, p in _SPLIT_PLANS.items() if p is plan), None)
+    if key is None:
+        key = len(_SPLIT_PLANS) + 1
+        _SPLIT_PLANS[key] = plan
+    return key
+
+
+@torch.library.custom_op("meshlm::split_float8_linear", mutates_args=())
+def split_linear(x: torch.Tensor, weight: torch.Tensor, plan: int) -> torch.Tensor:
+    """``x W^T`` in float8 (plan ``plan``); backward: the input gradient only."""
+    p = _SPLIT_PLANS[plan]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.mm(cast(x2, "x", p), cast(weight.t(), "w", p))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@split_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, plan: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("meshlm::split_float8_linear_dx", mutates_args=())
+def split_linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, plan: int
+                    ) -> torch.Tensor:
+    """``dy W`` in float8; ``(weight, x, dy)`` go to the open capture list."""
+    from .split_linear import capture
+
+    capture(weight, x, dy)
+    p = _SPLIT_PLANS[plan]
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = torch.mm(cast(dy2, "dy", p), cast(weight.t(), "w_dx", p).t())
+    return dx.reshape(*dy.shape[:-1], dx.shape[-1])
+
+
+@split_linear_dx.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, plan: int) -> torch.Tensor:
+    return dy.new_empty((*dy.shape[:-1], weight.shape[1]))
+
+
+def _split_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ANN001
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.plan = inputs[2]
+
+
+def _split_backward(ctx, dy: torch.Tensor) -> tuple:  # noqa: ANN001
+    x, weight = ctx.saved_tensors
+    return split_linear_dx(dy, x, weight, ctx.plan), None, None
+
+
+split_linear.register_autograd(_split_backward, setup_context=_split_setup)
+
+
 class Float8Linear(nn.Linear):
     """An ``nn.Linear`` whose matmuls run in float8 per ``plan``, holding the same parameters
     as the linear it replaces."""
@@ -207,6 +268,7 @@ class Float8Linear(nn.Linear):
         self.weight = lin.weight
         self.register_parameter("bias", lin.bias)
         self.plan = plan
+        self.split_key = 0  # compiled zero-bubble: the custom ops' plan key (dW formed by W)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
@@ -215,7 +277,10 @@ class Float8Linear(nn.Linear):
         # autocast must not touch the float8 operands inside (it would cast them back up)
         with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") \
                 else contextlib.nullcontext():
-            y = _Float8Matmul.apply(x, self.weight, self.plan)
+            if self.split_key:
+                y = split_linear(x, self.weight, self.split_key)
+            else:
+                y = _Float8Matmul.apply(x, self.weight, self.plan)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -281,13 +346,16 @@ def set_block_precision(block: nn.Module, recipe: str | None, comm: Comm | None,
         setattr(parent, name, Float8Linear(plain_linear(lin), make_plan(recipe, sharded, key)))
 
 
-def defer_weight_grads(module: nn.Module) -> dict[int, Float8Linear]:
+def defer_weight_grads(module: nn.Module, compiled: bool = False) -> dict[int, Float8Linear]:
     """Zero-bubble: the float8 linears in ``module`` form only ``dx`` in backward; returns
-    them by the id of their weight (the ``W`` action forms ``dW`` with :func:`weight_grad`)."""
+    them by the id of their weight (the ``W`` action forms ``dW`` with :func:`weight_grad`).
+    Eager, the executor's hooks capture ``x`` and ``dy``; ``compiled``, the linears become the
+    custom ops above, whose backward hands them to the capture list (``split_linear.py``)."""
     found = {}
     for lin in module.modules():
         if isinstance(lin, Float8Linear):
             lin.plan = replace(lin.plan, defer_weight_grad=True)
+            lin.split_key = _plan_key(lin.plan) if compiled else 0
             found[id(lin.weight)] = lin
     return found
 

@@ -23,9 +23,9 @@ whose backward exposes no output gradient to a hook, the stage's linears become 
 (``split_linear.py``): custom ops whose backward -- run by ``I`` inside the block's compiled
 backward -- forms only the input gradient and hands ``(x, dy)`` to the executor. So ``I``
 forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls.
-Under ``precision.dtype=fp8`` an eager ``W`` forms a float8 linear's ``dW`` with its float8
-matmul (``float8.weight_grad``, the same scales as one process); compiled blocks keep their
-float8 linears whole, which form ``dW`` in ``I`` (numerically the same; not deferred).
+Under ``precision.dtype=fp8`` ``W`` forms a float8 linear's ``dW`` with its float8 matmul
+(``float8.weight_grad``, the same scales as one process); in compiled blocks the float8
+linears are split custom ops too (``float8.split_linear``).
 
 Communication per micro-batch and stage boundary: one activation forward and one gradient
 backward of ``b s h`` values in the compute dtype (2 bytes each under bf16 / fp16, 4 under fp32;
@@ -186,15 +186,16 @@ class PipelineExecutor:
         self.capture = self.split and not compiled
         self._capture: list | None = None
         self._split_weights: list[nn.Parameter] = []
+        # float8 linears (precision fp8) form only dx in I; W forms dW in float8 (float8.py)
+        self._fp8: dict[int, Float8Linear] = {}
+        if self.split:
+            for s in pipe.stages:
+                for mod in pipe.stage_modules(s):
+                    self._fp8.update(defer_weight_grads(mod, compiled))
         if self.split and compiled:
             self._split_weights = split_linears(
                 pipe.model, [mod for s in pipe.stages for mod in pipe.stage_modules(s)])
-        # float8 linears (precision fp8) form only dx in I; W forms dW in float8 (float8.py)
-        self._fp8: dict[int, Float8Linear] = {}
-        if self.capture:
-            for s in pipe.stages:
-                for mod in pipe.stage_modules(s):
-                    self._fp8.update(defer_weight_grads(mod))
+            self._split_weights += [lin.weight for lin in self._fp8.values()]
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
                     for lin in mod.modules():

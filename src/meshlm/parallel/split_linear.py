@@ -63,13 +63,18 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("meshlm::split_linear_dx", mutates_args=())
-def linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``dy W`` (the input gradient); ``(weight, x, dy)`` go to the open capture list."""
+def capture(weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """Hand ``(weight, x, dy)`` of a split linear's backward to the open capture list."""
     if _sink is None:
         raise RuntimeError("split linear backward with no capture list open: its weight "
                            "gradient would be lost (run it inside capture_into)")
     _sink.append([weight, x.detach().clone(), dy.detach().clone()])  # (see module docstring)
+
+
+@torch.library.custom_op("meshlm::split_linear_dx", mutates_args=())
+def linear_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``dy W`` (the input gradient); ``(weight, x, dy)`` go to the open capture list."""
+    capture(weight, x, dy)
     return dy @ weight.to(dy.dtype)
 
 
@@ -127,5 +132,5 @@ def split_linears(root: nn.Module, modules: Iterable[nn.Module]) -> list[nn.Para
     return weights
 
 
-__all__ = ["SplitLinear", "capture_into", "linear", "linear_dx", "split_forward",
+__all__ = ["SplitLinear", "capture", "capture_into", "linear", "linear_dx", "split_forward",
            "split_linears"]
