@@ -55,6 +55,7 @@ from meshlm.planner.workload import ModelSpec, Workload
 # (name, preset, layout, extra config overrides). pp needs untied embeddings in meshlm.
 UNTIE = ["--model.tie_embeddings=false"]
 TINY_VOCAB = ["--data.vocab_size=512"]  # the tiny preset's vocabulary (the trainer's BPE size)
+FP8 = ["--precision.dtype=fp8", "--precision.fp8_rest=fp32"]
 SMALL_MOE = ["--model.moe_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden=256",
              "--model.moe_shared_experts=1"]
 LAYOUTS: list[tuple[str, str, Layout, list[str]]] = [
@@ -98,6 +99,14 @@ LAYOUTS: list[tuple[str, str, Layout, list[str]]] = [
     # DiLoCo: 2 islands of one rank, synchronising every 4 steps (the step time is the mean
     # over the steps, so one synchronisation in 4 counts a quarter)
     ("islands2-H4", "small", Layout(islands=2, micro_batch=8), ["--diloco.inner_steps=4"]),
+    # FP8: the decoder linears in float8 (torchao's emulation on CPU: fp32 products); the rest
+    # in fp32 on `small` (bf16 matmuls crawl on AVX2-only CPUs), in bf16 on `tiny`
+    ("single-fp8", "small", Layout(micro_batch=16), FP8),
+    ("single-fp8-rowwise", "small", Layout(micro_batch=16),
+     [*FP8, "--precision.fp8_recipe=rowwise"]),
+    ("tp2-sp-fp8", "small", Layout(tp=2, sp=True, micro_batch=16), FP8),
+    ("tiny-fp8-bf16", "tiny", Layout(micro_batch=16),
+     [*TINY_VOCAB, "--precision.dtype=fp8", "--precision.fp8_rest=bf16"]),
 ]
 SEQ, BATCH = 256, 16
 WARMUP = 2
@@ -274,11 +283,20 @@ def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, ro
     return best
 
 
-def predict(lo: Layout, model: dict, inner_steps: int, hw_path: str | None
-            ) -> tuple[Workload, Any, Any]:
+def precision_of(extra: list[str]) -> tuple[str, str]:
+    """(precision.dtype, precision.fp8_rest) a row's overrides set (fp32, bf16 by default)."""
+    def value(key: str, default: str) -> str:
+        return next((a.split("=", 1)[1] for a in extra if a.startswith(f"--{key}=")), default)
+
+    return value("precision.dtype", "fp32"), value("precision.fp8_rest", "bf16")
+
+
+def predict(lo: Layout, model: dict, inner_steps: int, hw_path: str | None,
+            extra: list[str] = ()) -> tuple[Workload, Any, Any]:  # type: ignore[assignment]
     hw = get_accelerator("cpu", hw_path)
-    work = Workload(ModelSpec(ModelConfig.from_dict(model)), SEQ, BATCH, dtype="fp32",
-                    states="fp32", profile="meshlm", inner_steps=inner_steps)
+    dtype, rest = precision_of(list(extra))
+    work = Workload(ModelSpec(ModelConfig.from_dict(model)), SEQ, BATCH, dtype=dtype,
+                    states="fp32", profile="meshlm", inner_steps=inner_steps, fp8_rest=rest)
     return work, hw, step_time(work, lo, hw)
 
 
@@ -293,7 +311,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             continue
         m = measure(name, preset, lo, extra, args.steps, args.rounds)
         work, hw, t = predict(lo, m["ranks"][0]["model"], m["ranks"][0]["inner_steps"],
-                           args.calibration)
+                              args.calibration, extra)
         state_err = act_err = 0.0
         per_rank = []
         for rk in m["ranks"]:

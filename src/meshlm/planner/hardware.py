@@ -254,7 +254,9 @@ class Accelerator:
         gemm = {d: _nearest(r, t) * share for d, r in c.gemm.items()}
         gemm.setdefault("bf16", gemm["fp32"])
         gemm.setdefault("fp16", gemm["bf16"])
-        gemm.setdefault("fp8", gemm["bf16"])
+        # meshlm's float8 matmuls on a CPU are torchao's emulation: float8 operands
+        # dequantised and multiplied in fp32 (parallel/float8.py)
+        gemm.setdefault("fp8", gemm["fp32"])
         # Ranks on cores of their own do not slow each other measurably (tiny, 2 ranks of 8
         # sequences vs 1: +7 %): memory-bound work here is bounded by page faults of fresh
         # buffers, a per-core cost, more than by shared DRAM bandwidth. So a rank gets its
