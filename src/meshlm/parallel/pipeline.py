@@ -196,6 +196,7 @@ class PipelineExecutor:
             self._split_weights = split_linears(
                 pipe.model, [mod for s in pipe.stages for mod in pipe.stage_modules(s)])
             self._split_weights += [lin.weight for lin in self._fp8.values()]
+        if self.capture:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
                     for lin in mod.modules():
