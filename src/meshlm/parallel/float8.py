@@ -37,11 +37,13 @@ action calls it with the captured input and output gradient, and the linear's ba
 forms only ``dx`` -- eager through ``defer_weight_grad`` (module hooks capture), in compiled
 blocks as custom ops like ``split_linear.py``'s (:func:`split_linear`: the backward captures).
 
-Communication: per linear and micro-batch, tensorwise, up to three one-element all-reduces
-(max) over tp (``W`` twice, ``x`` or ``dy`` once) and two over cp; rowwise, two vectors of one
-value per row (``M`` or ``K``/``N`` values) over tp and two over cp -- none on one process.
+Communication: per linear and micro-batch, tensorwise, two one-element all-reduces (max) over
+tp (``W``, and ``x`` or ``dy``: a scale is computed once per tensor) and two over cp; rowwise,
+two vectors of one value per row (``M`` or ``K``/``N`` values) over tp and two over cp -- none
+on one process.
 Memory: the float8 copies of the operands are transient (one byte per value); saved for
-backward, ``x`` and ``W`` as a bf16 linear saves them.
+backward, ``x`` and ``W`` as a bf16 linear saves them, and under tensorwise their two
+one-element scales.
 
 torchao is an optional dependency (``pip install "meshlm[fp8]"``); :func:`require_torchao`
 gives the one-line error when it is missing.
@@ -145,56 +147,92 @@ _OPERANDS = {
 }
 
 
-def cast(t: torch.Tensor, operand: str, plan: Fp8Plan) -> torch.Tensor:
-    """``t`` (2-D) as a torchao float8 tensor scaled for its role in ``plan``'s recipe, the
-    scale's maximum taken over every shard of the dims it covers."""
+def scale_of(t: torch.Tensor, operand: str, plan: Fp8Plan) -> torch.Tensor:
+    """The float8 scale of ``t`` (2-D) for its role in ``plan``'s recipe, the maximum taken
+    over every shard of the dims it covers."""
     from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale
 
-    dims, field, axis, role = _OPERANDS[operand]
+    dims, field, axis, _ = _OPERANDS[operand]
     cc = getattr(plan.config, field)
     if cc.scaling_granularity is ScalingGranularity.AXISWISE:
-        amax, covered, axiswise = t.abs().amax(dim=axis, keepdim=True), (dims[axis],), axis
+        amax, covered = t.abs().amax(dim=axis, keepdim=True), (dims[axis],)
     else:
-        amax, covered, axiswise = t.abs().amax(), dims, None
+        amax, covered = t.abs().amax(), dims
     amax = amax.float()
     for d in covered:
         for ax in plan.axes(d):
             amax = traceable.all_reduce_max(amax, plan.key, ax)
-    scale = amax_to_scale(amax, cc.target_dtype, plan.config.round_scales_to_power_of_2)
+    return amax_to_scale(amax, cc.target_dtype, plan.config.round_scales_to_power_of_2)
+
+
+def cast(t: torch.Tensor, operand: str, plan: Fp8Plan, scale: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """``t`` (2-D) as a torchao float8 tensor scaled for its role in ``plan``'s recipe
+    (``scale``: :func:`scale_of`'s, when already known)."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+
+    _, field, axis, role = _OPERANDS[operand]
+    cc = getattr(plan.config, field)
+    axiswise = axis if cc.scaling_granularity is ScalingGranularity.AXISWISE else None
+    if scale is None:
+        scale = scale_of(t, operand, plan)
     mm = plan.mm if t.is_cuda else plan.mm_emulated
     return hp_tensor_and_scale_to_float8(t, scale, cc.target_dtype, mm, GemmInputRole[role],
                                          axiswise)
 
 
-def weight_grad(x: torch.Tensor, dy: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:
-    """``dW = dy^T x`` (N, K) in float8: the linear's third matmul alone."""
+def shares_scale(plan: Fp8Plan, a: str, b: str) -> bool:
+    """Whether operands ``a`` and ``b`` of the same tensor take one scale: the same cast
+    config, tensorwise (a rowwise scale runs along each matmul's own dim)."""
+    from torchao.float8.config import ScalingGranularity
+
+    ca, cb = getattr(plan.config, _OPERANDS[a][1]), getattr(plan.config, _OPERANDS[b][1])
+    return ca == cb and ca.scaling_granularity is ScalingGranularity.TENSORWISE
+
+
+def weight_grad(x: torch.Tensor, dy: torch.Tensor, plan: Fp8Plan,
+                scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                ) -> torch.Tensor:
+    """``dW = dy^T x`` (N, K) in float8: the linear's third matmul alone (``scales``: those of
+    ``dy`` and ``x`` when already known)."""
     x2 = x.reshape(-1, x.shape[-1]).to(dy.dtype)
     dy2 = dy.reshape(-1, dy.shape[-1])
-    return torch.mm(cast(dy2, "dy_dw", plan).t(), cast(x2, "x_dw", plan))
+    return torch.mm(cast(dy2, "dy_dw", plan, scales[0]).t(), cast(x2, "x_dw", plan, scales[1]))
 
 
 @torch._dynamo.allow_in_graph
 class _Float8Matmul(torch.autograd.Function):
-    """``x W^T`` with all three matmuls in float8 (module docstring)."""
+    """``x W^T`` with all three matmuls in float8 (module docstring). A tensorwise scale is
+    computed once per tensor: ``W``'s and ``x``'s are kept from forward for backward (one
+    amax pass and, when sharded, one all-reduce each fewer), ``dy``'s serves both its
+    matmuls. (The compiled zero-bubble custom ops below recompute them: an op's backward
+    sees only its saved tensors.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan  # noqa: ANN001
                 ) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.plan = plan
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.mm(cast(x2, "x", plan), cast(weight.t(), "w", plan))
+        x8, w8 = cast(x2, "x", plan), cast(weight.t(), "w", plan)
+        ctx.save_for_backward(x, weight,
+                              x8._scale if shares_scale(plan, "x", "x_dw") else None,
+                              w8._scale if shares_scale(plan, "w", "w_dx") else None)
+        ctx.plan = plan
+        y = torch.mm(x8, w8)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # noqa: ANN001, ANN205
-        x, weight = ctx.saved_tensors
+        x, weight, sx, sw = ctx.saved_tensors
         plan: Fp8Plan = ctx.plan
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = torch.mm(cast(dy2, "dy", plan), cast(weight.t(), "w_dx", plan).t())
-        dw = None if plan.defer_weight_grad else weight_grad(x, dy, plan).to(weight.dtype)
+        dy8 = cast(dy.reshape(-1, dy.shape[-1]), "dy", plan)
+        sdy = dy8._scale if shares_scale(plan, "dy", "dy_dw") else None
+        dx = torch.mm(dy8, cast(weight.t(), "w_dx", plan, sw).t())
+        del dy8  # (freed before the dW matmul casts its operands)
+        dw = None
+        if not plan.defer_weight_grad:
+            dw = weight_grad(x, dy, plan, (sdy, sx)).to(weight.dtype)
         return dx.reshape(*dy.shape[:-1], dx.shape[-1]), dw, None
 
 
@@ -361,5 +399,5 @@ def defer_weight_grads(module: nn.Module, compiled: bool = False) -> dict[int, F
 
 
 __all__ = ["FP8_LINEARS", "RECIPES", "Float8Linear", "Fp8Plan", "cast", "defer_weight_grads",
-           "make_plan", "plain_linear", "require_torchao", "set_block_precision",
-           "torchao_available", "weight_grad"]
+           "make_plan", "plain_linear", "require_torchao", "scale_of", "set_block_precision",
+           "shares_scale", "split_linear", "torchao_available", "weight_grad"]

@@ -94,7 +94,7 @@ from .workload import Workload
 
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
 # bytes per activation value by dtype (an fp8 workload's activations: its ``rest_dtype``'s)
-ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
 # bytes per logit live in the loss's backward beyond the saved 4: counted on F.cross_entropy,
 # fp32 and under bf16 autocast alike (meshlm's vocab-parallel loss is assumed the same)

@@ -121,7 +121,7 @@ from .workload import Workload
 
 # bytes moved by memory-bound ops per byte meshlm's block saves, by matmul dtype (counted;
 # module docstring)
-C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0, "fp8": 11.0}  # fp16/fp8: bf16's casts
+C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0}  # fp16: bf16's casts (fp8: its rest dtype's)
 # torch's cross-entropy on fp32 logits, forward + backward, in passes over the fp32 logits
 # (counted with TorchDispatchMode on ``F.cross_entropy(logits.float(), y)``; a test recounts
 # it): the cast up 1.5 (read 16-bit, write fp32), log-softmax 2, nll_loss's backward fills a
