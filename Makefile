@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.meshlm-installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,fp8]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,fp8,data]"
 	touch $(STAMP)
 
 setup: $(STAMP)

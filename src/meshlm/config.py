@@ -100,8 +100,14 @@ class DataSection:
     seq_len: int = declare(256, Range(ge=2))
     # share of files held out for validation
     val_fraction: float = declare(0.05, Range(gt=0, lt=1))
-    text_field: str = "text"  # JSONL field holding the text
+    text_field: str = "text"  # JSONL field / Parquet column holding the text
     cache_dir: str = ""  # "" -> $XDG_CACHE_HOME/meshlm or ~/.cache/meshlm
+    # prepared datasets (`meshlm prepare`) mixed by weight, "DIR_A:0.7,DIR_B:0.3" (weights
+    # are normalised); instead of data.path
+    mix: str = ""
+    # attention stays inside each document of a packed sequence and RoPE positions restart at
+    # each document (Llama 3's document masking)
+    doc_mask: bool = False
 
 
 @dataclass
@@ -554,6 +560,28 @@ def auto_micro_batch(cfg: Config, dp: int) -> None:
 
 
 # ------------------------------------------------------------------ validation
+def parse_mix(text: str) -> list[tuple[str, float]]:
+    """``"DIR_A:0.7,DIR_B:0.3"`` -> [(folder, weight), ...] with the weights normalised to sum
+    to 1; ConfigError naming the entry when a weight is not a positive number."""
+    out: list[tuple[str, float]] = []
+    for entry in (e.strip() for e in text.split(",")):
+        folder, sep, weight = entry.rpartition(":")
+        try:
+            w = float(weight) if sep and folder else float("nan")
+        except ValueError:
+            w = float("nan")
+        if not (math.isfinite(w) and w > 0):
+            raise ConfigError(f"data.mix: {entry!r} is not FOLDER:WEIGHT with a positive "
+                              "number as the weight (e.g. data.mix=\"web:0.7,code:0.3\")")
+        out.append((folder.strip(), w))
+    folders = [f for f, _ in out]
+    dup = next((f for f in folders if folders.count(f) > 1), None)
+    if dup is not None:
+        raise ConfigError(f"data.mix names {dup!r} twice")
+    total = sum(w for _, w in out)
+    return [(f, w / total) for f, w in out]
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -642,6 +670,12 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     if d.tokenizer and check_paths:
         _check(Path(d.tokenizer).expanduser().is_file(),
                f"data.tokenizer={d.tokenizer!r} is not a file")
+    if d.mix:
+        _check(not d.path, f"data.mix={d.mix!r} and data.path={d.path!r} both name the data: "
+                           "set one")
+        for folder, _ in parse_mix(d.mix):
+            _check(not check_paths or Path(folder).expanduser().is_dir(),
+                   f"data.mix: {folder!r} is not a folder (a dataset made by meshlm prepare)")
     _declared(cfg, "precision.dtype", "precision.grad_reduce_dtype", "precision.loss_scale",
               "precision.loss_scale_window", "precision.fp8_recipe", "precision.fp8_rest",
               "train.loss", "train.loss_chunk", "parallel.offload")
