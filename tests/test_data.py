@@ -1,4 +1,8 @@
-"""Tests of the data package: corpus, tokenizer, token cache, sampler, build_data."""
+"""Tests of the data package: tokenizer, encoding, sampler, build_data and its cache.
+
+The input formats, the document split and the prepared-dataset format are tested in
+tests/test_prepare.py.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ from tokenizers import models
 
 from meshlm.config import ConfigError, DataSection
 from meshlm.data import DataBundle, StepSampler, Tokenizer, build_data, train_bpe, val_batches
-from meshlm.data.corpus import default_corpus, resolve_corpus, split_corpus
-from meshlm.data.dataset import open_tokens, token_dtype, write_tokens
+from meshlm.data.prepare import encode_documents, token_dtype
+from meshlm.data.sources import default_source, split_score
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SMALL_FILES = ["abc.py", "bisect.py", "colorsys.py", "fnmatch.py", "glob.py", "heapq.py",
@@ -115,90 +119,43 @@ def test_user_tokenizer_used(tok: Tokenizer, tmp_path: Path) -> None:
     corpus = copy_corpus(tmp_path / "c")
     b = build(tmp_path, path=str(corpus), tokenizer=str(path), vocab_size=9999)
     assert b.tokenizer.tk.to_str() == tok.tk.to_str()
-    assert not (b.cache_dir / "tokenizer.json").exists()  # nothing trained
+    # the dataset keeps the very file it was tokenized with (nothing trained)
+    assert (b.cache_dir / "tokenizer.json").read_bytes() == path.read_bytes()
+    assert b.sources[0][2].manifest["tokenizer"]["trained"] is None
 
 
-# ------------------------------------------------------------------ token files
-class StubTokenizer:
-    """Big-vocab stand-in: ids above 65535 force uint32 storage."""
-
-    vocab_size = 70_000
-    eot_id = 69_999
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [[65_536 + ord(c) % 100 for c in t] for t in texts]
-
-
-def test_dtype_choice(tok: Tokenizer, tmp_path: Path) -> None:
+# ------------------------------------------------------------------ encoding
+def test_dtype_choice() -> None:
     assert token_dtype(65_536) == np.uint16 and token_dtype(65_537) == np.uint32
-    small = write_tokens(tmp_path / "a.bin", ["abc", "de"], tok, "fp")
-    assert small.dtype == np.uint16
-    stub = StubTokenizer()
-    big = write_tokens(tmp_path / "b.bin", ["abc", "de"], stub, "fp")  # type: ignore[arg-type]
-    assert big.dtype == np.uint32
-    assert (tmp_path / "b.bin").stat().st_size == 4 * 7
-    assert big.tolist() == [65_536 + 97, 65_536 + 98, 65_536 + 99, 69_999,
-                            65_536 + 0, 65_536 + 1, 69_999]
 
 
-def test_documents_separated_by_eot(tok: Tokenizer, tmp_path: Path) -> None:
+def test_documents_separated_by_eot(tok: Tokenizer) -> None:
     docs = ["first doc", "second\ndoc", "third"]
-    tokens = write_tokens(tmp_path / "t.bin", docs, tok, "fp")
+    tokens, lengths = encode_documents(tok, docs, np.dtype(np.uint16))
+    assert tokens.dtype == np.uint16
     assert tokens.tolist() == sum((tok.encode(d) + [tok.eot_id] for d in docs), [])
-    assert isinstance(tokens, np.memmap) and not tokens.flags.writeable
-    assert open_tokens(tmp_path / "t.bin", "other-fingerprint") is None
-    assert not list(tmp_path.glob(".*tmp"))  # temp files renamed away
+    assert lengths.tolist() == [len(tok.encode(d)) + 1 for d in docs]
+
+
+def test_long_document_cut_into_pieces(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import meshlm.data.prepare as prepare
+
+    monkeypatch.setattr(prepare, "MAX_PIECE_CHARS", 40)
+    doc = "line of text\n" * 20
+    tokens, lengths = encode_documents(tok, [doc, "x"], np.dtype(np.uint16))
+    assert tok.decode(tokens.tolist()) == doc + "<|endoftext|>x<|endoftext|>"
+    assert lengths.sum() == len(tokens)
 
 
 # ------------------------------------------------------------------ corpus
 def test_default_corpus_listing() -> None:
-    corpus = default_corpus()
-    rels = [f.rel for f in corpus.files]
+    rels = [f.rel for f in default_source().files]
     assert len(rels) > 100 and rels == sorted(rels)
     assert "os.py" in rels and "json/decoder.py" in rels
     banned = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
     assert all(r.endswith(".py") for r in rels)
     assert not [r for r in rels if banned & set(r.split("/")[:-1])]
     assert not [r for r in rels if r.startswith("lib2to3/tests")]
-
-
-def test_split_by_file_deterministic_disjoint(tmp_path: Path) -> None:
-    corpus = resolve_corpus(str(copy_corpus(tmp_path / "c")))
-    for frac in (0.01, 0.3, 0.99):
-        train, val = split_corpus(corpus, frac, "text")
-        again = split_corpus(corpus, frac, "text")
-        assert (train, val) == again
-        t, v = {f.rel for f in train.files}, {f.rel for f in val.files}
-        assert t and v and not t & v and t | v == {f.rel for f in corpus.files}
-    # held-out membership depends on the file's own path only: adding files keeps it
-    _, val = split_corpus(corpus, 0.3, "text")
-    copy_corpus(tmp_path / "c", ["os.py", "random.py"])
-    _, val2 = split_corpus(resolve_corpus(str(tmp_path / "c")), 0.3, "text")
-    assert {f.rel for f in val.files} <= {f.rel for f in val2.files}
-
-
-def test_two_files_split_one_each(tmp_path: Path) -> None:
-    corpus = resolve_corpus(str(copy_corpus(tmp_path / "c", ["abc.py", "this.py"])))
-    train, val = split_corpus(corpus, 0.05, "text")
-    assert len(train.files) == 1 and len(val.files) == 1
-
-
-def test_single_text_file_split(tmp_path: Path) -> None:
-    path = tmp_path / "one.txt"
-    text = "line of text\n" * 100
-    path.write_text(text)
-    train, val = split_corpus(resolve_corpus(str(path)), 0.1, "text")
-    head, tail = "".join(train), "".join(val)
-    assert head + tail == text and len(tail) == len(text) // 10
-
-
-def test_single_jsonl_split_and_docs(tmp_path: Path) -> None:
-    path = tmp_path / "docs.jsonl"
-    docs = [f"document number {i}" for i in range(20)]
-    lines = [json.dumps({"body": d, "id": i}) for i, d in enumerate(docs)]
-    path.write_text("\n".join(lines) + "\n\n")  # a trailing blank line is skipped
-    train, val = split_corpus(resolve_corpus(str(path)), 0.1, "body")
-    assert list(train) == docs[:18] and list(val) == docs[18:]
 
 
 @pytest.mark.parametrize("line, reason", [("{broken", "not valid JSON"),
@@ -238,18 +195,24 @@ def test_build_then_cached(tmp_path: Path) -> None:
     b = build(tmp_path, logs, path=str(corpus))
     assert b.train_tokens.dtype == np.uint16 and len(b.val_tokens) > 0
     assert b.cache_dir.parent == tmp_path / "cache"
-    train, _ = split_corpus(resolve_corpus(str(corpus)), 0.05, "text")
-    n_docs = len(train.files)
-    assert int((b.train_tokens == b.tokenizer.eot_id).sum()) == n_docs
-    joined = "".join(doc + "<|endoftext|>" for doc in train)
-    assert b.tokenizer.decode(b.train_tokens.tolist()) == joined
-    files = ["tokenizer.json", "train.bin", "val.bin"]
+    assert b.sources == [(str(corpus), 1.0, b.sources[0][2])]
+    # text files are whole documents, split by the crc32 of their path (at least one each)
+    val = [n for n in SMALL_FILES if split_score(n) < 0.05 * 2**32] or \
+        [min(SMALL_FILES, key=split_score)]
+    train = [n for n in SMALL_FILES if n not in val]
+    tokens = np.asarray(b.train_tokens)
+    assert int((tokens == b.tokenizer.eot_id).sum()) == len(train)
+    joined = "".join((corpus / n).read_text() + "<|endoftext|>" for n in train)
+    assert b.tokenizer.decode(tokens.tolist()) == joined
+    assert b.train_tokens.doc_starts.tolist()[0] == 0
+    assert len(b.train_tokens.doc_starts) == len(train)
+    files = ["tokenizer.json", "manifest.json"]
     mtimes = {f: (b.cache_dir / f).stat().st_mtime_ns for f in files}
-    assert not any("cached (" in line for line in logs)
+    assert not any("already prepared" in line for line in logs)
 
     logs2: list[str] = []
     b2 = build(tmp_path, logs2, path=str(corpus))
-    assert sum("cached (" in line for line in logs2) == 3
+    assert sum("already prepared" in line for line in logs2) == 1
     assert {f: (b2.cache_dir / f).stat().st_mtime_ns for f in files} == mtimes
     assert np.array_equal(b2.train_tokens, b.train_tokens)
     assert np.array_equal(b2.val_tokens, b.val_tokens)
@@ -270,27 +233,17 @@ def test_corrupt_cache_rebuilt(tmp_path: Path) -> None:
     corpus = copy_corpus(tmp_path / "c")
     b = build(tmp_path, path=str(corpus))
     good = np.array(b.train_tokens)
+    shard = b.cache_dir / b.sources[0][2].manifest["splits"]["train"]["shards"][0]["name"]
     del b  # release the mapping before touching the file
     cache = next((tmp_path / "cache").iterdir())
-    with open(cache / "train.bin", "r+b") as f:
+    with open(shard, "r+b") as f:
         f.truncate(100)
     (cache / "tokenizer.json").write_text("garbage")
     logs: list[str] = []
     b2 = build(tmp_path, logs, path=str(corpus))
-    assert any("train token cache" in line and "rebuilding" in line for line in logs)
-    assert any("retraining" in line for line in logs)
+    assert any("is damaged" in line and "rebuilding" in line for line in logs), logs
     assert np.array_equal(np.asarray(b2.train_tokens), good)
-    assert (cache / "train.bin").stat().st_size == good.nbytes
-
-
-def test_missing_sidecar_rebuilt(tmp_path: Path) -> None:
-    corpus = copy_corpus(tmp_path / "c")
-    b = build(tmp_path, path=str(corpus))
-    (b.cache_dir / "val.json").unlink()
-    logs: list[str] = []
-    build(tmp_path, logs, path=str(corpus))
-    assert any(line.startswith("data: tokenized val") for line in logs)
-    assert any("train tokens cached" in line for line in logs)
+    assert shard.stat().st_size == good.nbytes
 
 
 # ------------------------------------------------------------------ sampler

@@ -321,6 +321,29 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace, rest: list[str]) -> int:
+    """Tokenize inputs into a sharded dataset folder (docs/data.md)."""
+    if rest:
+        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    if args.tokenizer and args.vocab_size is not None:
+        raise ConfigError("give --tokenizer or --vocab-size, not both")
+    if args.vocab_size is not None and args.vocab_size < 260:
+        raise ConfigError(f"--vocab-size={args.vocab_size} must be >= 260 (256 bytes + "
+                          "special tokens)")
+    if args.unit_mb <= 0:
+        raise ConfigError(f"--unit-mb={args.unit_mb} must be > 0")
+    from pathlib import Path
+
+    from .data.prepare import prepare, summary
+
+    result = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
+                     vocab_size=args.vocab_size or 4096, workers=args.workers,
+                     text_field=args.text_field, val_fraction=args.val_fraction,
+                     unit_bytes=int(args.unit_mb * 2**20), progress=not args.quiet)
+    print(summary(result, Path(args.out)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="meshlm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"meshlm {__version__}")
@@ -335,6 +358,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when a worker fails, restart all workers up to N times; they resume "
                         "from the latest checkpoint (local workers only; default 0)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare", help="tokenize text / JSONL / Parquet / datasets folders "
+                       "into a sharded dataset folder for training (data.path, data.mix)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files or folders (text, .jsonl[.gz|.zst], .parquet, save_to_disk)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the dataset folder to write")
+    p.add_argument("--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json "
+                   "(default: train a byte-level BPE on the train documents)")
+    p.add_argument("--vocab-size", type=int, metavar="N",
+                   help="vocabulary of the trained BPE (default 4096)")
+    p.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1), metavar="N",
+                   help="tokenizing processes (default: one per CPU)")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="JSONL field / Parquet or arrow column holding the text")
+    p.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                   help="share of documents held out for validation (default 0.05)")
+    p.add_argument("--unit-mb", type=float, default=8, metavar="MB",
+                   help="input megabytes per work unit (default 8)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("info", help="list model presets with parameter and FLOP counts")
     p.add_argument("--seq-len", type=int, default=2048)

@@ -1,44 +1,65 @@
-"""Data pipeline: corpus -> tokenizer -> cached token memmaps, plus the step sampler.
+"""Data pipeline: prepared (sharded, tokenized) datasets, and the step sampler.
 
-:func:`build_data` resolves the corpus (the Python standard library by default), splits it by
-file, loads or trains the tokenizer (trained on the train split only) and tokenizes both
-splits into memory-mapped token files. Everything is cached under
-``<cache root>/<fingerprint>/`` (tokenizer.json, train.bin/.json, val.bin/.json), where the
-fingerprint covers the file list (paths, sizes, mtimes) and every setting that changes the
-tokens, so a second call only re-reads the file list. Disk: ~2 bytes per token; memory: the
-token arrays are mapped, not loaded.
+:func:`build_data` gives training its tokens from one of three places:
+
+- ``data.mix`` ("DIR_A:0.7,DIR_B:0.3"): prepared folders (``meshlm prepare``), opened and
+  checked to share one tokenizer;
+- ``data.path`` naming a prepared folder (it has a manifest.json): opened directly;
+- otherwise a raw corpus (``data.path`` = text / JSONL / Parquet files or folders, a
+  ``datasets`` folder; "" = this interpreter's standard library), prepared by the same code
+  as ``meshlm prepare`` into ``<cache root>/<fingerprint>/``, where the fingerprint covers the
+  file list (paths, sizes, mtimes), the settings and the tokenizer, then opened. A second
+  call finds the manifest there and only re-reads the file list and verifies the shards'
+  sizes.
+
+Disk: 2 (uint16) or 4 bytes per token. Memory: shards are memory-mapped, never loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from ..config import ConfigError, DataSection
-from .corpus import Corpus, DocStream, fingerprint, resolve_corpus, split_corpus
-from .dataset import open_tokens, token_dtype, write_tokens
+from ..config import ConfigError, DataSection, parse_mix
+from .prepare import (
+    NoDocuments,
+    Settings,
+    inputs_digest,
+    make_plan,
+    resolve_inputs,
+    summary,
+    tokenizer_spec,
+)
+from .prepare import prepare as prepare_dataset
 from .sampler import StepSampler, val_batches
+from .shards import PreparedDataset, TokenStream, is_prepared, open_prepared, tokenizer_fingerprint
 from .tokenizer import EOT, Tokenizer, train_bpe
 
 __all__ = [
-    "EOT", "DataBundle", "StepSampler", "Tokenizer", "build_data", "default_cache_root",
-    "train_bpe", "val_batches",
+    "EOT", "DataBundle", "PreparedDataset", "StepSampler", "TokenStream", "Tokenizer",
+    "build_data", "default_cache_root", "open_prepared", "prepare_dataset", "train_bpe", "val_batches",
 ]
+
+Log = Callable[[str], None]
+# Worker processes used to prepare a raw corpus for training.
+TRAIN_PREPARE_WORKERS = 4
 
 
 @dataclass
 class DataBundle:
     tokenizer: Tokenizer
-    train_tokens: np.ndarray  # read-only memmap, uint16 or uint32
-    val_tokens: np.ndarray
+    train_tokens: TokenStream  # of the first (or only) source; indexable like a numpy array
+    val_tokens: TokenStream
     source: str  # where the text came from, for logs
-    cache_dir: Path  # the fingerprint folder holding tokenizer.json and the token files
+    cache_dir: Path  # the dataset folder of the first source (tokenizer.json, shards)
+    # (name, weight, dataset) of every source: one entry of weight 1.0 without data.mix
+    sources: list[tuple[str, float, PreparedDataset]] = field(default_factory=list)
 
     @property
     def vocab_size(self) -> int:
@@ -55,99 +76,107 @@ def cache_root(cfg: DataSection) -> Path:
     return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_root()
 
 
-def _cache_dir(cfg: DataSection, fp: str) -> Path:
-    path = cache_root(cfg) / fp[:16]  # 64 bits of the digest: ample to keep corpora apart, short to read
+def _where(cfg: DataSection) -> str:
+    return f"data.path={cfg.path!r}" if cfg.path else "the default corpus"
+
+
+def _prepare_cached(cfg: DataSection, log: Log) -> PreparedDataset:
+    """Prepare the raw corpus of ``data.path`` into the cache (once) and open it."""
+    sources = resolve_inputs([cfg.path] if cfg.path else [])
+    settings = Settings(cfg.text_field, cfg.val_fraction)
+    plan = make_plan(sources, settings, tokenizer_spec(cfg.tokenizer or None, cfg.vocab_size))
+    key = hashlib.sha256(json.dumps([inputs_digest(plan), plan["tokenizer"]]).encode())
+    folder = cache_root(cfg) / key.hexdigest()[:16]  # 64 bits: ample, and short to read
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"data.cache_dir: cannot create {str(path)!r}: {e.strerror}") from None
-    return path
+        raise ConfigError(f"data.cache_dir: cannot create {str(folder.parent)!r}: "
+                          f"{e.strerror}") from None
+    n_files = sum(len(s.files) for s in sources)
+    log(f"data: {_where(cfg)}: {n_files} files, "
+        f"{sum(s.n_bytes for s in sources) / 1e6:.1f} MB")
+    workers = min(TRAIN_PREPARE_WORKERS, os.cpu_count() or 1)
 
-
-def _tokenizer_key(cfg: DataSection) -> str:
-    """What identifies the tokenizer in the fingerprint."""
-    if not cfg.tokenizer:
-        return f"bpe:{cfg.vocab_size}"
-    p = Path(cfg.tokenizer).expanduser()
-    try:
-        st = p.stat()
-    except OSError:
-        raise ConfigError(f"data.tokenizer={cfg.tokenizer!r} cannot be read") from None
-    return f"file:{p.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-
-
-def _get_tokenizer(
-    cfg: DataSection, train: DocStream, cache: Path, log: Callable[[str], None]
-) -> Tokenizer:
-    if cfg.tokenizer:
-        tok = Tokenizer.load(cfg.tokenizer)
-        log(f"data: tokenizer {cfg.tokenizer} (vocab {tok.vocab_size}, eot id {tok.eot_id})")
-        if tok.eot_id is None:
-            log("data: warning: tokenizer has no end-of-text token; documents are joined "
-                "without a separator")
-        return tok
-    path = cache / "tokenizer.json"
-    if path.is_file():
+    def attempt() -> PreparedDataset:
         try:
-            tok = Tokenizer.load(path)
-            log(f"data: tokenizer cached (vocab {tok.vocab_size}) {path}")
-            return tok
-        except ConfigError:
-            log(f"data: cached tokenizer {path} is unreadable; retraining")
-    t0 = time.perf_counter()
-    tok = train_bpe(train, cfg.vocab_size)
-    tok.save(path)
-    log(f"data: trained byte-level BPE (vocab {tok.vocab_size}) on the train split in "
-        f"{time.perf_counter() - t0:.1f}s -> {path}")
-    return tok
+            result = prepare_dataset([cfg.path] if cfg.path else [], folder,
+                             tokenizer=cfg.tokenizer or None, vocab_size=cfg.vocab_size,
+                             workers=workers, text_field=cfg.text_field,
+                             val_fraction=cfg.val_fraction, log=log, sources=sources,
+                             owned=True)
+        except NoDocuments:
+            raise ConfigError(f"{_where(cfg)} gives a train split of 0 tokens: it holds no "
+                              f"documents ({n_files} files)") from None
+        log(f"data: {summary(result, folder)}")
+        return open_prepared(folder)
+
+    had = is_prepared(folder)
+    try:
+        return attempt()
+    except ConfigError as e:
+        if not had:  # a mistake in the inputs: preparing again would not help
+            raise
+        # The cache is ours and keyed by its inputs: a damaged one is rebuilt, not trusted.
+        log(f"data: cached dataset {folder} is damaged ({e}); rebuilding")
+        shutil.rmtree(folder, ignore_errors=True)
+        return attempt()
 
 
-def _get_tokens(
-    name: str, docs: DocStream, tok: Tokenizer, cache: Path, fp: str,
-    log: Callable[[str], None],
-) -> np.ndarray:
-    path = cache / f"{name}.bin"
-    tokens = open_tokens(path, fp)
-    if tokens is not None and tokens.dtype == token_dtype(tok.vocab_size):
-        log(f"data: {name} tokens cached ({len(tokens):,} {tokens.dtype}) {path}")
-        return tokens
-    if path.exists():
-        log(f"data: {name} token cache {path} is stale or corrupt; rebuilding")
-    t0 = time.perf_counter()
-    tokens = write_tokens(path, docs, tok, fp)
-    dt = time.perf_counter() - t0
-    log(f"data: tokenized {name} ({docs.describe()}): {len(tokens):,} tokens in {dt:.1f}s "
-        f"({len(tokens) / max(dt, 1e-9) / 1e6:.1f} M tok/s) -> {path}")
-    return tokens
+def _check_tokenizers(sources: list[tuple[str, float, PreparedDataset]], cfg: DataSection
+                      ) -> None:
+    """One tokenizer for every source, and it is data.tokenizer's when that is set."""
+    name0, _, first = sources[0]
+    for name, _, ds in sources[1:]:
+        if ds.tokenizer_sha256 != first.tokenizer_sha256:
+            raise ConfigError(
+                f"data.mix: {name0!r} and {name!r} were prepared with different tokenizers "
+                f"(fingerprints {first.tokenizer_sha256[:12]} vs {ds.tokenizer_sha256[:12]}); "
+                "prepare both with the same --tokenizer")
+    if cfg.tokenizer:
+        want = tokenizer_fingerprint(cfg.tokenizer)
+        for name, _, ds in sources:
+            if ds.tokenizer_sha256 != want:
+                raise ConfigError(
+                    f"dataset {name} was prepared with another tokenizer than data.tokenizer="
+                    f"{cfg.tokenizer}: fingerprints {ds.tokenizer_sha256[:12]} vs {want[:12]}")
 
 
-def _check_size(tokens: np.ndarray, name: str, cfg: DataSection, corpus: Corpus) -> None:
+def _check_size(tokens: TokenStream, name: str, cfg: DataSection, where: str,
+                n_files: int | None) -> None:
     need = cfg.seq_len + 2  # one window of seq_len + 1 tokens, and two possible offsets
     if len(tokens) < need:
-        where = f"data.path={cfg.path!r}" if cfg.path else "the default corpus"
+        files = f"{n_files} files; " if n_files is not None else ""
         raise ConfigError(
             f"{where} gives a {name} split of {len(tokens)} tokens but data.seq_len="
-            f"{cfg.seq_len} needs at least {need} ({len(corpus.files)} files; use more data, "
+            f"{cfg.seq_len} needs at least {need} ({files}use more data, "
             "a smaller data.seq_len or a different data.val_fraction)"
         )
 
 
-def build_data(cfg: DataSection, log: Callable[[str], None] = print) -> DataBundle:
-    """Resolve, split, tokenize (cached) and return the token arrays and tokenizer."""
+def _open_sources(cfg: DataSection, log: Log) -> list[tuple[str, float, PreparedDataset]]:
+    if cfg.mix:
+        return [(folder, w, open_prepared(folder)) for folder, w in parse_mix(cfg.mix)]
+    if cfg.path and is_prepared(cfg.path):
+        return [(cfg.path, 1.0, open_prepared(cfg.path))]
+    return [(cfg.path or "the default corpus", 1.0, _prepare_cached(cfg, log))]
+
+
+def build_data(cfg: DataSection, log: Log = print) -> DataBundle:
+    """Open (preparing a raw corpus first, cached) the token streams and the tokenizer."""
     t0 = time.perf_counter()
-    corpus = resolve_corpus(cfg.path)
-    train, val = split_corpus(corpus, cfg.val_fraction, cfg.text_field)
-    log(f"data: {corpus.source}: {len(corpus.files)} files, {corpus.n_bytes / 1e6:.1f} MB; "
-        f"train {train.describe()}, val {val.describe()}")
-    fp = fingerprint(corpus, cfg.text_field, cfg.val_fraction, _tokenizer_key(cfg))
-    cache = _cache_dir(cfg, fp)
-    tok = _get_tokenizer(cfg, train, cache, log)
-    # Token files are also keyed by the tokenizer's content, so a retrained or edited
-    # tokenizer can never be paired with ids produced by another one.
-    tok_fp = f"{fp}:{hashlib.sha256(tok.tk.to_str().encode()).hexdigest()}"
-    train_tokens = _get_tokens("train", train, tok, cache, tok_fp, log)
-    val_tokens = _get_tokens("val", val, tok, cache, tok_fp, log)
-    _check_size(train_tokens, "train", cfg, corpus)
-    _check_size(val_tokens, "validation", cfg, corpus)
-    log(f"data: ready in {time.perf_counter() - t0:.1f}s")
-    return DataBundle(tok, train_tokens, val_tokens, corpus.source, cache)
+    sources = _open_sources(cfg, log)
+    _check_tokenizers(sources, cfg)
+    for name, weight, ds in sources:
+        where = _where(cfg) if not cfg.mix else f"data.mix entry {name!r}"
+        n_files = sum(s["files"] for s in ds.manifest["sources"])
+        _check_size(ds.train, "train", cfg, where, n_files)
+        _check_size(ds.val, "validation", cfg, where, n_files)
+        log(f"data: {name} (weight {weight:.3g}): train {len(ds.train):,} "
+            f"tokens, val {len(ds.val):,} ({ds.train.dtype}) in {ds.path}")
+    first = sources[0][2]
+    tok = Tokenizer.load(first.tokenizer_path)
+    log(f"data: ready in {time.perf_counter() - t0:.1f}s (tokenizer vocab {tok.vocab_size}, "
+        f"eot id {tok.eot_id})")
+    source = f"mix {cfg.mix}" if cfg.mix else sources[0][0]
+    return DataBundle(tok, first.train, first.val, source, first.path, sources)
+
