@@ -323,8 +323,9 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_prepare(args: argparse.Namespace, rest: list[str]) -> int:
     """Tokenize inputs into a sharded dataset folder (docs/data.md)."""
-    if rest:
-        raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    if unknown := [r for r in rest if r.startswith("-")]:
+        raise ConfigError(f"unexpected arguments {' '.join(unknown)!r}")
+    args.inputs += rest  # inputs written after some options
     if args.tokenizer and args.vocab_size is not None:
         raise ConfigError("give --tokenizer or --vocab-size, not both")
     if args.vocab_size is not None and args.vocab_size < 260:
