@@ -18,6 +18,12 @@ Extension points -- declared slots the model's own forwards call, filled in one 
 - ``Transformer.head_input`` (a module: what the LM head's input passes first) and
   ``Transformer.run_head`` (how the final norm + head is run).
 
+Document masking (``data.doc_mask``): inside ``with model.packed(doc_ids):`` -- ``doc_ids``
+(B, S) the document index of every position of the packed sequences -- attention stays inside
+each document and rotary positions restart at each document's first token. The ids travel to
+every layer and kernel as an argument (so recomputation and compiled blocks see the ids of the
+micro-batch they run), never as state read later.
+
 Initial weights depend only on (seed, model config): every parameter is drawn from its own
 generator seeded by (seed, parameter name), so any layout can materialise exactly the tensor
 a single-process run would have.
@@ -81,6 +87,27 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
     return torch.cat([angles, angles], dim=-1).cos().float(), torch.cat([-sin, sin], dim=-1).float()
 
 
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) position of every token inside its document: 0 at each document's first token
+    (a document cut by the window's start begins at 0 there too)."""
+    s = doc_ids.shape[-1]
+    ar = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    first = torch.where(start, ar, torch.zeros_like(ar)).cummax(dim=-1).values
+    return ar - first
+
+
+def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, s_q, s_k) bool, True where a query may attend to a key: same document and, when
+    ``causal``, the key not after the query (queries and keys at the same positions)."""
+    allowed = q_ids[:, :, None] == k_ids[:, None, :]
+    if causal:
+        n_q, n_k = q_ids.shape[1], k_ids.shape[1]
+        allowed &= torch.ones(n_q, n_k, dtype=torch.bool, device=q_ids.device).tril()
+    return allowed
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, nh, S, hd) by position: x*cos + rotate_half(x)*sin, computed in the tables'
     dtype (fp32) and returned in ``x``'s.
@@ -96,11 +123,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 class SDPA(nn.Module):
     """Causal attention of (B, nh, S, hd) queries on (B, nkv, S, hd) keys/values through
-    ``scaled_dot_product_attention`` (the fused kernel of the device)."""
+    ``scaled_dot_product_attention`` (the fused kernel of the device); with ``doc_ids`` (B, S)
+    the causal mask is also cut at document boundaries (a (B, 1, S, S) boolean mask)."""
 
     name = "sdpa"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if doc_ids is not None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=document_mask(doc_ids, doc_ids, True)[:, None],
+                enable_gqa=q.shape[1] != k.shape[1])
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -112,13 +145,17 @@ class EagerAttention(nn.Module):
 
     name = "eager"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = q.shape[2]
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, nh, S, S)
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        if doc_ids is not None:
+            mask = ~document_mask(doc_ids, doc_ids, True)[:, None]
+        else:
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         return scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
 
 
@@ -131,8 +168,9 @@ class _Callable(nn.Module):
         super().__init__()
         self.fn = fn
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.fn(q, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                *doc_ids: torch.Tensor) -> torch.Tensor:
+        return self.fn(q, k, v, *doc_ids)
 
 
 class Attention(nn.Module):
@@ -162,14 +200,16 @@ class Attention(nn.Module):
     def core(self) -> None:
         self.kernel = SDPA()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                *doc_ids: torch.Tensor) -> torch.Tensor:
+        """``doc_ids`` (optional, (B, S) of the sequence attention sees): document masking."""
         b, s, _ = x.shape
         # Head counts are read from the weights so tensor parallelism can shard them.
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.kernel(q, k, v)  # (B, nh, S, hd)
+        out = self.kernel(q, k, v, *doc_ids)  # (B, nh, S, hd)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, nh*hd) -> (B, S, h)
 
 
@@ -191,14 +231,17 @@ class Block(nn.Module):
         self.run_ffn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.choices: dict[str, str | bool] = {}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                *doc_ids: torch.Tensor) -> torch.Tensor:
         if self.run_layer is not None:
-            return self.run_layer(x, cos, sin)
-        return self.layer(x, cos, sin)
+            return self.run_layer(x, cos, sin, *doc_ids)
+        return self.layer(x, cos, sin, *doc_ids)
 
-    def layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The layer's computation (what ``run_layer`` compiles or recomputes)."""
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              *doc_ids: torch.Tensor) -> torch.Tensor:
+        """The layer's computation (what ``run_layer`` compiles or recomputes); ``doc_ids``:
+        document masking (see the module docstring)."""
+        x = x + self.attention(self.attention_norm(x), cos, sin, *doc_ids)
         h = self.ffn_norm(x)
         return x + (self.feed_forward(h) if self.run_ffn is None else self.run_ffn(h))
 
@@ -234,6 +277,8 @@ class Transformer(nn.Module):
         # True: forward returns the LM head's input instead of logits (a chunked loss then runs
         # the head itself, see parallel/loss.py); ``logits_out`` switches it off for sampling.
         self.emit_hidden = False
+        # (B, S) document ids of the micro-batch being run (document masking; ``packed``)
+        self.doc_ids: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.choices.items())
@@ -253,10 +298,30 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)  # (B, S, h)
         return self.head(self.run_layers(h, s))  # (B, S, V)
 
+    @contextlib.contextmanager
+    def packed(self, doc_ids: torch.Tensor | None) -> Iterator[None]:
+        """Forwards inside this block mask attention at the document boundaries of ``doc_ids``
+        ((B, S): the document of every position of the whole sequences; None: no masking)."""
+        saved = self.doc_ids
+        self.doc_ids = None if doc_ids is None else doc_ids.to(self.rope_cos.device)
+        try:
+            yield
+        finally:
+            self.doc_ids = saved
+
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary tables (cos, sin) of the ``seq_len`` tokens attention sees on this rank:
-        positions 0 ... seq_len - 1, or the global positions of a context-parallel share."""
+        positions 0 ... seq_len - 1, or the global positions of a context-parallel share;
+        under :meth:`packed`, each token's position inside its document ((B, 1, S, hd))."""
         pos = self.positions(seq_len, self.rope_cos.device) if self.positions else None
+        if self.doc_ids is not None:
+            in_doc = doc_positions(self.doc_ids)  # (B, S) of the whole sequences
+            if pos is not None:
+                in_doc = in_doc[:, pos]
+            elif in_doc.shape[1] != seq_len:
+                raise ValueError(f"document ids cover {in_doc.shape[1]} positions, attention "
+                                 f"sees {seq_len}")
+            return self.rope_cos[in_doc][:, None], self.rope_sin[in_doc][:, None]
         if pos is None:
             if seq_len > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {seq_len} exceeds max_seq_len "
@@ -277,9 +342,10 @@ class Transformer(nn.Module):
         rotary tables are taken at their positions. A pipeline stage runs its layers through this.
         """
         cos, sin = self.rope(seq_len)
+        docs = () if self.doc_ids is None else (self.doc_ids,)
         keys = self.layers.keys() if layer_ids is None else [str(i) for i in layer_ids]
         for key in keys:
-            h = self.layers[key](h, cos, sin)
+            h = self.layers[key](h, cos, sin, *docs)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,10 @@ Two kernels, same maths, grouped-query heads (``nh`` a multiple of ``nkv``) on b
   log-sum-exp outputs are not wired; untested here) and as a reference on CPU.
 
 ``causal`` masks the upper triangle of a square block (queries and keys at the same
-positions). No communication.
+positions). ``allowed`` (B, s_q, s_k), when given, is the whole mask of the block (document
+masking: same document, and causal on a diagonal block); it runs the ``math`` kernel, and a
+query row with no allowed key gets output 0 and log-sum-exp -inf, which :func:`merge` then
+ignores. No communication.
 """
 
 from __future__ import annotations
@@ -47,20 +50,30 @@ def _grouped(q: torch.Tensor, nkv: int) -> torch.Tensor:
     return q.reshape(b, nkv, nh // nkv, s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 scores (B, nkv, g, s_q, s_k), causal entries masked to -inf."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 scores (B, nkv, g, s_q, s_k), causal (or not ``allowed``) entries masked to -inf."""
     s = torch.matmul(_grouped(q.float(), k.shape[1]), k.float().unsqueeze(2).transpose(-1, -2))
     s.mul_(scale)
-    if causal:
+    if allowed is not None:
+        s.masked_fill_(~allowed[:, None, None], float("-inf"))
+    elif causal:
         n = s.shape[-1]
         s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  kernel: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
+                  kernel: str = "flash", allowed: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(output (B, nh, s_q, d) in q's dtype, log-sum-exp (B, nh, s_q) fp32) of one block."""
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if allowed is not None:
+        s = _scores(q, k, causal, scale, allowed)
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))  # (empty rows: 0)
+        out = torch.matmul(p, v.float().unsqueeze(2))
+        return out.flatten(1, 2).to(q.dtype), lse.squeeze(-1).flatten(1, 2)
     if kernel == "flash":
         # (strided views are read in place: the kernel takes any strides but the last)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -74,16 +87,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, causal: bool, kernel: str = "flash"
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, kernel: str = "flash",
+                   allowed: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of one block, given the final output and log-sum-exp of its query rows."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if kernel == "flash":
+    if kernel == "flash" and allowed is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), lse.contiguous(), 0.0,
             causal, scale=scale)
     nkv = k.shape[1]
-    p = torch.exp(_scores(q, k, causal, scale) - _grouped(lse.unsqueeze(-1), nkv))
+    p = torch.exp(_scores(q, k, causal, scale, allowed) - _grouped(lse.unsqueeze(-1), nkv))
     do = _grouped(dout.float(), nkv)
     dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # (B, nkv, s_k, d)
     dp = torch.matmul(do, v.float().unsqueeze(2).transpose(-1, -2))
@@ -96,8 +110,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
           block_lse: torch.Tensor) -> None:
-    """Fold one block's (output, log-sum-exp) into the fp32 running ``out``, ``lse`` in place."""
+    """Fold one block's (output, log-sum-exp) into the fp32 running ``out``, ``lse`` in place.
+
+    Rows still without any allowed key (both -inf: document masking) stay 0 and -inf."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
-    out.add_(block_out.float() * torch.exp(block_lse - new).unsqueeze(-1))
+    ref = new.masked_fill(new == float("-inf"), 0.0)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - ref).unsqueeze(-1))
     lse.copy_(new)

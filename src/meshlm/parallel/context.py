@@ -30,12 +30,11 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.comm import Comm
 from ..layout import CP_MODES
-from ..models.llama import Transformer
+from ..models.llama import SDPA, Transformer
 from .attention_blocks import KERNELS, default_kernel
 from .registry import ATTENTION
 from .ring_attention import Ring, block_plan, ring_attention
@@ -102,14 +101,20 @@ class ContextParallel:
             self.enabled = True
 
     # -- attention ---------------------------------------------------------------------------
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence."""
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence;
+        ``doc_ids`` (B, s): the whole sequences' document ids (document masking)."""
         if not self.enabled:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+            return SDPA()(q, k, v, *(() if doc_ids is None else (doc_ids,)))
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, self.comm)
-        return ring_attention(q, k, v, self.ring)
+            return ulysses_attention(q, k, v, self.comm, doc_ids)
+        ids = None
+        if doc_ids is not None:
+            s = doc_ids.shape[1]
+            ids = [doc_ids[:, torch.from_numpy(share_positions(s, self.size, r, self.mode))
+                           .to(doc_ids.device)] for r in range(self.size)]
+        return ring_attention(q, k, v, self.ring, ids)
 
     def tiles(self) -> int:
         """c x c attention tiles (c = s / (2 cp)) this rank's ring forwards computed so far."""
@@ -130,8 +135,9 @@ class ContextParallelAttention(nn.Module):
         self.cp = cp
         self.name = cp.mode
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.cp.attention(q, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.cp.attention(q, k, v, doc_ids)
 
     def extra_repr(self) -> str:
         return f"{self.cp.mode}, cp={self.cp.size}"

@@ -215,7 +215,7 @@ class PipelineExecutor:
         out.register_hook(lambda g: rec.__setitem__(2, g))
 
     # -- the step -----------------------------------------------------------------------------
-    def run(self, micro: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int) -> float:
+    def run(self, micro: list[tuple[torch.Tensor, ...]], seq_len: int) -> float:
         """Forward + backward of every micro-batch; returns the sum of the last stage's losses."""
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.recvd: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}
@@ -300,7 +300,7 @@ class PipelineExecutor:
 
     # -- compute actions ----------------------------------------------------------------------
     def _do_F(self, a: Action) -> None:
-        inputs, targets = self.micro[a.mb]
+        inputs, targets, *docs = self.micro[a.mb]
         slot = _Slot()
         if a.stage == 0:
             x = inputs.to(self.device)
@@ -309,7 +309,7 @@ class PipelineExecutor:
             slot.inp = x
         if self.capture:
             self._capture = slot.linears
-        with self.autocast():
+        with self.autocast(), self.pipe.model.packed(docs[0] if docs else None):
             out, aux = self.pipe.forward(a.stage, x, self.seq_len)
             if a.stage == self.pipe.n_stages - 1:
                 loss = self.loss_fn(out, targets.to(self.device))

@@ -25,6 +25,10 @@ K and V, ``2 b (nkv/tp) (s/cp) hd`` elements in the activation dtype): forward `
 sends of ``kv`` (K and V as two messages per hop); backward ``cp - 1`` sends of ``kv`` and
 ``cp - 1`` sends of the fp32 dK/dV accumulator (``kv`` bytes in fp32, one message) -- each
 matched by a receive of the same size.
+Document masking: each rank's document ids (of every rank's share, computed locally from the
+batch: no communication) cut every block's mask at document boundaries; a block where no query
+may see any key is skipped, forward and backward (short documents skip most foreign blocks).
+
 Memory per rank: three K/V blocks (own, current, next) and the fp32 output and
 log-sum-exp of its s/cp queries; backward adds fp32 dq, dK/dV and three accumulators (the
 one being filled, the one in flight, the one arriving: the price of overlapping them) -- all
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed.comm import Comm
+from ..models.llama import document_mask
 from ..models.replay import replaying
 from .attention_blocks import block_backward, block_forward, merge
 
@@ -87,6 +92,14 @@ class Ring:
         return block_plan(self.rank, (self.rank - step) % self.size, local, self.zigzag)
 
 
+def _allowed(ids: list[torch.Tensor] | None, rank: int, source: int, b: Block
+             ) -> torch.Tensor | None:
+    """The document mask of block ``b`` (None without document ids)."""
+    if ids is None:
+        return None
+    return document_mask(ids[rank][:, b.q], ids[source][:, b.kv], b.causal)
+
+
 def _wait(works: list) -> None:
     for w in works:
         w.wait()
@@ -106,7 +119,7 @@ def _accumulate(total: torch.Tensor | None, rows: slice, value: torch.Tensor,
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
-                ring: Ring) -> torch.Tensor:
+                ring: Ring, ids: list[torch.Tensor] | None) -> torch.Tensor:
         local = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -116,22 +129,27 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
                 works = ring.exchange(cur, nxt)
+            source = (ring.rank - step) % ring.size
             for b in ring.plan(step, local):
+                allowed = _allowed(ids, ring.rank, source, b)
+                if allowed is not None and not bool(allowed.any()):
+                    continue  # (no query of this block sees a key of it)
                 o, lb = block_forward(q[:, :, b.q], cur[0][:, :, b.kv], cur[1][:, :, b.kv],
-                                      b.causal, ring.kernel)
+                                      b.causal, ring.kernel, allowed)
                 merge(out[:, :, b.q], lse[:, :, b.q], o, lb)
                 ring.tiles += 0 if replaying() else b.tiles  # (counted once per forward)
             _wait(works)
             cur = nxt if nxt is not None else cur
         out = out.to(q.dtype)
         ctx.save_for_backward(q, *own, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.ids = ring, ids
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
+        ids = ctx.ids
         local = q.shape[2]
         acc_shape = (2, *k.shape)  # dK and dV of one owner, fp32
         dq = dk = dv = None
@@ -148,10 +166,14 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:  # this block's owner's dK/dV, to travel on
                 grads = free.pop().zero_() if free else torch.zeros(
                     acc_shape, dtype=torch.float32, device=q.device)
+            source = (ring.rank - step) % ring.size
             for b in ring.plan(step, local):
+                allowed = _allowed(ids, ring.rank, source, b)
+                if allowed is not None and not bool(allowed.any()):
+                    continue
                 gq, gk, gv = block_backward(dout[:, :, b.q], q[:, :, b.q], cur[0][:, :, b.kv],
                                             cur[1][:, :, b.kv], out[:, :, b.q], lse[:, :, b.q],
-                                            b.causal, ring.kernel)
+                                            b.causal, ring.kernel, allowed)
                 dq = _accumulate(dq, b.q, gq, q.shape)
                 if grads is None:  # our own block
                     dk, dv = _accumulate(dk, b.kv, gk, k.shape), _accumulate(dv, b.kv, gv, v.shape)
@@ -172,10 +194,12 @@ class _RingAttention(torch.autograd.Function):
             _wait(acc_works)  # our own K/V's gradients, home after cp - 1 hops
             dk += acc_recv[0]
             dv += acc_recv[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
+                   ids: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence's keys
-    and values, which are sharded like the queries over the cp ring."""
-    return _RingAttention.apply(q, k, v, ring)
+    and values, which are sharded like the queries over the cp ring; ``ids``: the document ids
+    (B, s/cp) of every cp rank's share (document masking)."""
+    return _RingAttention.apply(q, k, v, ring, ids)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.comm import Comm
+from ..models.llama import document_mask
 
 AXIS = "cp"
 
@@ -62,10 +63,16 @@ class _Exchange(torch.autograd.Function):
         return (heads_to_seq if ctx.to_heads else seq_to_heads)(grad, ctx.comm), None, None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
-                      ) -> torch.Tensor:
-    """Causal attention of (B, nh, s/cp, hd) queries on keys/values sharded like them."""
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of (B, nh, s/cp, hd) queries on keys/values sharded like them;
+    ``doc_ids`` (B, s): the whole sequences' document ids (document masking)."""
     q, k, v = (_Exchange.apply(t, comm, True) for t in (q, k, v))
+    if doc_ids is not None:  # (whole sequences in order now: the plain document mask)
+        mask = document_mask(doc_ids, doc_ids, True)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return _Exchange.apply(out, comm, False)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return _Exchange.apply(out, comm, False)

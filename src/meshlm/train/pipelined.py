@@ -47,7 +47,7 @@ class PipelineRunner:
         sp = self.tp is not None and self.tp.sp
         return (batch, seq_len // self.tp.size if sp else seq_len, self.dim)
 
-    def forward_backward(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def forward_backward(self, micro: list[tuple[torch.Tensor, ...]]) -> float:
         """Every micro-batch of a step through the schedule; the mean loss of this pipeline.
 
         Gradients are left for the engine to reduce (``finish_grads``) after the last one.
@@ -65,16 +65,20 @@ class PipelineRunner:
             self.bubble = bubble / pp
         return loss
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, ids: torch.Tensor, doc_ids: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
         """Last-stage output of a forward-only pass (None on the other stages)."""
         self.engine.begin_step()
-        out = self.executor.forward_only(ids, self.activation_shape(ids.shape[0], ids.shape[1]))
+        with self.pipe.model.packed(doc_ids):
+            out = self.executor.forward_only(ids, self.activation_shape(ids.shape[0],
+                                                                        ids.shape[1]))
         self.engine.end_forward_only()
         return out
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                  doc_ids: torch.Tensor | None = None) -> float:
         """Mean loss of (B, S) ``inputs`` and ``targets`` on every rank of the pipeline."""
-        out = self.forward(inputs)
+        out = self.forward(inputs, doc_ids)
         loss = float(self.loss_fn(out, targets)) if out is not None else 0.0
         return self.comm.reduce_scalars([loss], "pp")[0]
 

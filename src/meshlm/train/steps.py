@@ -27,13 +27,15 @@ from ..precision import Precision
 from .parts.model import ModelPart
 from .pipelined import PipelineRunner
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+# (inputs, targets) or, under document masking, (inputs, targets, doc_ids of whole sequences)
+MicroBatches = list[tuple[torch.Tensor, ...]]
 
 
 class StepRunner(Protocol):
     def forward_backward(self, micro: MicroBatches) -> float: ...
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float: ...
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                  doc_ids: torch.Tensor | None = None) -> float: ...
 
     def record(self, step: int) -> dict[str, Any]: ...
 
@@ -53,10 +55,11 @@ class MicroBatchRunner:
 
     def forward_backward(self, micro: MicroBatches) -> float:
         total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro):
+        for i, (inputs, targets, *docs) in enumerate(micro):
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
             inputs, targets = inputs.to(self.device), targets.to(self.device)
-            with phase("forward"), self.precision.autocast():
+            with (phase("forward"), self.precision.autocast(),
+                  self.model.packed(docs[0] if docs else None)):
                 loss = self.loss_fn(self.model(inputs), targets)
                 aux = self.model.aux_loss()
             with phase("backward"):
@@ -65,9 +68,10 @@ class MicroBatchRunner:
             self.after_micro_batch()
         return float(total) / len(micro)
 
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
+                  doc_ids: torch.Tensor | None = None) -> float:
         """Mean loss of (B, S) ``inputs`` and ``targets`` (forward only)."""
-        with self.precision.autocast():
+        with self.precision.autocast(), self.model.packed(doc_ids):
             return float(self.loss_fn(self.model(inputs), targets))
 
     def record(self, step: int) -> dict[str, Any]:

@@ -167,10 +167,10 @@ class Trainer:
         under context parallelism each on its share of every sequence)."""
         self.model.eval()
         total, count = 0.0, 0
-        for batch in self.val:
+        for batch, doc_ids in self.val:
             batch = batch.to(self.device)
             inputs, targets = self.context.shard(batch[:, :-1]), self.context.shard(batch[:, 1:])
-            total += self.runner.eval_loss(inputs, targets) * batch.shape[0]
+            total += self.runner.eval_loss(inputs, targets, doc_ids) * batch.shape[0]
             count += batch.shape[0]
         self.engine.end_evaluation()
         self.model.train()

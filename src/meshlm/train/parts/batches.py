@@ -4,7 +4,9 @@
 read it (one barrier). :class:`Batches` draws the global batch of step k from (seed, k) and
 hands this rank its share: data-parallel ranks of every island split the batch (island k's dp
 ranks read shares k dp ... (k + 1) dp - 1 of dp * islands), context-parallel ranks read their
-positions of each sequence. No communication after start-up; memory: the memory-mapped token
+positions of each sequence. A mixture (``data.mix``) draws every batch from its sources by
+weight; under ``data.doc_mask`` every micro-batch and validation batch carries the document ids
+of its whole sequences. No communication after start-up; memory: the memory-mapped token
 arrays and one step's micro-batches.
 """
 
@@ -17,7 +19,7 @@ import torch
 
 from ...config import DataSection, TrainSection, skip_batches
 from ...data import DataBundle, build_data
-from ...data.sampler import StepSampler, val_batches
+from ...data.sampler import Source, StepSampler, val_set
 from ...distributed.comm import Comm
 from ...distributed.mesh import Mesh
 
@@ -39,6 +41,19 @@ def load_data(section: DataSection, comm: Comm, log: Log) -> DataBundle:
     return data
 
 
+def sources(data: DataBundle, split: str) -> list[Source]:
+    """The weighted token streams of ``split`` (train / val): one per dataset of a mixture."""
+    entries = getattr(data, "sources", None)
+    if not entries:
+        tokens = data.train_tokens if split == "train" else data.val_tokens
+        return [Source(tokens, 1.0, getattr(tokens, "doc_starts", None))]
+    out = []
+    for name, weight, dataset in entries:
+        stream = getattr(dataset, split)
+        out.append(Source(stream, weight, stream.doc_starts, name if len(entries) > 1 else ""))
+    return out
+
+
 class Batches:
     """The step sampler (resumable, with its skip list) and the fixed validation batches."""
 
@@ -51,13 +66,14 @@ class Batches:
         self.dp_size = mesh.size("dp") * mesh.islands
         self.dp_rank = mesh.island * mesh.size("dp") + mesh.local_rank("dp")
         self.positions = positions  # this rank's share of each sequence (context parallel)
-        self.sampler = StepSampler(data.train_tokens, section.seq_len, train.global_batch,
-                                   train.seed)
+        self.sampler = StepSampler(sources(data, "train"), section.seq_len, train.global_batch,
+                                   train.seed, section.doc_mask)
         self.sampler.skip_batches(skip_batches(train.skip_batches))
-        self.val = val_batches(data.val_tokens, section.seq_len, train.eval_batch_size,
-                               train.eval_batches)
+        # (B, S + 1) windows and their document ids (None without document masking)
+        self.val = val_set(sources(data, "val"), section.seq_len, train.eval_batch_size,
+                           train.eval_batches, section.doc_mask)
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's (inputs, targets) micro-batches of ``step``."""
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's (inputs, targets[, document ids]) micro-batches of ``step``."""
         return self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size,
                                                self.train.micro_batch, self.positions)
