@@ -2,7 +2,8 @@
 
 - the logits of each document of a packed sequence equal that document's logits alone (both
   kernels; attention cut at the boundaries and rotary positions restarting at each document),
-  and differ from the unmasked packed logits;
+  and differ from the unmasked packed logits; compiled blocks (``train.compile``) take the ids
+  of each micro-batch as a graph input and give the eager outputs and gradients;
 - the masked ring-attention block and the merge of partial results handle query rows with no
   allowed key (output 0, log-sum-exp -inf) and agree with the masked dense attention;
 - in one spawned world of 2, every layout with document masking matches one process with it
@@ -60,6 +61,32 @@ def test_each_document_of_a_packed_sequence_is_computed_alone(kernel: str) -> No
     assert model.doc_ids is None  # (the block restores it)
     # the first document is unaffected either way; every later one differs without the mask
     assert (out[0, lengths[0]:] - plain[0, lengths[0]:]).abs().max() > 1e-2
+
+
+def test_compiled_blocks_take_the_document_ids_of_their_micro_batch() -> None:
+    """``train.compile``: the ids are a graph input -- compiled forward and gradients equal
+    eager ones, and a second micro-batch with other documents uses its own ids."""
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(get_preset("tiny"), vocab_size=300), seed=1)
+    ids = [torch.tensor([[0] * 10 + [1] * 22, [0] * 3 + [1] * 29]),
+           torch.tensor([[0] * 20 + [1] * 12, [0] * 30 + [1] * 2])]
+    x = torch.randint(0, 300, (2, 32))
+    runs = []
+    for compiled in (False, True):
+        apply_choices(model, compiled=compiled)
+        got = []
+        for packed_ids in ids:
+            model.zero_grad()
+            with model.packed(packed_ids):
+                out = model(x)
+            out.float().square().mean().backward()
+            got.append((out.detach(), model.layers["0"].attention.wq.weight.grad.clone()))
+        runs.append(got)
+    apply_choices(model, compiled=False)
+    for (eager_out, eager_grad), (out, grad) in zip(*runs, strict=True):
+        torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(runs[1][0][0], runs[1][1][0])  # (the two micro-batches differ)
 
 
 def test_document_positions_restart_at_each_document() -> None:
