@@ -211,3 +211,28 @@ def test_bf16_run_warns_at_startup(tiny_args: list[str], monkeypatch: pytest.Mon
     train(load_config(None, tiny_args + ["--train.steps=1", f"--run.dir={tmp_path / 'fp32'}"]),
           log=lines.append, progress=False)
     assert not any(x.startswith("warning") for x in lines)  # fp32: nothing measured
+
+
+def test_summary_says_which_step_each_memory_figure_is() -> None:
+    """The run's peak and the last step's (what the memory figure shows) are labelled apart."""
+    from meshlm.train.report import Run, summary
+
+    recs = [{"step": s, "loss": 1.0, "mem_peak_bytes": b * 2**20}
+            for s, b in ((1, 900), (2, 1424), (3, 1095))]
+    rows = dict(summary(Run(Path("r"), recs)))
+    assert rows["peak memory (largest rank, whole run)"] == "1,424.0 MiB (step 2)"
+    assert rows["peak memory (largest rank, last step)"] == "1,095.0 MiB (step 3)"
+    flat = dict(summary(Run(Path("r"), recs[:2])))
+    assert "peak memory (largest rank, last step)" not in flat  # (the same figure)
+
+
+def test_one_validation_point_is_not_shown_as_a_change() -> None:
+    from meshlm.train.parts.recorder import Recorder
+
+    lines: list[str] = []
+    fake = type("R", (), {"log": lambda self, m: lines.append(m), "run_dir": Path("r"),
+                          "mesh": type("M", (), {"is_logging_rank": False})()})()
+    Recorder.log_end(fake, {1: 8.3117}, 1, moe=False)
+    Recorder.log_end(fake, {1: 8.3117, 5: 7.0}, 5, moe=False)
+    assert lines[0] == "validation loss: 8.3117 (step 1)"
+    assert lines[2] == "validation loss: 8.3117 (step 1) -> 7.0000 (step 5)"

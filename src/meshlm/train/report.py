@@ -128,9 +128,13 @@ def summary(run: Run) -> list[tuple[str, str]]:
                         if run.env.get("peak_flops") else "")))
     if all("step_time_s" in r for r in recs):
         rows.append(("training time (sum of steps)", f"{sum(r['step_time_s'] for r in recs):,.1f} s"))
-    peaks = [r["mem_peak_bytes"] for r in recs if "mem_peak_bytes" in r]
+    peaks = [(r["mem_peak_bytes"], r["step"]) for r in recs if "mem_peak_bytes" in r]
     if peaks:
-        rows.append(("peak memory (largest rank)", _mib(max(peaks))))
+        top, at = max(peaks)
+        rows.append(("peak memory (largest rank, whole run)", f"{_mib(top)} (step {at})"))
+        if peaks[-1][0] != top:  # (the memory figure shows the last step's)
+            rows.append(("peak memory (largest rank, last step)",
+                         f"{_mib(peaks[-1][0])} (step {peaks[-1][1]})"))
     if "params_bytes" in last:
         rows.append(("states on rank 0 (params / grads / optimizer)",
                      " / ".join(_mib(last.get(k, 0)) for k in
@@ -232,7 +236,8 @@ CAPTIONS = {
     "throughput": "Tokens per second over all ranks, and model FLOPs utilisation against the "
                   "peak in the summary.",
     "memory": "Per rank: bytes of parameters, gradients and optimizer states held (stacked) "
-              "beside the measured peak of the step (CUDA allocator peak, or peak RSS on CPU).",
+              "beside the measured peak of the step in the title (CUDA allocator peak, or peak "
+              "RSS on CPU); the summary's whole-run peak may come from another step.",
     "comm": "Mean bytes per optimizer step of each collective on each mesh axis (the full "
             "buffer each call is about, as counted by distributed.comm), training traffic only.",
     "timeline": "The last step's measured pipeline actions per stage (white: bubble).",

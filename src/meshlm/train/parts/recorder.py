@@ -230,8 +230,8 @@ class Recorder:
         """The first and last validation loss, the last checkpoint, the routing summary."""
         if val_losses:
             first, last = min(val_losses), max(val_losses)
-            self.log(f"validation loss: {val_losses[first]:.4f} (step {first}) -> "
-                     f"{val_losses[last]:.4f} (step {last})")
+            self.log(f"validation loss: {val_losses[first]:.4f} (step {first})" + (
+                f" -> {val_losses[last]:.4f} (step {last})" if last != first else ""))
         self.log(f"checkpoint: {self.run_dir / 'checkpoints' / f'step_{step:07d}'}")
         metrics = self.run_dir / "metrics.jsonl"
         if self.mesh.is_logging_rank and moe and metrics.exists():
