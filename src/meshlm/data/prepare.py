@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -584,7 +584,6 @@ class Result:
     already: bool  # the folder was prepared before: nothing was done
     seconds: float = 0.0
     units_run: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_inputs(inputs: list[str]) -> list[Source]:
@@ -622,6 +621,9 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str | None = None,
         (out / sub).mkdir(exist_ok=True)
     tok_sha = _tokenizer_file(out, tokenizer, vocab_size, sources, units, settings, what, log)
     tok = Tokenizer.load(out / "tokenizer.json")
+    if tok.eot_id is None:
+        log("prepare: warning: the tokenizer has no end-of-text token; documents are joined "
+            "without a separator")
     init = (out, sources, settings, out / "tokenizer.json", tok_sha)
 
     records = {u.index: r for u in units if (r := _done_record(out, u, tok_sha)) is not None}
