@@ -12,6 +12,7 @@ from meshlm.config import Config, ConfigError, load_config, to_toml, validate
 from meshlm.models import hf_config
 from meshlm.models.config import ModelConfig
 from meshlm.models.presets import get_preset
+from meshlm.schema import key_of
 
 
 def test_defaults_are_valid() -> None:
@@ -137,7 +138,7 @@ def test_every_key_is_documented_in_readme() -> None:
     cfg = Config()
     for section in fields(cfg):
         for f in fields(getattr(cfg, section.name)):
-            assert f"`{section.name}.{f.name}`" in readme, f"{section.name}.{f.name}"
+            assert f"`{section.name}.{key_of(f)}`" in readme, f"{section.name}.{key_of(f)}"
 
 
 @pytest.mark.parametrize("name", ["small.toml", "tiny-moe.toml"])

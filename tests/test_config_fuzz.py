@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 from meshlm.config import Config, ConfigError, load_config
+from meshlm.schema import key_of
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-REAL_KEYS = [f"{s.name}.{f.name}" for s in fields(Config) for f in fields(getattr(Config(), s.name))
+REAL_KEYS = [f"{s.name}.{key_of(f)}" for s in fields(Config)
+             for f in fields(getattr(Config(), s.name))
              if f.name != "init_from"]  # (an existing folder would be read: not fuzzed here)
 INVENTED = ["train.stepz", "model", "model.", ".steps", "trian.steps", "train.steps.x", "",
             "parallel.DP", "x.y"]

@@ -26,7 +26,7 @@ from meshlm.config import (
     validate,
 )
 from meshlm.planner import workload
-from meshlm.schema import Choice, Range, jointly
+from meshlm.schema import Choice, Range, jointly, key_of
 
 # Keys whose message is worded by their own reader or layout rule rather than "is not one
 # of": it still lists every allowed value.
@@ -109,7 +109,7 @@ def test_allowed_values_are_declared_once() -> None:
                    layout_module.OFFLOADS, DTYPES, DTYPES[:2]):
         assert ", ".join(f'"{v}"' for v in values) not in source, values
     # each rule lives on exactly one field: the declarations are the fields' metadata
-    declared = [f"{name}.{f.name}" for name, s in SECTIONS.items()
+    declared = [f"{name}.{key_of(f)}" for name, s in SECTIONS.items()
                 for f in fields(s.default_factory) if "rule" in f.metadata]  # type: ignore[arg-type]
     assert declared == list(RULES)
 
@@ -197,3 +197,26 @@ def test_rule_messages() -> None:
     assert Choice(("a",), what="preset").problem("k", "c") == "k='c' is not a preset (valid: a)"
     assert jointly(Range(ge=0, lt=1), {"a": 0.5, "b": 1.0}) == "a=0.5, b=1.0 must lie in [0, 1)"
     assert jointly(Range(ge=0, lt=1), {"a": 0.5}) is None
+
+
+def test_a_key_spelled_apart_from_its_field(tmp_path) -> None:  # noqa: ANN001
+    """``checkpoint.async`` (a Python keyword) is the field ``async_save``: read from TOML and
+    overrides, written back by to_toml, listed among the section's keys; the field's own name
+    is not a key."""
+    from meshlm.config import to_toml
+
+    assert [key_of(f) for f in fields(SECTIONS["checkpoint"].default_factory)  # type: ignore[arg-type]
+            ] == ["keep", "async"]
+    cfg = load_config(None, ["--checkpoint.async=true"], check_paths=False)
+    assert cfg.checkpoint.async_save is True and Config().checkpoint.async_save is False
+    path = tmp_path / "c.toml"
+    path.write_text("[checkpoint]\nasync = true\nkeep = 2\n")
+    assert load_config(path, check_paths=False).checkpoint.async_save is True
+    text = to_toml(cfg)
+    assert "async = true" in text and "async_save" not in text
+    path.write_text(text)
+    assert load_config(path, check_paths=False).checkpoint == cfg.checkpoint
+    assert _message(["--checkpoint.async_save=true"]) == (
+        "unknown config key 'checkpoint.async_save' (valid keys in [checkpoint]: keep, async)")
+    assert _message(["--checkpoint.async=maybe"]) == (
+        "checkpoint.async='maybe': expected true or false")

@@ -46,7 +46,7 @@ from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
 from .precision import DTYPES as TORCH_DTYPES
 from .precision import FP8_RECIPES, FP8_REST, PRECISIONS
-from .schema import Choice, Range, Rule, declare, jointly, rules
+from .schema import Choice, Range, Rule, declare, jointly, key_of, rules, section_keys
 
 # precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
 DTYPES = tuple(TORCH_DTYPES)
@@ -248,6 +248,10 @@ class DilocoSection:
 class CheckpointSection:
     # keep the last K complete checkpoints; 0 -> keep all
     keep: int = declare(0, Range(ge=0, note="0 keeps every checkpoint"))
+    # key ``checkpoint.async`` (a Python keyword, hence the field's name): the step loop goes
+    # on while a background thread writes the shards copied to host memory at the save
+    # (checkpoint/async_save.py); the checkpoint is complete once its index is written
+    async_save: bool = declare(False, key="async")
 
 
 RESUME_MODES = ("false", "true", "auto")
@@ -464,17 +468,18 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
             "keys are written section.key)"
         )
     section = getattr(cfg, section_name)
-    by_name = {f.name: f for f in fields(section)}
-    if key not in by_name:
+    by_key = section_keys(section)  # (a key is its field's name unless declared otherwise)
+    if key not in by_key:
         raise ConfigError(
             f"unknown config key {dotted!r} (valid keys in [{section_name}]: "
-            f"{', '.join(by_name)})"
+            f"{', '.join(by_key)})"
         )
+    name = by_key[key]
     if dotted in _READERS:
-        setattr(section, key, _READERS[dotted](value, dotted))
+        setattr(section, name, _READERS[dotted](value, dotted))
         return
     hints = typing.get_type_hints(type(section))
-    setattr(section, key, _convert(dotted, value, hints[key]))
+    setattr(section, name, _convert(dotted, value, hints[name]))
 
 
 def load_config(
@@ -829,7 +834,7 @@ def to_toml(cfg: Config) -> str:
         for f in fields(section):
             value = getattr(section, f.name)
             if value is not None:
-                lines.append(f"{f.name} = {_toml_value(value)}")
+                lines.append(f"{key_of(f)} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 

@@ -4,7 +4,10 @@ A key's rule is a :class:`Choice` (one of listed values) or a :class:`Range` (bo
 0 means where 0 is special), given to the key's dataclass field by :func:`declare`. The rule both
 decides whether a value is valid and writes the one line that names the key, the value and
 what would be valid (:meth:`Choice.problem`, :meth:`Range.problem`), so the allowed values are
-never written twice. :func:`rules` reads the declarations of a section back.
+never written twice. :func:`rules` reads the declarations of a section back. A field whose
+name cannot be the key (``checkpoint.async``: ``async`` is a Python keyword) declares the key
+it is spelled as (``declare(..., key="async")``); :func:`key_of` gives it, and every reader
+and writer of keys (the loader, the TOML writer, :func:`rules`) goes through it.
 
 Rules that relate several keys (``train.min_lr <= train.lr``, a layout that must divide the
 model) are not declarations: they live in the code that checks them (``meshlm.config``,
@@ -16,12 +19,13 @@ No communication; no memory beyond the declarations.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 _RULE = "rule"  # the field metadata entry holding a key's rule
+_KEY = "key"  # the field metadata entry holding the key's spelling, where not the field name
 
 
 @dataclass(frozen=True)
@@ -110,15 +114,29 @@ class Range:
 Rule = Choice | Range
 
 
-def declare(default: T, rule: Rule | None = None) -> T:
-    """A config field with its ``default`` and the ``rule`` its values obey."""
-    out: Any = field(default=default, metadata={_RULE: rule} if rule is not None else {})
+def declare(default: T, rule: Rule | None = None, key: str = "") -> T:
+    """A config field with its ``default`` and the ``rule`` its values obey; ``key``: how the
+    key is spelled in TOML and on the command line when that cannot be the field's name."""
+    meta: dict[str, Any] = {_RULE: rule} if rule is not None else {}
+    if key:
+        meta[_KEY] = key
+    out: Any = field(default=default, metadata=meta)
     return out
+
+
+def key_of(f: Field) -> str:
+    """The key a dataclass field is spelled as in TOML and overrides (its name by default)."""
+    return f.metadata.get(_KEY, f.name)
+
+
+def section_keys(section: Any) -> dict[str, str]:
+    """``{key: field name}`` of a section (a dataclass or an instance), in field order."""
+    return {key_of(f): f.name for f in fields(section)}
 
 
 def rules(section: type, prefix: str) -> dict[str, Rule]:
     """``{prefix.key: rule}`` of every field of the dataclass ``section`` that declares one."""
-    return {f"{prefix}.{f.name}": f.metadata[_RULE] for f in fields(section)
+    return {f"{prefix}.{key_of(f)}": f.metadata[_RULE] for f in fields(section)
             if _RULE in f.metadata}
 
 

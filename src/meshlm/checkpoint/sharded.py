@@ -31,7 +31,11 @@ Atomic: the directory is written as ``step_NNNNNNN.tmp`` and renamed by rank 0 a
 that every rank reaches only once its file is fsynced (rank 0 flushes the rest and the
 directory before the rename, the parent after it); ``checkpoint.keep`` prunes old ones.
 
-Communication: two barriers per save, none per load. Memory: each rank's pieces are copied
+Asynchronous saves (``checkpoint.async``, :mod:`.async_save`) run the same steps -- the
+contents of :func:`rank_contents`, :func:`write_contents`, :func:`complete_checkpoint` -- on
+a background thread, from a host copy taken at the save.
+
+Communication: three barriers per save, none per load. Memory: each rank's pieces are copied
 once to CPU while its file is written (its shards, never more); a load reads only the boxes
 the rank needs. Disk: 12 bytes per parameter (fp32 weights + two moments), once in total.
 """
@@ -107,6 +111,11 @@ def rng_tensors() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, scalars
 
 
+def is_rng_key(key: str) -> bool:
+    """Whether a rank file's tensor is an RNG state (kept in its own dtype, not a piece)."""
+    return key.startswith("rng/")
+
+
 def restore_rng(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["rng/torch"])
     if "rng/cuda" in tensors and torch.cuda.is_available():
@@ -120,9 +129,18 @@ def restore_rng(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> No
 
 
 # ------------------------------------------------------------------ writing
-def write_rank_file(directory: Path, rank: int, engine: Engine, mesh: Mesh,
-                    outer: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
-    """This rank's owned pieces (weights + moments) and RNG states -> ``rank_NNNNN.safetensors``.
+@dataclass
+class RankContents:
+    """What one rank writes: its pieces (views of its weights and moments, where they live,
+    and its RNG states on CPU) by key, and the file's metadata (pieces, shapes, RNG scalars)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def rank_contents(engine: Engine, mesh: Mesh,
+                  outer: dict[int, dict[str, torch.Tensor]] | None = None) -> RankContents:
+    """This rank's owned pieces (weights + moments) and RNG states, not copied.
 
     ``outer`` (islands): owned index -> DiLoCo's reference weights and outer momentum of that
     range, written by island 0 (the island's own weights then go under ``islandK/``)."""
@@ -141,14 +159,28 @@ def write_rank_file(directory: Path, rank: int, engine: Engine, mesh: Mesh,
         for j, piece in enumerate(local_pieces(o.spec, o.lo, o.hi)):
             for kind, flat in flats.items():
                 key = f"{kind}/{o.spec.name}/{o.lo}/{j}"
-                tensors[key] = piece.of(flat, o.lo).detach().to("cpu", torch.float32).contiguous()
+                tensors[key] = piece.of(flat, o.lo).detach()
                 pieces.append({"kind": kind, "name": o.spec.name, "key": key,
                                "box": to_json(piece.box)})
-    meta = {"pieces": pieces, "shapes": shapes, "rng": rng_scalars}
+    return RankContents(tensors, {"pieces": pieces, "shapes": shapes, "rng": rng_scalars})
+
+
+def write_contents(directory: Path, rank: int, contents: RankContents) -> Path:
+    """``rank_NNNNN.safetensors`` from CPU float32 contiguous tensors, flushed to disk."""
     path = directory / rank_file(rank)
-    save_file(tensors, str(path), metadata={_META_KEY: json.dumps(meta)})
+    save_file(contents.tensors, str(path), metadata={_META_KEY: json.dumps(contents.meta)})
     _fsync(path)
     return path
+
+
+def write_rank_file(directory: Path, rank: int, engine: Engine, mesh: Mesh,
+                    outer: dict[int, dict[str, torch.Tensor]] | None = None) -> Path:
+    """This rank's owned pieces (weights + moments) and RNG states -> ``rank_NNNNN.safetensors``
+    (each piece copied to CPU float32 as it is written; see :func:`rank_contents`)."""
+    contents = rank_contents(engine, mesh, outer)
+    contents.tensors = {k: t if is_rng_key(k) else t.to("cpu", torch.float32).contiguous()
+                        for k, t in contents.tensors.items()}
+    return write_contents(directory, rank, contents)
 
 
 def _fsync(path: Path) -> None:
@@ -184,41 +216,60 @@ def write_index(directory: Path, world_size: int, step: int, layout: str) -> dic
     return index
 
 
+def begin_checkpoint(root: Path, step: int, rank: int) -> Path:
+    """The ``.tmp`` folder checkpoint ``step`` is written into; rank 0 removes what an
+    interrupted save left and makes it (the others wait for it at a barrier)."""
+    tmp = step_dir(root, step).with_name(step_dir(root, step).name + ".tmp")
+    if rank == 0:
+        remove_partial(root)
+        tmp.mkdir(parents=True)
+    return tmp
+
+
+def complete_checkpoint(root: Path, step: int, world_size: int, layout: str,
+                        trainer_state: dict[str, Any], extra_files: dict[str, Path | str],
+                        keep: int = 0) -> Path:
+    """Rank 0, once every rank's file is on disk: the index, ``trainer.json`` (``trainer_state``
+    holds the step and AdamW step count) and the extra files, flushed; then the rename that
+    makes the checkpoint complete, and ``keep``'s pruning of older ones."""
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    write_index(tmp, world_size, step, layout)
+    (tmp / TRAINER).write_text(json.dumps(trainer_state, indent=1))
+    for name, src in extra_files.items():
+        if isinstance(src, Path):
+            shutil.copyfile(src, tmp / name)
+        else:
+            (tmp / name).write_text(src)
+    for f in tmp.iterdir():
+        if not f.name.startswith("rank_"):  # (rank files were flushed by their writers)
+            _fsync(f)
+    _fsync(tmp)
+    if final.exists():  # (re-saving a step: the old copy goes only now)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync(root)
+    prune(root, keep)
+    return final
+
+
 def save_checkpoint(root: Path, step: int, engine: Engine, comm: Comm,
                     trainer_state: dict[str, Any], extra_files: dict[str, Path | str],
                     keep: int = 0, outer: dict[int, dict[str, torch.Tensor]] | None = None
                     ) -> Path:
     """Write checkpoint ``step`` under ``root`` collectively (see module docstring)."""
     mesh = comm.mesh
-    final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if mesh.rank == 0:
-        remove_partial(root)
-        tmp.mkdir(parents=True)
+    tmp = begin_checkpoint(root, step, mesh.rank)
     comm.barrier()
     write_rank_file(tmp, mesh.rank, engine, mesh, outer)
     kill_if_asked("MESHLM_FAULT_KILL_IN_SAVE", step, mesh.rank, mesh.world_size)  # (tests)
     comm.barrier()  # every rank's file is on disk
     if mesh.rank == 0:
-        write_index(tmp, mesh.world_size, step, mesh.describe())
-        (tmp / TRAINER).write_text(json.dumps({**trainer_state, "step": step,
-                                               "adam_step": engine.adam_step()}, indent=1))
-        for name, src in extra_files.items():
-            if isinstance(src, Path):
-                shutil.copyfile(src, tmp / name)
-            else:
-                (tmp / name).write_text(src)
-        for f in tmp.iterdir():
-            if not f.name.startswith("rank_"):  # (rank files were flushed by their writers)
-                _fsync(f)
-        _fsync(tmp)
-        if final.exists():  # (re-saving a step: the old copy goes only now)
-            shutil.rmtree(final)
-        tmp.rename(final)
-        _fsync(root)
-        prune(root, keep)
+        complete_checkpoint(root, step, mesh.world_size, mesh.describe(),
+                            {**trainer_state, "step": step, "adam_step": engine.adam_step()},
+                            extra_files, keep)
     comm.barrier()
-    return final
+    return step_dir(root, step)
 
 
 # ------------------------------------------------------------------ reading
@@ -314,7 +365,7 @@ class ShardedCheckpoint:
         if fname not in self.index["files"]:
             return None
         f = self._file(fname)
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
+        tensors = {k: f.get_tensor(k) for k in f.keys() if is_rng_key(k)}
         return tensors, _file_meta(self.directory / fname)["rng"]
 
 

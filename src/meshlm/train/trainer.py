@@ -222,15 +222,18 @@ class Trainer:
                     if is_eval_step(self.cfg.train, step) and not self.stop_agreed:
                         rec["val_loss"] = result.val_losses[step] = self.evaluate()
                     if is_save_step(self.cfg.train, step) or self.stop_agreed:
-                        self.checkpointer.save(step)
+                        self.checkpointer.save(step)  # (checkpoint.async: goes on writing)
                         rec["mem_save_bytes"] = self.memory.phases["save"]
+                        rec.update(self.checkpointer.record())
                     result.losses[step] = loss
                     out.end_step(step, rec, dt)
                     if self.stop_agreed and step < steps:
+                        self.checkpointer.wait()
                         result.stopped_by = self.stop.name or "a stop request to another rank"
                         self.log(f"stopped by {result.stopped_by} after step {step}; "
                                  "the checkpoint of that step is complete")
                         break
+                self.checkpointer.wait()  # the last save is complete before the run ends
         finally:
             out.close()
         out.log_traces(self.step)
