@@ -197,9 +197,12 @@ def test_resume_after_an_interruption_mid_unit(tmp_path: Path, tok_file: Path,
     assert not (out / "manifest.json").exists()
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]  # nothing half-written
     done = len(list((out / "units").iterdir()))
+    # a worker killed outright leaves its temporary file: swept on the next run
+    stale = out / "shards" / ".u000001.train.bin.999999999.tmp"
+    stale.write_bytes(b"partial")
     monkeypatch.setattr(prep, "encode_documents", real)
     again = run([path], out, tok_file, unit_bytes=500)
-    assert again.units_run == again.manifest["units"] - done
+    assert again.units_run == again.manifest["units"] - done and not stale.exists()
     assert folder_bytes(out) == folder_bytes(tmp_path / "ref")
 
 

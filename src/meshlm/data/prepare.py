@@ -376,6 +376,29 @@ def _run_unit(unit: Unit, override: dict[str, Any] | None) -> dict[str, Any]:
     return record | {"name": unit.name}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_temporaries(out: Path) -> int:
+    """Remove temporary files left by killed runs (``.NAME.PID.tmp`` of a process that is
+    gone; those of live processes, e.g. another rank preparing the same cache, stay)."""
+    removed = 0
+    for folder in (out, out / "shards", out / "units"):
+        for p in folder.glob(".*.tmp"):
+            pid = p.name.split(".")[-2]
+            if pid.isdigit() and not _alive(int(pid)):
+                p.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
 def _done_record(out: Path, unit: Unit, tok_sha: str) -> dict[str, Any] | None:
     """The unit's done record when it and its shard files check out (sizes), else None."""
     try:
@@ -619,6 +642,7 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str | None = None,
     _claim(out, plan, owned)
     for sub in ("shards", "units"):
         (out / sub).mkdir(exist_ok=True)
+    sweep_temporaries(out)
     tok_sha = _tokenizer_file(out, tokenizer, vocab_size, sources, units, settings, what, log)
     tok = Tokenizer.load(out / "tokenizer.json")
     if tok.eot_id is None:
@@ -660,9 +684,9 @@ def summary(result: Result, out: Path) -> str:
     if result.already:
         return (f"{out} is already prepared ({m['totals']['tokens']:,} tokens); nothing to do")
     dt = max(result.seconds, 1e-9)
+    rate = (f"{m['totals']['tokens'] / dt / 1e6:.2f} M tok/s, "
+            f"{m['totals']['documents'] / dt:,.0f} docs/s; " if result.units_run else "")
     return (f"prepared {out}: {m['totals']['documents']:,} documents, "
             f"{m['totals']['tokens']:,} {m['dtype']} tokens (train {tr['tokens']:,} in "
             f"{len(tr['shards'])} shards, val {va['tokens']:,}) in {result.seconds:.1f}s "
-            f"({m['totals']['tokens'] / dt / 1e6:.2f} M tok/s, "
-            f"{m['totals']['documents'] / dt:,.0f} docs/s; {result.units_run} of "
-            f"{m['units']} units run)")
+            f"({rate}{result.units_run} of {m['units']} units run)")
