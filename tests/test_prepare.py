@@ -412,6 +412,11 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl:26: not valid JSON" in err[0]
 
+    # a compressed file is read as a stream; its line numbers count too
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    assert "bad.jsonl.gz:26: not valid JSON" in cli_line(
+        [str(tmp_path / "bad.jsonl.gz"), "--out", str(tmp_path / "out5")], capsys)
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 

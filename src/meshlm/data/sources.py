@@ -12,13 +12,15 @@ Every document has a key (its file's relative path, plus the byte offset of its 
 row number) that decides its split, so the split depends on neither units nor workers.
 
 Memory: planning stats the files and reads a few bytes per JSONL cut (Parquet / arrow
-metadata only). Reading holds one piece's raw bytes (or one row group's column) at a time.
+metadata only). Reading holds one piece's raw bytes, one row group's column, or one line of a
+compressed JSONL file (decompressed as a stream) at a time; a text file is read whole.
 Nothing is written here.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import sysconfig
@@ -315,51 +317,59 @@ def decode_text(f: InputFile, raw: bytes) -> str:
         return text
 
 
-def _decompressed(f: InputFile) -> bytes:
-    name = f.path.name.lower()
+def _compressed_lines(f: InputFile) -> Iterator[bytes]:
+    """The lines of a .gz / .zst file, decompressed as a stream (never whole in memory)."""
     try:
-        if name.endswith(".gz"):
+        if f.path.name.lower().endswith(".gz"):
             with gzip.open(f.path, "rb") as fh:
-                return fh.read()
-        if name.endswith(".zst"):
+                yield from fh
+        else:
             import zstandard
 
-            with open(f.path, "rb") as fh:
-                return zstandard.ZstdDecompressor().stream_reader(fh).read()
+            with open(f.path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(
+                    raw) as zs:
+                yield from io.BufferedReader(zs)
     except (OSError, EOFError, ValueError) as e:  # zstandard.ZstdError is a ValueError
         raise ConfigError(f"{f.path}: cannot decompress ({e})") from None
-    return _read_bytes(f)
+
+
+def _jsonl_lines(f: InputFile, piece: Piece) -> Iterator[tuple[int, bytes]]:
+    """(byte offset in the decompressed file, line) of every line of the piece."""
+    if not f.path.name.lower().endswith(".jsonl"):
+        offset = 0
+        for line in _compressed_lines(f):
+            yield offset, line
+            offset += len(line)
+        return
+    offset = piece.start
+    for line in _read_bytes(f, piece.start, piece.end).splitlines(keepends=True):
+        yield offset, line
+        offset += len(line)
+
+
+def _line_number(f: InputFile, offset: int) -> int:
+    """1-based line number of the line at byte ``offset`` (errors only: counts newlines)."""
+    if f.path.name.lower().endswith(".jsonl"):
+        return _read_bytes(f, 0, offset).count(b"\n") + 1
+    return sum(1 for o, _ in _jsonl_lines(f, Piece(0, 0, 0, 0, 0)) if o < offset) + 1
 
 
 def _jsonl_docs(f: InputFile, piece: Piece, text_field: str) -> Iterator[tuple[str, str]]:
-    compressed = not f.path.name.lower().endswith(".jsonl")
-    raw = _decompressed(f) if compressed else _read_bytes(f, piece.start, piece.end)
-    offset = 0 if compressed else piece.start
-    for line in raw.splitlines(keepends=True):
-        here, offset = offset, offset + len(line)
+    for here, line in _jsonl_lines(f, piece):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             reason = getattr(e, "msg", None) or "not UTF-8"
-            raise ConfigError(f"{f.path}:{_line_number(raw, f, piece, here)}: not valid JSON "
+            raise ConfigError(f"{f.path}:{_line_number(f, here)}: not valid JSON "
                               f"({reason})") from None
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ConfigError(f"{f.path}:{_line_number(raw, f, piece, here)}: no string field "
+            raise ConfigError(f"{f.path}:{_line_number(f, here)}: no string field "
                               f"{text_field!r} (set --text-field / data.text_field)")
         if text:
             yield f"{f.rel}:{here}", text
-
-
-def _line_number(raw: bytes, f: InputFile, piece: Piece, offset: int) -> int:
-    """1-based line number of the line at byte ``offset`` (errors only: counts newlines)."""
-    if f.path.name.lower().endswith(".jsonl"):
-        before = _read_bytes(f, 0, offset)
-    else:
-        before = raw[:offset]
-    return before.count(b"\n") + 1
 
 
 def _table_docs(f: InputFile, piece: Piece, text_field: str) -> Iterator[tuple[str, str]]:
