@@ -607,6 +607,8 @@ class Result:
     already: bool  # the folder was prepared before: nothing was done
     seconds: float = 0.0
     units_run: int = 0
+    tokens_run: int = 0  # in the units run now (not those done by an earlier run)
+    documents_run: int = 0
 
 
 def resolve_inputs(inputs: list[str]) -> list[Source]:
@@ -650,9 +652,23 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str | None = None,
             "without a separator")
     init = (out, sources, settings, out / "tokenizer.json", tok_sha)
 
+    records, override, ran = _tokenize_units(out, units, init, tok_sha, workers, progress,
+                                             what)
+    manifest = _manifest(plan, sources, records, tok, tok_sha, override)
+    write_json(out / "manifest.json", manifest)
+    shards = [sh for i in ran for sh in records[i]["shards"].values() if sh]
+    return Result(manifest, already=False, seconds=time.perf_counter() - t0, units_run=len(ran),
+                  tokens_run=sum(sh["tokens"] for sh in shards),
+                  documents_run=sum(sh["documents"] for sh in shards))
+
+
+def _tokenize_units(out: Path, units: list[Unit], init: tuple[Any, ...], tok_sha: str,
+                    workers: int, progress: bool, what: str
+                    ) -> tuple[dict[int, dict[str, Any]], dict[str, Any] | None, set[int]]:
+    """Run every unit not done yet, then redo those a tiny-corpus override changes; (done
+    records by unit, the override, the units run)."""
     records = {u.index: r for u in units if (r := _done_record(out, u, tok_sha)) is not None}
     bar = _Progress(progress, sum(u.n_bytes for u in units))
-    ran = 0
     try:
         for r in records.values():
             bar.done(r)
@@ -669,12 +685,9 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str | None = None,
         redo = [(u, wanted[u.index]) for u in units
                 if records[u.index]["override"] != wanted[u.index]]
         _execute(redo, init, workers, finished)
-        ran = len({u.index for u, _ in jobs + redo})
     finally:
         bar.close()
-    manifest = _manifest(plan, sources, records, tok, tok_sha, override)
-    write_json(out / "manifest.json", manifest)
-    return Result(manifest, already=False, seconds=time.perf_counter() - t0, units_run=ran)
+    return records, override, {u.index for u, _ in jobs + redo}
 
 
 def summary(result: Result, out: Path) -> str:
@@ -684,9 +697,9 @@ def summary(result: Result, out: Path) -> str:
     if result.already:
         return (f"{out} is already prepared ({m['totals']['tokens']:,} tokens); nothing to do")
     dt = max(result.seconds, 1e-9)
-    rate = (f"{m['totals']['tokens'] / dt / 1e6:.2f} M tok/s, "
-            f"{m['totals']['documents'] / dt:,.0f} docs/s; " if result.units_run else "")
+    rate = (f"{result.tokens_run / dt / 1e6:.2f} M tok/s, "
+            f"{result.documents_run / dt:,.0f} docs/s; " if result.units_run else "")
     return (f"prepared {out}: {m['totals']['documents']:,} documents, "
             f"{m['totals']['tokens']:,} {m['dtype']} tokens (train {tr['tokens']:,} in "
-            f"{len(tr['shards'])} shards, val {va['tokens']:,}) in {result.seconds:.1f}s "
+            f"{len(tr['shards'])} shard(s), val {va['tokens']:,}) in {result.seconds:.1f}s "
             f"({rate}{result.units_run} of {m['units']} units run)")
