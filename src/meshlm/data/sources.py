@@ -278,11 +278,15 @@ def plan_units(sources: list[Source], text_field: str, unit_bytes: int) -> list[
     for s, source in enumerate(sources):
         for i, f in enumerate(source.files):
             for piece in _pieces_of(s, i, f, text_field, unit_bytes):
-                if batch and (size + piece.n_bytes > unit_bytes or f.kind == "arrow"):
+                alone = f.kind == "arrow"  # one arrow file of a datasets folder per unit
+                if batch and (size + piece.n_bytes > unit_bytes or alone):
                     units.append(Unit(len(units), tuple(batch)))
                     batch, size = [], 0
                 batch.append(piece)
                 size += piece.n_bytes
+                if alone:
+                    units.append(Unit(len(units), tuple(batch)))
+                    batch, size = [], 0
     if batch:
         units.append(Unit(len(units), tuple(batch)))
     return units
