@@ -39,6 +39,7 @@ from .prepare import (
 from .prepare import prepare as prepare_dataset
 from .sampler import StepSampler, val_batches
 from .shards import PreparedDataset, TokenStream, is_prepared, open_prepared, tokenizer_fingerprint
+from .sources import Source
 from .tokenizer import EOT, Tokenizer, train_bpe
 
 __all__ = [
@@ -82,9 +83,8 @@ def _where(cfg: DataSection) -> str:
     return f"data.path={cfg.path!r}" if cfg.path else "the default corpus"
 
 
-def _prepare_cached(cfg: DataSection, log: Log) -> PreparedDataset:
-    """Prepare the raw corpus of ``data.path`` into the cache (once) and open it."""
-    sources = resolve_inputs([cfg.path] if cfg.path else [])
+def _cache_folder(cfg: DataSection, sources: list[Source]) -> Path:
+    """``<cache root>/<fingerprint of the file list, settings and tokenizer>``."""
     settings = Settings(cfg.text_field, cfg.val_fraction)
     plan = make_plan(sources, settings, tokenizer_spec(cfg.tokenizer or None, cfg.vocab_size))
     key = hashlib.sha256(json.dumps([inputs_digest(plan), plan["tokenizer"]]).encode())
@@ -94,18 +94,24 @@ def _prepare_cached(cfg: DataSection, log: Log) -> PreparedDataset:
     except OSError as e:
         raise ConfigError(f"data.cache_dir: cannot create {str(folder.parent)!r}: "
                           f"{e.strerror}") from None
-    n_files = sum(len(s.files) for s in sources)
-    log(f"data: {_where(cfg)}: {n_files} files, {sum(s.n_bytes for s in sources) / 1e6:.1f} MB")
-    n_bytes = sum(s.n_bytes for s in sources)
+    return folder
+
+
+def _prepare_cached(cfg: DataSection, log: Log) -> PreparedDataset:
+    """Prepare the raw corpus of ``data.path`` into the cache (once) and open it."""
+    inputs = [cfg.path] if cfg.path else []
+    sources = resolve_inputs(inputs)
+    folder = _cache_folder(cfg, sources)
+    n_files, n_bytes = sum(len(s.files) for s in sources), sum(s.n_bytes for s in sources)
+    log(f"data: {_where(cfg)}: {n_files} files, {n_bytes / 1e6:.1f} MB")
     workers = min(TRAIN_PREPARE_WORKERS, os.cpu_count() or 1) if n_bytes >= PARALLEL_BYTES else 1
 
     def attempt() -> PreparedDataset:
         try:
-            result = prepare_dataset([cfg.path] if cfg.path else [], folder,
-                             tokenizer=cfg.tokenizer or None, vocab_size=cfg.vocab_size,
-                             workers=workers, text_field=cfg.text_field,
-                             val_fraction=cfg.val_fraction, log=log, sources=sources,
-                             owned=True)
+            result = prepare_dataset(
+                inputs, folder, tokenizer=cfg.tokenizer or None, vocab_size=cfg.vocab_size,
+                workers=workers, text_field=cfg.text_field, val_fraction=cfg.val_fraction,
+                log=log, sources=sources, owned=True)
         except NoDocuments:
             raise ConfigError(f"{_where(cfg)} gives a train split of 0 tokens: it holds no "
                               f"documents ({n_files} files)") from None
