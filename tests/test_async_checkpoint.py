@@ -181,7 +181,23 @@ def test_keep_1_never_deletes_the_save_in_flight_nor_the_last_complete(world) ->
     assert held[CUT] == ["step_0000002", f"step_{CUT:07d}.tmp"]
     assert held[CUT + 1] == [f"step_{CUT:07d}", f"step_{CUT + 1:07d}.tmp"]
     assert held["after"] == [f"step_{CUT + 1:07d}"]
-    assert len(held["host_bytes"]) == 2 and min(held["host_bytes"]) > 0
+
+
+def test_the_planner_counts_the_host_copy(world) -> None:  # noqa: ANN001
+    """Each rank's host copy is the bytes of its shards (12 per parameter it owns), as the
+    planner's ``checkpoint_host`` says, and the dry run shows it."""
+    from meshlm.planner.cli import config_memory, config_workload
+    from meshlm.planner.hardware import get_accelerator
+    from meshlm.planner.memory import memory
+
+    base, root, res = world
+    measured = res["held"]["host_bytes"]
+    cfg = load_config(None, base + ["--checkpoint.async=true", f"--run.dir={root / 'x'}"])
+    planned = memory(config_workload(cfg), cfg.layout(), get_accelerator("cpu")).checkpoint_host
+    assert len(measured) == 2 and abs(max(measured) - planned) / planned < 0.02, (measured,
+                                                                                 planned)
+    assert any("copy of the checkpoint shards (checkpoint.async" in line
+               for line in config_memory(cfg))
 
 
 def test_sigterm_during_a_save_waits_for_it_and_resumes_exactly(world) -> None:  # noqa: ANN001
@@ -223,3 +239,26 @@ def test_sigkill_of_the_writer_leaves_the_previous_checkpoint_latest(
     assert all(resumed[s] == want[s] for s in resumed)
     _same_pieces(run / "checkpoints" / f"step_{STEPS:07d}",
                  ref / "checkpoints" / f"step_{STEPS:07d}", rng=False)
+
+
+def test_a_failed_write_is_raised_and_leaves_the_previous_checkpoint(
+        corpus_dir: Path, cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """A writer that cannot write its file (disk full) fails the run at the next save, on the
+    main thread, with a fault (not a user mistake); the folder stays ``.tmp``."""
+    from meshlm.checkpoint import async_save
+
+    write = async_save.write_contents
+
+    def full_disk(directory: Path, rank: int, contents: Any) -> Path:
+        if directory.name.startswith(f"step_{CUT:07d}"):
+            raise OSError(28, "No space left on device")
+        return write(directory, rank, contents)
+
+    monkeypatch.setattr(async_save, "write_contents", full_disk)
+    one = [a for a in base_args(corpus_dir, cache_dir) if a not in LAYOUT]
+    run = tmp_path / "run"
+    with pytest.raises(async_save.SaveError, match=f"checkpoint step {CUT} was not completed: "
+                                                   ".*No space left on device"):
+        _train([*one, "--checkpoint.async=true", f"--run.dir={run}"])
+    assert _listing(run) == ["step_0000002", f"step_{CUT:07d}.tmp"]

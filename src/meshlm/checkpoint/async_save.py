@@ -68,7 +68,11 @@ from .sharded import (
     step_dir,
     write_contents,
 )
-from .state import CheckpointError
+
+
+class SaveError(RuntimeError):
+    """An asynchronous save that did not complete (a fault, not a user mistake: the folder
+    stays ``.tmp`` and the previous checkpoint is the latest)."""
 
 
 def slow_if_asked(step: int) -> None:
@@ -165,15 +169,15 @@ class AsyncSaver:
         return step_dir(root, step)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete on every rank; CheckpointError
-        when it failed (its folder stays ``.tmp``: the previous checkpoint is the latest)."""
+        """Block until the save in flight (if any) is complete on every rank; SaveError when it
+        failed (its folder stays ``.tmp``: the previous checkpoint is the latest)."""
         if self._thread is None:
             return
         self._thread.join()
         self._thread, step, self.in_flight = None, self.in_flight, None
         error, self._error = self._error, None
         if error is not None:
-            raise CheckpointError(f"checkpoint step {step} was not completed: {error}") from error
+            raise SaveError(f"checkpoint step {step} was not completed: {error}") from error
 
     # ------------------------------------------------------------------ the writer thread
     def _agree(self, flag: int, op: dist.ReduceOp) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import Config, ConfigError, training_problems
 from ..layout import Layout
 from .hardware import GIB, Accelerator, get_accelerator
-from .memory import memory
+from .memory import MemoryBreakdown, memory
 from .search import Plan, evaluate, search
 from .workload import (
     DTYPES,
@@ -278,7 +278,18 @@ def config_memory(cfg: Config) -> list[str]:
         f"#   peak{stage}, at the {m.peak_phase} ("
         + " + ".join(k for k in m.items if k in alive and m.items[k]) + "): "
         f"{_size(m.total)} of {_size(m.capacity)} -- " + ("fits" if m.fits else "does NOT fit"),
+        *([checkpoint_host_line(m, hw.is_cpu)] if cfg.checkpoint.async_save else []),
     ]
+
+
+def checkpoint_host_line(m: MemoryBreakdown, cpu: bool) -> str:
+    """``checkpoint.async``: the host copy of the rank's shards, kept between saves (on a CPU
+    the same memory as the step's, so on top of its peak)."""
+    line = (f"#   host memory: copy of the checkpoint shards (checkpoint.async, kept between "
+            f"saves): {_size(m.checkpoint_host)}")
+    if cpu:
+        line += f"; on this CPU on top of the peak: {_size(m.total + m.checkpoint_host)}"
+    return line
 
 
 def fit_micro_batch(cfg: Config) -> str | None:
@@ -294,14 +305,15 @@ def fit_micro_batch(cfg: Config) -> str | None:
         return None
     work = config_workload(cfg, config_vocab(cfg))
     per_rank = cfg.train.global_batch // (cfg.layout().dp * cfg.parallel.islands)
-    for m in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+    start = cfg.train.micro_batch  # (under a pipeline already smaller: at least pp of them)
+    for m in sorted((d for d in range(1, start + 1) if per_rank % d == 0), reverse=True):
         cfg.train.micro_batch = m
         if memory(work, cfg.layout(), hw).fits or m == 1:
             break
     cfg.micro_batch_auto = True
-    if cfg.train.micro_batch == per_rank:
+    if cfg.train.micro_batch == start:
         return None
-    return (f"train.micro_batch: {cfg.train.micro_batch} (global_batch / dp = {per_rank} "
+    return (f"train.micro_batch: {cfg.train.micro_batch} (a micro-batch of {start} "
             f"does not fit {hw.name} memory by the planner's estimate)")
 
 

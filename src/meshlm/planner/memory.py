@@ -14,6 +14,9 @@ and sharded over dp x cp / ep (Megatron-Core's expert data parallelism). Under h
 (:func:`shard_ranks`). With
 ``offload`` = ``cpu`` or ``disk`` (ZeRO-Offload / ZeRO-Infinity, ``parallel/offload.py``) the
 optimizer states leave the device: 0 device bytes, reported apart (``MemoryBreakdown.host``).
+The shards a rank writes at a checkpoint (12 bytes per parameter it owns: fp32 weight and two
+moments) are the host copy an asynchronous save keeps (``checkpoint.async``), reported apart as
+``MemoryBreakdown.checkpoint_host``.
 
 **Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", sec. 4). Profile ``megatron`` is the paper's GPT
@@ -102,6 +105,10 @@ LOSS_WORKING = 8
 # bytes per element a float8 cast holds at its peak (torchao's ``hp_tensor_and_scale_to_float8``):
 # the scaled fp32 copy, its clamped copy and the float8 result (counted; a test recounts it)
 FP8_CAST = 4 + 4 + 1
+# A checkpoint's bytes per parameter (checkpoint/sharded.py): the fp32 weight and AdamW's two
+# fp32 moments; with DiLoCo islands, island 0 also writes the outer weights and momentum
+CHECKPOINT_BYTES = 12
+CHECKPOINT_OUTER_BYTES = 8
 MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
 # the CUDA caching allocator's reserved-but-unallocated memory at the peak, per byte allocated
 # (meshlm's llama3-8b run on one H200: 6.34 GiB beside 132.62 GiB, 4.8 %)
@@ -147,6 +154,9 @@ class MemoryBreakdown:
     # bytes moved off the device (offload): not counted in ``total``
     host: dict[str, float] = field(default_factory=dict)
     phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # the shards this rank writes at a checkpoint: the host copy ``checkpoint.async`` keeps
+    # between saves (host memory; not counted in ``total``)
+    checkpoint_host: float = 0.0
 
     @property
     def states(self) -> float:
@@ -264,6 +274,18 @@ def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
         out[name] = (sharded(p.dense, n_dense, per, stage_min)
                      + sharded(p.expert, n_expert, per, stage_min))
     return out
+
+
+def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
+    """Bytes of the shards one rank of a stage writes at a checkpoint (the most loaded one:
+    coordinate 0 of the axes holding copies): what it owns of the optimizer state -- 1 / N of
+    the stage's parameters with ZeRO, all of them without -- times :data:`CHECKPOINT_BYTES`
+    (+ :data:`CHECKPOINT_OUTER_BYTES` on island 0 of DiLoCo). ``checkpoint.async`` keeps a
+    host copy of them."""
+    n_dense = shard_ranks(lo) if lo.zero >= 1 else 1
+    n_expert = max(1, n_dense // lo.ep) if lo.zero >= 1 else 1
+    per = CHECKPOINT_BYTES + (CHECKPOINT_OUTER_BYTES if lo.islands > 1 else 0)
+    return per * (p.dense / n_dense + p.expert / n_expert)
 
 
 # ---------------------------------------------------------------------- activations
@@ -567,7 +589,8 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     if lo.recompute == "full":
         phases["backward"].remove("weight copies")
     out = MemoryBreakdown(items, stage, hw.memory, host,
-                          {k: (*v, "reserved") for k, v in phases.items()})
+                          {k: (*v, "reserved") for k, v in phases.items()},
+                          checkpoint_host_bytes(lo, p))
     items["reserved"] = 0.0
     reserve = 0.0 if hw.is_cpu else ALLOCATOR_RESERVE * out.total
     items["reserved"] = hw.reserved + reserve
