@@ -262,7 +262,8 @@ def test_bad_tokenizer_file(content: bytes, message: str, tmp_path: Path,
 
 
 def test_token_file_of_the_wrong_dtype_is_rebuilt(tmp_path: Path) -> None:
-    """A token cache rewritten as another dtype (sidecar to match) is rebuilt, not trusted."""
+    """A cached token shard rewritten as another dtype (same tokens, other bytes) is rebuilt,
+    not trusted: its size and hash disagree with the manifest."""
     folder = tmp_path / "corpus"
     _write(folder, "a.txt", TEXT)
     _write(folder, "b.txt", TEXT.replace(b"x", b"y"))
@@ -270,14 +271,13 @@ def test_token_file_of_the_wrong_dtype_is_rebuilt(tmp_path: Path) -> None:
                       seq_len=32)
     first = build_data(cfg, log=lambda _m: None)
     tokens = np.array(first.train_tokens)
-    path = first.cache_dir / "train.bin"
-    sidecar = path.with_suffix(".json")
-    meta = json.loads(sidecar.read_text())
-    path.write_bytes(tokens.astype(np.float32).tobytes())
-    sidecar.write_text(json.dumps(meta | {"dtype": "float32"}))
+    shard = first.cache_dir / first.sources[0][2].manifest["splits"]["train"]["shards"][0]["name"]
+    part = np.fromfile(shard, dtype=first.train_tokens.dtype)
+    del first  # (release the mapping before touching the file)
+    shard.write_bytes(part.astype(np.float32).tobytes())
     logs: list[str] = []
     again = build_data(cfg, log=logs.append)
-    assert any("train token cache" in m and "rebuilding" in m for m in logs), logs
+    assert any("is damaged" in m and "rebuilding" in m for m in logs), logs
     assert again.train_tokens.dtype == np.uint16
     assert np.array_equal(np.array(again.train_tokens), tokens)
 

@@ -115,8 +115,8 @@ def test_cli_surface_is_frozen() -> None:
     """Scripts depend on these names; change them on purpose, with this test."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["convert", "generate", "info", "plan", "report", "schedule",
-                                   "train"]
+    assert sorted(sub.choices) == ["convert", "generate", "info", "plan", "prepare", "report",
+                                   "schedule", "train"]
     options = {name: sorted(o for a in p._actions for o in a.option_strings)
                for name, p in sub.choices.items()}
     assert options["train"] == sorted(["--dry-run", "--max-restarts", "-h", "--help"])
@@ -242,7 +242,7 @@ def test_automatic_micro_batch_shrinks_to_fit_then_trains(
     capsys.readouterr()
     assert main(["train", *args]) == 0
     out = capsys.readouterr().out
-    assert "train.micro_batch: 2 (global_batch / dp = 8 does not fit" in out, out
+    assert "train.micro_batch: 2 (a micro-batch of 8 does not fit" in out, out
     assert "micro-batch 2, accumulation 4" in out, out
     run_dir = Path(next(a for a in args if a.startswith("--run.dir=")).split("=", 1)[1])
     got = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")]

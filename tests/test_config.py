@@ -260,3 +260,21 @@ def test_init_from_a_real_llama_config(tmp_path: Path) -> None:
     assert mc.n_kv_heads == 2  # the override
     with pytest.raises(ConfigError, match="data.seq_len=256 exceeds model.max_seq_len=128"):
         load_config(None, [f"--model.init_from={tmp_path}"])
+
+
+@pytest.mark.parametrize(("per_rank", "pp", "schedule", "micro"), [
+    (16, 1, "1f1b", 16), (16, 2, "zb", 8), (16, 4, "1f1b", 4), (16, 3, "1f1b", 4),
+    (12, 3, "interleaved", 4), (16, 3, "interleaved", 1), (2, 4, "afab", 1)])
+def test_automatic_micro_batch_gives_a_pipeline_at_least_pp_micro_batches(
+        per_rank: int, pp: int, schedule: str, micro: int) -> None:
+    from meshlm.config import pipeline_micro_batch
+
+    assert pipeline_micro_batch(per_rank, pp, schedule) == micro
+
+
+def test_the_pipeline_tour_line_runs_two_micro_batches() -> None:
+    """`--parallel.pp=2` with the default batch: 2 micro-batches of 8, not 1 of 16."""
+    cfg = load_config(None, ["--parallel.pp=2", "--parallel.pp_schedule=zb"])
+    assert cfg.train.micro_batch == 8 and cfg.layout().micro_batches(cfg.train.global_batch) == 2
+    explicit = load_config(None, ["--parallel.pp=2", "--train.micro_batch=16"])
+    assert explicit.train.micro_batch == 16  # (a value the user set is kept)

@@ -530,7 +530,8 @@ def resolve(cfg: Config) -> Config:
     """Set the values a config leaves to meshlm, before :func:`validate` checks them.
 
     ``train.micro_batch`` left at 0 (or following the layout) becomes global_batch / (dp *
-    islands). A value that cannot be derived (the division does not come out even) is left
+    islands) -- under pipeline parallelism the largest divisor of it that gives the pipeline at
+    least ``parallel.pp`` micro-batches (:func:`pipeline_micro_batch`). A value that cannot be derived (the division does not come out even) is left
     as it is, for :func:`validate` to name. ``run.resume`` needs nothing here: its spellings
     are read into a mode when set (:class:`RunSection`). The world's values are
     :func:`resolve_world`'s.
@@ -557,11 +558,28 @@ def _auto_micro_batch_problem(cfg: Config, dp: int) -> str | None:
     return None
 
 
+def pipeline_micro_batch(per_rank: int, pp: int, schedule: str) -> int:
+    """The micro-batch of ``per_rank`` sequences per step on a pipeline of ``pp`` ranks: the
+    largest divisor of ``per_rank`` that gives at least ``pp`` micro-batches (a multiple of pp
+    for the interleaved schedule), so every stage has work while the first micro-batch goes
+    through; ``per_rank`` without a pipeline; 1 when there are fewer sequences than stages."""
+    if pp <= 1:
+        return per_rank
+    for micro in range(per_rank, 0, -1):
+        m = per_rank // micro
+        if per_rank % micro == 0 and m >= pp and (schedule != "interleaved" or m % pp == 0):
+            return micro
+    return 1
+
+
 def auto_micro_batch(cfg: Config, dp: int) -> None:
-    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / (dp * islands)."""
+    """``train.micro_batch`` = 0 (or left to follow the layout): global_batch / (dp * islands),
+    made smaller under pipeline parallelism (:func:`pipeline_micro_batch`)."""
     _refuse(_auto_micro_batch_problem(cfg, dp))
     cfg.micro_batch_auto = True
-    cfg.train.micro_batch = cfg.train.global_batch // (dp * cfg.parallel.islands)
+    p = cfg.parallel
+    cfg.train.micro_batch = pipeline_micro_batch(cfg.train.global_batch // (dp * p.islands),
+                                                 p.pp, p.pp_schedule)
 
 
 # ------------------------------------------------------------------ validation
@@ -617,8 +635,9 @@ def _resolved_layout(cfg: Config) -> Layout:
     """:meth:`Config.layout` with the micro-batch :func:`resolve` derives (when it does)."""
     layout = cfg.layout()
     if _micro_batch_follows(cfg):
-        k = cfg.parallel.islands
-        layout = replace(layout, micro_batch=cfg.train.global_batch // (layout.dp * k))
+        p = cfg.parallel
+        per_rank = cfg.train.global_batch // (layout.dp * p.islands)
+        layout = replace(layout, micro_batch=pipeline_micro_batch(per_rank, p.pp, p.pp_schedule))
     return layout
 
 
