@@ -6,8 +6,8 @@ joined, comments dropped) and every inline `code` span that starts with a comman
 too. Each one is either run here or listed in ``NOT_RUN`` with the reason; a README command that
 is neither fails :func:`test_every_readme_command_is_run_or_listed`.
 
-They run in a scratch directory standing in for the checkout (``examples/`` and ``.venv``
-linked, ``docs/img/`` empty), with the data cache in a temporary ``XDG_CACHE_HOME`` shared by the
+They run in a scratch directory standing in for the checkout (``examples/``, ``src/`` and
+``.venv`` linked, ``docs/img/`` empty), with the data cache in a temporary ``XDG_CACHE_HOME`` shared by the
 session. The only change made to a line: ``meshlm train`` gets tiny sizes for the keys it does
 not set itself (``SIZES``), so a line's own choices (layout, steps, sequence length, run dir, ...)
 are kept. Commands that need an earlier one's run dir (generate, convert, report, resume) come
@@ -310,6 +310,7 @@ def test_readme_commands_run_as_written(tmp_path: Path, cache_dir: Path) -> None
     cwd = tmp_path / "checkout"
     cwd.mkdir()
     (cwd / "examples").symlink_to(ROOT / "examples")
+    (cwd / "src").symlink_to(ROOT / "src")  # (the tour prepares it as a dataset)
     (cwd / ".venv").symlink_to(VENV_BIN.parent)
     (cwd / "docs" / "img").mkdir(parents=True)
     tour = Tour(cwd, clean_env(cache_dir))
