@@ -5,7 +5,9 @@
   (seed, k): the data-parallel ranks' micro-batches of any dp put together are the one-process
   batch, document ids included;
 - training on a mixture: dp 2, and cp 2 (zigzag) with document masking, match one process;
-  a run resumed from a checkpoint continues exactly.
+  a run resumed from a checkpoint continues exactly;
+- a weight that is not a positive number, a folder named twice or missing, and data.mix with
+  data.path: one line each, from the config, before anything runs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshlm.config import load_config
+from meshlm.config import ConfigError, load_config
 from meshlm.data.prepare import prepare
 from meshlm.data.sampler import Source, StepSampler
 from meshlm.data.shards import open_prepared
@@ -124,3 +126,27 @@ def test_training_on_a_mixture_matches_one_process_and_resumes_exactly(
     resumed = {r["step"]: r["loss"] for r in read_metrics(into / "metrics.jsonl")
                if r["step"] > 2}
     assert resumed == {s: _losses(refs["dp2"])[s] for s in (3, 4)}
+
+
+@pytest.mark.parametrize(("mix", "message"), [
+    ("{a}:0.7,{b}:0", "'{b}:0' is not FOLDER:WEIGHT with a positive number"),
+    ("{a}:-1,{b}:1", "'{a}:-1' is not FOLDER:WEIGHT"),
+    ("{a}:x,{b}:1", "'{a}:x' is not FOLDER:WEIGHT"),
+    ("{a},{b}:1", "'{a}' is not FOLDER:WEIGHT"),
+    ("{a}:nan,{b}:1", "'{a}:nan' is not FOLDER:WEIGHT"),
+    ("{a}:1,{a}:2", "data.mix names '{a}' twice"),
+    ("{a}:1,{a}/missing:1", "data.mix: '{a}/missing' is not a folder"),
+])
+def test_bad_mixtures_are_one_line_before_anything_runs(
+        datasets: tuple[Path, Path], mix: str, message: str) -> None:
+    a, b = datasets
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"--data.mix={mix.format(a=a, b=b)}"])
+    assert message.format(a=a, b=b) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_mix_and_path_together_are_refused(datasets: tuple[Path, Path]) -> None:
+    a, b = datasets
+    with pytest.raises(ConfigError, match="both name the data"):
+        load_config(None, [f"--data.mix={a}:1,{b}:1", f"--data.path={a}"])
