@@ -26,15 +26,21 @@ training runs stay predictions:
   slope between 1 and 16 MiB (the sizes of meshlm's buckets and activations) and the latency
   from 64 KiB; each call timed as a training step issues it: on fresh buffers, after ~1 ms of
   matmul (the loop's time minus that of the matmul and allocation alone).
+
+Before each measured round it waits for an idle machine, at most ``max_wait`` seconds in all
+(:class:`IdleWait`); once that is spent it measures at once, and the stored entry's source says
+the numbers were measured under load and how busy the machine was.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
@@ -75,6 +81,47 @@ def wait_for_quiet(max_wait: float = 600.0, threshold: float = 0.1,
     if log:
         log(f"  (the machine stayed busy for {max_wait:.0f} s; measuring anyway)")
     return False
+
+
+IDLE = 0.1  # busy fraction below which the machine counts as idle
+
+
+def wait_for_idle(max_wait: float, threshold: float = IDLE, sample_s: float = 1.0
+                  ) -> tuple[float, float]:
+    """Wait for three idle samples in a row, at most ``max_wait`` seconds (one sample at
+    least); (seconds waited, the machine's busy fraction in the last sample)."""
+    samples = max(1, math.ceil(max_wait / sample_s))
+    taken, quiet, load = 0, 0, 1.0
+    while taken < samples and quiet < 3:
+        load = cpu_busy(sample_s)
+        taken += 1
+        quiet = quiet + 1 if load < threshold else 0
+    return taken * sample_s, load
+
+
+@dataclass
+class IdleWait:
+    """The time left to wait for an idle machine, shared by every round of a calibration,
+    and the highest load a round was measured under (below :data:`IDLE`: all idle)."""
+
+    left: float
+    load: float = 0.0
+
+    def wait(self) -> None:
+        """Wait for an idle machine from what is left of the budget, note the load."""
+        self.note(*wait_for_idle(self.left))
+
+    def note(self, waited: float, load: float) -> None:
+        self.left = max(0.0, self.left - waited)
+        self.load = max(self.load, load)
+
+    @property
+    def under_load(self) -> bool:
+        return self.load >= IDLE
+
+    def remark(self) -> str:
+        """The source's note (empty when every round ran on an idle machine)."""
+        return f"; measured under load (up to {self.load:.0%} busy)" if self.under_load else ""
 
 
 def _median(fn: Callable[[], object], seconds: float = 0.4, min_reps: int = 5) -> float:
@@ -287,8 +334,9 @@ def collectives(worlds: tuple[int, ...] = WORLDS, reps: int = 15
     return fitted
 
 
-def _rates(t: int) -> dict[str, object]:
-    """Every single-process rate with ``t`` threads: one round, in a fresh process.
+def _rates(t: int, max_wait: float) -> dict[str, object]:
+    """Every single-process rate with ``t`` threads: one round, in a fresh process, after
+    waiting at most ``max_wait`` s for an idle machine (``"waited"``, ``"load"``: that wait).
 
     A fresh process per round, warmed up by one unmeasured pass, so the allocator's state (which
     decides how often fresh buffers pay page faults) is that of a training process in its steady
@@ -298,7 +346,7 @@ def _rates(t: int) -> dict[str, object]:
     out: dict[str, object] = {}
     for measured in (False, True):
         if measured:
-            wait_for_quiet(120)
+            out["waited"], out["load"] = wait_for_idle(max_wait)
         for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             out[f"peak_{name}"] = matmul_peak(dt)
             out[f"gemm_{name}"] = gemm_rate(dt)
@@ -318,12 +366,15 @@ def _best_of(rounds: list[dict], key: str, fastest: Callable = max):
     return fastest(values)
 
 
-def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile:
+def calibrate(log: Callable[[str], None] = print, rounds: int = 3, max_wait: float = 60.0
+              ) -> CpuProfile:
     """Measure every rate of :class:`CpuProfile` on this machine.
 
     The machine may be shared: other jobs only ever slow a measurement down, so each rate is
-    the best of ``rounds`` rounds (each round a median of many calls).
+    the best of ``rounds`` rounds (each round a median of many calls), each after waiting for
+    an idle machine -- at most ``max_wait`` seconds in all; the rest measure under load.
     """
+    idle = IdleWait(max_wait)
     cores = os.cpu_count() or 1
     saved = torch.get_num_threads()
     peak: dict[str, dict[int, float]] = {"fp32": {}, "bf16": {}}
@@ -333,7 +384,10 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile
     ce, ce_tp, adam, adam_fused = {}, {}, {}, {}
     try:
         for t in sorted({1, cores}):
-            rs = [run_world(1, _rates, t)[0] for _ in range(rounds)]
+            rs = []
+            for _ in range(rounds):
+                rs.append(run_world(1, _rates, t, idle.left)[0])
+                idle.note(rs[-1]["waited"], rs[-1]["load"])
             for name in ("fp32", "bf16"):
                 peak[name][t] = _best_of(rs, f"peak_{name}")
                 gemm[name][t] = _best_of(rs, f"gemm_{name}")
@@ -357,16 +411,20 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3) -> CpuProfile
         torch.set_num_threads(saved)
     runs = []
     for _ in range(rounds):
-        wait_for_quiet(120)
+        idle.wait()
         runs.append(collectives())
     coll = {op: {n: (min(r[op][n][0] for r in runs), max(r[op][n][1] for r in runs))
                  for n in runs[0][op]} for op in runs[0]}
     for op, by_n in coll.items():
         for n, (lat, b) in by_n.items():
             log(f"  gloo {op} over {n}: latency {lat * 1e6:.0f} us, {b / 1e9:.2f} GB/s")
+    if idle.under_load:
+        log(f"  measured under load: the machine was up to {idle.load:.0%} busy (no idle "
+            f"stretch within --calibrate-wait={max_wait:.0f} s); the rates are low")
     return CpuProfile(cores, peak, gemm, bw, attn, ce, ce_tp, adam, overhead, coll,
                       source=f"meshlm plan --calibrate on {os.uname().nodename}, "
-                             f"{date.today().isoformat()}, torch {torch.__version__}",
+                             f"{date.today().isoformat()}, torch {torch.__version__}"
+                             f"{idle.remark()}",
                       adam_fused=adam_fused)
 
 

@@ -23,7 +23,7 @@ from ..config import Config, ConfigError, training_problems
 from ..layout import Layout
 from .hardware import GIB, Accelerator, get_accelerator
 from .memory import MemoryBreakdown, memory
-from .search import Plan, evaluate, search
+from .search import MAX_WORLD, Plan, evaluate, search, world_problem
 from .workload import (
     DTYPES,
     KERNELS,
@@ -45,7 +45,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Rank parallel layouts of a model on a cluster by predicted tokens/s "
                     "(only those that fit in memory), or break one layout down.")
     p.add_argument("--model", help="preset name or TOML file with the model's dims")
-    p.add_argument("--gpus", type=int, help="number of GPUs (or CPU ranks)")
+    p.add_argument("--gpus", type=int, help=f"number of GPUs (or CPU ranks), 1 to {MAX_WORLD}")
     p.add_argument("--gpu", help="accelerator: a catalogue name (a100-80gb, h100-sxm, ..., cpu) "
                                  "or a TOML file describing one")
     p.add_argument("--seq-len", type=int, default=None,
@@ -75,6 +75,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (matmul, memory, gloo collectives) and store "
                         "the cpu entry")
+    p.add_argument("--calibrate-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="--calibrate: the most time spent in all waiting for an idle machine "
+                        "(default 60); then it measures anyway and says how busy it was")
     p.add_argument("--calibration", default=None,
                    help="calibration file to write (--calibrate) or read (--gpu cpu); default "
                         "~/.cache/meshlm/cpu_calibration.json")
@@ -85,17 +88,11 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
     if args.calibrate:
-        from .calibrate import calibrate, save
-
-        print("calibrating the cpu entry (a few minutes; each round waits for an idle machine) ...")
-        path = save(calibrate(), args.calibration)
-        print(f"stored {path}")
-        return 0
+        return run_calibration(args.calibrate_wait, args.calibration)
     for name in ("model", "gpus", "gpu"):
         if getattr(args, name) is None:
             raise ConfigError(f"meshlm plan needs --{name} (or --calibrate)")
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus={args.gpus} must be >= 1")
+    check_plan_numbers(args)
     spec = load_model_spec(args.model)
     hw = get_accelerator(args.gpu, args.calibration)
     work = build_workload(spec, hw, args.seq_len, args.global_batch_tokens, args.precision,
@@ -109,6 +106,8 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         else:
             print_breakdown(work, hw, plan)
         return 0
+    if why := world_problem(work, args.gpus, hw):
+        raise ConfigError(f"--gpus={args.gpus}: {why}")
     plans = search(work, args.gpus, hw, top=args.top)
     if args.json:
         print(json.dumps({**context(work, hw, args.gpus),
@@ -118,16 +117,43 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
     return 0 if plans else 1
 
 
+def check_plan_numbers(args: argparse.Namespace) -> None:
+    """ConfigError for a count of ``meshlm plan`` out of range (before any work)."""
+    if not 1 <= args.gpus <= MAX_WORLD:
+        raise ConfigError(f"--gpus={args.gpus} must lie in [1, {MAX_WORLD}] (the planner's "
+                          "maximum, 2^24, is beyond any cluster built)")
+    if args.top < 1:
+        raise ConfigError(f"--top={args.top} must be >= 1")
+    for name in ("seq_len", "global_batch_tokens"):
+        if (v := getattr(args, name)) is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={v} must be >= 1")
+
+
+def run_calibration(max_wait: float, path: str | None) -> int:
+    """``meshlm plan --calibrate``: measure, store, say where (and whether under load)."""
+    import math
+
+    if not (math.isfinite(max_wait) and max_wait >= 0):
+        raise ConfigError(f"--calibrate-wait={max_wait} must be a number of seconds >= 0")
+    from .calibrate import calibrate, save
+
+    print(f"calibrating the cpu entry (a few minutes; waits at most {max_wait:.0f} s in all "
+          "for an idle machine) ...")
+    print(f"stored {save(calibrate(max_wait=max_wait), path)}")
+    return 0
+
+
 def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
                    batch_tokens: int | None, precision: str | None, states: str,
                    loss: str = "torch", kernels: str = "eager", optimizer: str = "fused"
                    ) -> Workload:
     c = spec.config
-    seq = seq_len or min(c.max_seq_len, 256 if hw.is_cpu else 2048)
+    seq = seq_len if seq_len is not None else min(c.max_seq_len, 256 if hw.is_cpu else 2048)
     if seq < 1 or seq > c.max_seq_len:
         raise ConfigError(f"--seq-len={seq} must lie in [1, max_seq_len={c.max_seq_len}] of "
                           f"model {c.name}")
-    tokens = batch_tokens or (16 * seq if hw.is_cpu else DEFAULT_BATCH_TOKENS)
+    tokens = batch_tokens if batch_tokens is not None else (
+        16 * seq if hw.is_cpu else DEFAULT_BATCH_TOKENS)
     if tokens < seq:
         raise ConfigError(f"--global-batch-tokens={tokens} is less than one sequence of "
                           f"{seq} tokens")
@@ -330,6 +356,9 @@ def auto_layout(cfg: Config, world_size: int) -> Layout:
 
     def allowed(lo: Layout) -> bool:
         return not training_problems(cfg, lo, model_cfg)
+
+    if why := world_problem(work, world_size, hw):
+        raise ConfigError(f"parallel.auto: {why}")
 
     plans = search(work, world_size, hw, top=1, allowed=allowed)  # recomputation included
     if not plans:

@@ -10,7 +10,11 @@ With ZeRO, ZeRO's group is every divisor ``dp_shard`` of dp (hybrid sharding: sh
 dp_shard x cp ranks, replicated dp / dp_shard times); dp_shard = dp is plain ZeRO.
 AFAB is left out: it has 1F1B's bubble and holds more activations, so it never ranks higher.
 
-Two cuts keep the search fast without losing the best layout. The recomputation modes are
+Three cuts keep the search fast without losing the best layout. The splits of the world
+come from the divisors of the model's dimensions and of the batch, so the work is bounded
+by the model, not by the number of ranks (at most :data:`MAX_WORLD`). A layout whose
+weights, gradients and Adam moments alone overflow the device is dropped with every
+micro-batch and recomputation mode (neither changes them). The recomputation modes are
 tried from least to most recomputation (none, selective, op, full); each keeps fewer
 activations and recomputes a superset of the one before, except selective (the attention
 core) and op (every other matmul and the elementwise ops), which do not nest. So the first
@@ -82,56 +86,105 @@ def _empty_memory(hw: Accelerator) -> MemoryBreakdown:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` >= 1, ascending, by trial division up to sqrt(n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+# The most ranks the planner splits: 2^24, beyond any cluster built (the largest runs used
+# about 10^5 GPUs); it keeps every divisor enumeration short.
+MAX_WORLD = 2**24
+
+
+def _splits(work: Workload, world: int, hw: Accelerator) -> Iterator[tuple[int, int, int, int]]:
+    """Every (tp, cp, pp, dp) with tp * cp * pp * dp = world that divides the model and batch:
+    tp the heads, KV heads and MLP width (inside a node), cp half the sequence, pp the
+    layers, dp the global batch. Enumerated from the model's divisors, so the work does not
+    grow with the world."""
+    c = work.model.config
+    node = world if hw.is_cpu else hw.gpus_per_node
+    tps = _divisors(math.gcd(c.n_heads, c.n_kv_heads, c.ffn_hidden))
+    cps = _divisors(work.seq_len // 2) if work.seq_len % 2 == 0 else [1]
+    for tp in (t for t in tps if t <= node and world % t == 0):
+        for cp in (x for x in cps if (world // tp) % x == 0):
+            for pp in (x for x in _divisors(c.n_layers) if (world // (tp * cp)) % x == 0):
+                dp = world // (tp * cp * pp)
+                if work.global_batch % dp == 0:
+                    yield tp, cp, pp, dp
+
+
+def largest_world(work: Workload, hw: Accelerator) -> int:
+    """The most ranks any layout of ``work`` can use: the largest tp x cp x pp x dp."""
+    c = work.model.config
+    node = 1 << 62 if hw.is_cpu else hw.gpus_per_node
+    tp = max(t for t in _divisors(math.gcd(c.n_heads, c.n_kv_heads, c.ffn_hidden))
+             if t <= node)
+    cp = work.seq_len // 2 if work.seq_len % 2 == 0 else 1
+    return tp * max(cp, 1) * c.n_layers * work.global_batch
+
+
+def world_problem(work: Workload, world: int, hw: Accelerator) -> str | None:
+    """Why no layout splits ``world`` ranks for ``work`` (None: some split exists)."""
+    if world < 1:
+        return f"{world} ranks: the number must be >= 1"
+    if world > MAX_WORLD:
+        return (f"{world} ranks is more than the planner's maximum of {MAX_WORLD} (2^24, "
+                "beyond any cluster built)")
+    if next(_splits(work, world, hw), None) is not None:
+        return None
+    c = work.model.config
+    most = largest_world(work, hw)
+    rule = (f"tp must divide the {c.n_heads} heads, {c.n_kv_heads} KV heads and MLP width "
+            f"{c.ffn_hidden}{'' if hw.is_cpu else f' within a node of {hw.gpus_per_node}'}, "
+            f"cp half the sequence of {work.seq_len}, pp the {c.n_layers} layers, dp the "
+            f"global batch of {work.global_batch} sequences")
+    if world > most:
+        return (f"{world} ranks is more than model {c.name} can use: at most {most} "
+                f"({rule})")
+    return f"no split of {world} ranks into tp x cp x pp x dp fits model {c.name} ({rule})"
 
 
 def base_layouts(work: Workload, world: int, hw: Accelerator,
                  allowed: Callable[[Layout], bool] | None = None) -> Iterator[Layout]:
     """Every (tp, sp, cp, pp, dp, ep, schedule, vpp, mbs) that divides model and world."""
     c = work.model.config
-    node = world if hw.is_cpu else hw.gpus_per_node
-    for tp in _divisors(world):
-        if tp > node or any(x % tp for x in (c.n_heads, c.n_kv_heads, c.ffn_hidden)):
-            continue
-        for cp in _divisors(world // tp):
-            if work.seq_len % (2 * cp) and cp > 1:
-                continue
-            for pp in _divisors(world // (tp * cp)):
-                if pp > c.n_layers or c.n_layers % pp:
-                    continue
-                dp = world // (tp * cp * pp)
-                if work.global_batch % dp:
-                    continue
-                eps = [e for e in _divisors(dp * cp) if c.moe_experts % e == 0] if c.is_moe else [1]
-                scheds = [("1f1b", 1)]
-                if pp > 1:
-                    per_stage = c.n_layers // pp
-                    scheds += [("interleaved", v) for v in (2, 4, 8) if per_stage % v == 0]
-                    scheds.append(("zb", 1))
-                for ep in eps:
-                    for sp in ([False, True] if tp > 1 else [False]):
-                        for schedule, vpp in scheds:
-                            for mbs in _divisors(work.global_batch // dp):
-                                if mbs > 128:
-                                    break
-                                lo = Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, sp=sp,
-                                            pp_schedule=schedule, pp_virtual=vpp,
-                                            micro_batch=mbs)
-                                if allowed is None or allowed(lo):
-                                    yield lo
+    for tp, cp, pp, dp in _splits(work, world, hw):
+        eps = [e for e in _divisors(c.moe_experts) if (dp * cp) % e == 0] if c.is_moe else [1]
+        scheds = [("1f1b", 1)]
+        if pp > 1:
+            per_stage = c.n_layers // pp
+            scheds += [("interleaved", v) for v in (2, 4, 8) if per_stage % v == 0]
+            scheds.append(("zb", 1))
+        per_replica = work.global_batch // dp
+        mbss = [m for m in range(1, min(128, per_replica) + 1) if per_replica % m == 0]
+        for ep in eps:
+            for sp in ([False, True] if tp > 1 else [False]):
+                for schedule, vpp in scheds:
+                    for mbs in mbss:
+                        lo = Layout(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, sp=sp,
+                                    pp_schedule=schedule, pp_virtual=vpp, micro_batch=mbs)
+                        if allowed is None or allowed(lo):
+                            yield lo
 
 
 def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
            allowed: Callable[[Layout], bool] | None = None,
            recompute: tuple[str, ...] = RECOMPUTE, zero: tuple[int, ...] = (0, 1, 2, 3),
-           tp_overlap: bool = False) -> list[Plan]:
-    """The ``top`` feasible layouts, fastest first (empty when nothing fits).
+           tp_overlap: bool = False, counts: dict[str, int] | None = None) -> list[Plan]:
+    """The ``top`` feasible layouts, fastest first (empty when nothing fits or no layout
+    splits ``world``: :func:`world_problem` says why).
 
     ``tp_overlap`` lets tensor-parallel layouts overlap their collectives with GEMMs -- only
-    to compare with published runs that did; meshlm itself does not.
+    to compare with published runs that did; meshlm itself does not. ``counts`` (when given)
+    receives the work done: ``layouts`` considered, ``memory`` and ``timed`` evaluations.
     """
+    counts = counts if counts is not None else {}
+    counts.update(layouts=0, memory=0, timed=0)
+    if world_problem(work, world, hw):
+        return []
     found: list[Plan] = []
     gpn = None if hw.is_cpu else hw.gpus_per_node
+    hopeless: dict[tuple, bool] = {}  # (layout less micro-batch) -> its states alone overflow
     for base in base_layouts(work, world, hw, allowed):
         for stage in zero:
             if base.pp > 1 and stage > 1:
@@ -139,18 +192,34 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
             # dp_shard = 0: plain ZeRO (all of dp); hybrid sharding needs a ZeRO stage
             shards = [0] + ([d for d in _divisors(base.dp) if d < base.dp] if stage else [])
             for dp_shard in shards:
-                best = _best_recompute(work, world, hw, allowed, recompute, gpn, Layout(
-                    **{**base.as_dict(), "zero": stage, "dp_shard": dp_shard,
-                       "tp_overlap": tp_overlap and base.tp > 1}))
+                lo = Layout(**{**base.as_dict(), "zero": stage, "dp_shard": dp_shard,
+                               "tp_overlap": tp_overlap and base.tp > 1})
+                counts["layouts"] += 1
+                if _states_overflow(work, hw, lo, hopeless, counts):
+                    continue
+                best = _best_recompute(work, world, hw, allowed, recompute, gpn, lo, counts)
                 if best is not None:
                     found.append(best)
     found.sort(key=_rank_key)
     return found[:top]
 
 
+def _states_overflow(work: Workload, hw: Accelerator, lo: Layout, seen: dict[tuple, bool],
+                     counts: dict[str, int]) -> bool:
+    """Whether the weights, gradients and Adam moments alone overflow the device -- then no
+    micro-batch or recomputation fits (the optimizer step holds all of them, and they do not
+    depend on either). Decided once per layout less its micro-batch."""
+    key = tuple(v for k, v in lo.as_dict().items() if k not in ("micro_batch", "recompute"))
+    if key not in seen:
+        counts["memory"] += 1
+        m = memory(work, lo, hw)
+        seen[key] = m.states > m.capacity
+    return seen[key]
+
+
 def _best_recompute(work: Workload, world: int, hw: Accelerator,
                     allowed: Callable[[Layout], bool] | None, recompute: tuple[str, ...],
-                    gpn: int | None, base: Layout) -> Plan | None:
+                    gpn: int | None, base: Layout, counts: dict[str, int]) -> Plan | None:
     """The fastest recomputation mode of ``base`` that fits (module docstring's cut)."""
     best: Plan | None = None
     for rc in recompute:
@@ -160,8 +229,10 @@ def _best_recompute(work: Workload, world: int, hw: Accelerator,
         if lo.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
                        strict=True):
             break
+        counts["memory"] += 1
         mem = memory(work, lo, hw)
         if mem.fits:
+            counts["timed"] += 1
             plan = Plan(lo, mem, step_time(work, lo, hw))
             if best is None or plan.tokens_per_s > best.tokens_per_s:
                 best = plan
