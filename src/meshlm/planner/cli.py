@@ -79,7 +79,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="--calibrate: the most time spent in all waiting for an idle machine "
                         "(default 60); then it measures anyway and says how busy it was")
     p.add_argument("--calibration", default=None,
-                   help="calibration file to write (--calibrate) or read (--gpu cpu); default "
+                   help="calibration file to write (--calibrate; its folder must exist, an "
+                        "existing file is replaced) or read (--gpu cpu); default "
                         "~/.cache/meshlm/cpu_calibration.json")
     p.set_defaults(func=cmd_plan)
 
@@ -135,8 +136,11 @@ def run_calibration(max_wait: float, path: str | None) -> int:
 
     if not (math.isfinite(max_wait) and max_wait >= 0):
         raise ConfigError(f"--calibrate-wait={max_wait} must be a number of seconds >= 0")
+    from ..paths import output_file
     from .calibrate import calibrate, save
 
+    if path is not None:  # (checked now: the measurement takes minutes)
+        output_file(path, "--calibration")
     print(f"calibrating the cpu entry (a few minutes; waits at most {max_wait:.0f} s in all "
           "for an idle machine) ...")
     print(f"stored {save(calibrate(max_wait=max_wait), path)}")
