@@ -71,7 +71,7 @@ NOT_RUN: dict[str, str] = {
      "--run.dir=runs/mn2x2-slurm"): _SRUN,
 }
 
-SUBCOMMANDS = ("train", "info", "generate", "convert", "schedule", "plan", "report")
+SUBCOMMANDS = ("train", "info", "generate", "convert", "schedule", "plan", "report", "prepare")
 _CMD_START = re.compile(r"^(meshlm|make|pip|pip3|python|python3|torchrun|srun|\.venv/bin/\S+)\s")
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[^\n]*$", re.S | re.M)
 TIMEOUT_S = 300
