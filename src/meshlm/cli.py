@@ -1,16 +1,21 @@
 """Command line: ``meshlm train | info | generate | convert | schedule | plan | report``.
 
-User mistakes (config, data path, checkpoint) end with one ``meshlm: error: ...`` line and
-exit status 2, before any worker starts or any file is written; no traceback.
+User mistakes (config, data path, checkpoint, numbers out of range, output paths) end with
+one ``meshlm: error: ...`` line and exit status 2, before any worker starts or any file is
+written; no traceback. Output paths follow :mod:`meshlm.paths`: a FILE's folder must exist
+(``schedule --plot``), a FOLDER is created (``report --out``, ``prepare --out``,
+``convert --to-hf``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import typing
+from pathlib import Path
 
 from . import __version__
 from .checkpoint.state import CheckpointError
@@ -225,6 +230,11 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError("--prompt must not be empty")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature={args.temperature} must be a number >= 0 (0: the "
+                          "most likely token)")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k={args.top_k} must be >= 0 (0: no limit)")
     ckpt = resolve_checkpoint(args.checkpoint)
     tok_path = ckpt / "tokenizer.json"
     if not tok_path.is_file():
@@ -240,7 +250,6 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
     """A meshlm checkpoint -> a Hugging Face folder (LlamaForCausalLM / MixtralForCausalLM),
     one tensor at a time from the sharded files."""
     import shutil
-    from pathlib import Path
 
     from .checkpoint.hf import write_hf
     from .checkpoint.loading import checkpoint_model_config, resolve_checkpoint
@@ -249,19 +258,27 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
 
     if rest:
         raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    from .paths import output_dir
+
     out = Path(args.to_hf).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--to-hf {str(out)!r} already exists and is not an empty folder")
-    if args.max_shard_mb <= 0:
-        raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be positive")
+    output_dir(out, "--to-hf")
+    if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
+        raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be a positive number")
     with ShardedCheckpoint(resolve_checkpoint(args.checkpoint)) as ckpt:
         cfg = checkpoint_model_config(ckpt)
         check_model(ckpt, {n: tuple(p.shape)
                            for n, p in build_model(cfg, device="meta").named_parameters()})
+        created = _first_missing(out)
         try:
             write_hf(out, cfg, ckpt.source("weight"), int(args.max_shard_mb * 2**20))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        except (ValueError, OSError) as e:
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError(f"--to-hf {str(out)!r}: {why}" if isinstance(e, OSError)
+                              else why) from None
         if (ckpt.directory / "tokenizer.json").is_file():
             shutil.copyfile(ckpt.directory / "tokenizer.json", out / "tokenizer.json")
     print(f"wrote {out} ({'Mixtral' if cfg.moe_experts else 'Llama'}ForCausalLM, "
@@ -269,12 +286,20 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+# The most pipeline ranks and (rank, micro-batch, virtual stage) cells ``meshlm schedule``
+# lays out: a table of pp rows and about 3 x microbatches x virtual columns, printed and
+# simulated in about a second.
+MAX_SCHEDULE_PP, MAX_SCHEDULE_CELLS = 128, 4096
+
+
 def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
     """Print (and draw) a pipeline schedule, or draw a run's measured timeline."""
     if rest:
         raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
-    from .viz import draw, schedule_rows, timeline_rows
+    from .paths import output_file
+    from .viz import PLOT_FORMATS, schedule_rows, timeline_rows
 
+    plot = output_file(args.plot, "--plot", PLOT_FORMATS) if args.plot else None
     if args.timeline:
         try:
             rows, head = timeline_rows(args.timeline)
@@ -284,12 +309,11 @@ def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
         total = max(a["end"] for row in rows for a in row)
         print(f"measured {head['schedule']} step over {len(rows)} stages: "
               f"bubble {1 - sum(busy) / (len(rows) * total):.3f}")
-        if args.plot:
-            draw(rows, f"measured {head['schedule']} (pp={len(rows)})", args.plot, "seconds")
-            print(f"wrote {args.plot}")
+        _draw(plot, rows, f"measured {head['schedule']} (pp={len(rows)})", "seconds")
         return 0
     from .parallel.schedules import build_schedule, format_table, simulate
 
+    check_schedule_size(args.pp, args.microbatches, args.virtual)
     try:
         tables = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual)
     except ValueError as e:
@@ -298,24 +322,51 @@ def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
     print(format_table(tables))
     print(f"ideal bubble (F=1, B=2, I=W=1 per stage): {sim['bubble']:.4f}; peak live "
           f"micro-batches per rank: {sim['peak_live']}")
-    if args.plot:
-        v = f", v={args.virtual}" if args.virtual > 1 else ""
-        draw(schedule_rows(sim), f"{args.schedule} (pp={args.pp}, m={args.microbatches}{v}): "
-             f"bubble {sim['bubble']:.3f}", args.plot, "time (forward of one stage = 1)")
-        print(f"wrote {args.plot}")
+    v = f", v={args.virtual}" if args.virtual > 1 else ""
+    _draw(plot, schedule_rows(sim), f"{args.schedule} (pp={args.pp}, m={args.microbatches}"
+          f"{v}): bubble {sim['bubble']:.3f}", "time (forward of one stage = 1)")
     return 0
+
+
+def check_schedule_size(pp: int, microbatches: int, virtual: int) -> None:
+    """ConfigError for a schedule too large to print (:data:`MAX_SCHEDULE_CELLS`)."""
+    if pp > MAX_SCHEDULE_PP:
+        raise ConfigError(f"--pp={pp} is more than the {MAX_SCHEDULE_PP} ranks a printed "
+                          "schedule shows")
+    cells = max(pp, 1) * max(microbatches, 1) * max(virtual, 1)
+    if cells > MAX_SCHEDULE_CELLS:
+        raise ConfigError(f"--pp={pp} x --microbatches={microbatches} x --virtual={virtual} "
+                          f"= {cells} is more than the {MAX_SCHEDULE_CELLS} cells a printed "
+                          "schedule shows")
+
+
+def _draw(plot: Path | None, rows: list[list[dict]], title: str, unit: str) -> None:
+    """``--plot``: draw ``rows`` into the checked path (nothing when not asked)."""
+    if plot is None:
+        return
+    from .viz import draw
+
+    try:
+        draw(rows, title, plot, unit)
+    except OSError as e:
+        raise ConfigError(f"--plot {str(plot)!r}: cannot write it ({e.strerror or e})") from None
+    print(f"wrote {plot}")
 
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     """PNG plots and one self-contained HTML page of a run directory."""
     if rest:
         raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
+    from .paths import output_dir
     from .train.report import ReportError, write_report
 
+    out = output_dir(args.out, "--out") if args.out else None
     try:
-        files = write_report(args.run_dir, args.out)
+        files = write_report(args.run_dir, out)
     except ReportError as e:
         raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"cannot write the report of {args.run_dir}: {e}") from None
     print(f"wrote {len(files) - 1} figure(s): {', '.join(f.name for f in files[:-1]) or '-'}")
     print(f"report: {files[-1]}")
     return 0
@@ -331,18 +382,35 @@ def cmd_prepare(args: argparse.Namespace, rest: list[str]) -> int:
     if args.vocab_size is not None and args.vocab_size < 260:
         raise ConfigError(f"--vocab-size={args.vocab_size} must be >= 260 (256 bytes + "
                           "special tokens)")
-    if args.unit_mb <= 0:
-        raise ConfigError(f"--unit-mb={args.unit_mb} must be > 0")
+    if not (math.isfinite(args.unit_mb) and args.unit_mb > 0):
+        raise ConfigError(f"--unit-mb={args.unit_mb} must be a number > 0")
     from pathlib import Path
 
     from .data.prepare import prepare, summary
 
-    result = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
-                     vocab_size=args.vocab_size or 4096, workers=args.workers,
-                     text_field=args.text_field, val_fraction=args.val_fraction,
-                     unit_bytes=int(args.unit_mb * 2**20), progress=not args.quiet)
+    created = _first_missing(Path(args.out).expanduser())
+    try:
+        result = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
+                         vocab_size=args.vocab_size or 4096, workers=args.workers,
+                         text_field=args.text_field, val_fraction=args.val_fraction,
+                         unit_bytes=int(args.unit_mb * 2**20), progress=not args.quiet)
+    except ConfigError:  # (a bad input found on the way: the folders this call made go)
+        if created is not None:
+            import shutil
+
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     print(summary(result, Path(args.out)))
     return 0
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (None: it exists)."""
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -364,7 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "into a sharded dataset folder for training (data.path, data.mix)")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files or folders (text, .jsonl[.gz|.zst], .parquet, save_to_disk)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the dataset folder to write")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="the dataset folder to write, created if missing (an unfinished one "
+                        "of the same command resumes, a finished one is kept; other files "
+                        "there: refused)")
     p.add_argument("--tokenizer", metavar="FILE", help="a Hugging Face tokenizer.json "
                    "(default: train a byte-level BPE on the train documents)")
     p.add_argument("--vocab-size", type=int, metavar="N",
@@ -395,30 +466,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", help="afab | 1f1b | interleaved | zb")
     p.add_argument("--virtual", type=int, default=1, help="virtual stages per rank (interleaved)")
     p.add_argument("--timeline", help="a run dir: draw its measured last step instead")
-    p.add_argument("--plot", help="PNG file to write")
+    p.add_argument("--plot", metavar="FILE",
+                   help="image to write: .png, .svg, .pdf or .jpg (its folder must exist; "
+                        "an existing file of that name is replaced)")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("generate", help="sample text from a trained model")
     p.add_argument("--checkpoint", required=True, help="run dir or checkpoint dir")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=120)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature (default 0.8; 0: always the most likely token)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k most likely tokens (default 50; 0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("convert", help="export a checkpoint as a Hugging Face model folder")
     p.add_argument("checkpoint", help="run dir or checkpoint dir")
     p.add_argument("--to-hf", required=True, metavar="OUT",
-                   help="new folder: config.json + safetensors (LlamaForCausalLM or "
-                        "MixtralForCausalLM)")
+                   help="new (or empty) folder, created if missing: config.json + "
+                        "safetensors (LlamaForCausalLM or MixtralForCausalLM)")
     p.add_argument("--max-shard-mb", type=float, default=5120,
                    help="split the weights into files of at most this size (default 5120)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("report", help="plots (PNG) and one HTML page of a training run")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (run.dir)")
-    p.add_argument("--out", metavar="DIR", help="where to write them (default RUN_DIR/report)")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder to write them into, created if missing; a previous report "
+                        "there is replaced (default RUN_DIR/report)")
     p.set_defaults(func=cmd_report)
     return parser
 

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 
 COLORS = {"F": "#4c78a8", "B": "#54a24b", "I": "#88d27a", "W": "#f58518"}
+# what ``meshlm schedule --plot`` writes, by the file's suffix
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 
 
 def draw(rows: list[list[dict]], title: str, path: str | Path, unit: str = "time") -> None:
@@ -49,8 +51,19 @@ def draw(rows: list[list[dict]], title: str, path: str | Path, unit: str = "time
               loc="upper center", bbox_to_anchor=(0.5, -0.35 if n < 4 else -0.18), fontsize=7,
               ncol=4, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        _write_figure(fig, Path(path), 120)
+    finally:
+        plt.close(fig)
+
+
+def _write_figure(fig, path: Path, dpi: int) -> None:  # noqa: ANN001
+    """Save ``fig`` in the format of ``path``'s suffix, replacing an existing file only once
+    the new one is complete."""
+    from .paths import replace_atomically
+
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=fmt))
 
 
 def schedule_rows(sim: dict) -> list[list[dict]]:
@@ -62,12 +75,19 @@ def schedule_rows(sim: dict) -> list[list[dict]]:
 def timeline_rows(run_dir: str | Path) -> tuple[list[list[dict]], dict]:
     """Measured rows of a run (one rank per pipeline position) and the first file's header."""
     files = sorted(Path(run_dir, "timeline").glob("rank_*.json"))
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"--timeline {str(run_dir)!r} is not a run directory")
     if not files:
         raise FileNotFoundError(f"{run_dir} has no timeline/rank_*.json (train with parallel.pp > 1)")
     by_pp: dict[int, dict] = {}
     for f in files:
-        rec = json.loads(f.read_text())
-        by_pp.setdefault(rec["pp_rank"], rec)  # lowest global rank of each pipeline position
+        try:
+            rec = json.loads(f.read_text())
+            by_pp.setdefault(rec["pp_rank"], rec)  # lowest global rank of each pipeline position
+            if not rec["actions"]:
+                raise ValueError("no actions")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise FileNotFoundError(f"{f} is not a timeline meshlm wrote ({e})") from None
     rows = [by_pp[r]["actions"] for r in sorted(by_pp)]
     return rows, by_pp[min(by_pp)]
 
@@ -89,8 +109,10 @@ def _pyplot():  # noqa: ANN202
 
 def _save(fig, path: str | Path) -> None:  # noqa: ANN001
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    try:
+        _write_figure(fig, Path(path), 110)
+    finally:
+        _pyplot().close(fig)
 
 
 def plot_loss(train: list[tuple[float, float]], val: list[tuple[float, float]],
