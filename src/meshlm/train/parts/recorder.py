@@ -209,7 +209,14 @@ class Recorder:
                  f"{device.type} x{env['threads']} thread(s) per rank")
         self.log(f"layout: {self.mesh.describe()}, zero {c.parallel.zero}, "
                  f"engine {type(self.engine).__name__}, precision {c.precision.dtype}")
-        self.log(f"model {c.model.preset}: {mc.num_params() / 1e6:.2f} M parameters, "
+        from ...models.presets import PRESETS
+
+        preset = PRESETS.get(c.model.preset)
+        vocab = f"vocabulary {mc.vocab_size}"
+        if preset is not None and preset.vocab_size != mc.vocab_size and not c.model.init_from:
+            # (`meshlm info` counts the preset's own vocabulary)
+            vocab += f" from the tokenizer; meshlm info counts the preset's {preset.vocab_size}"
+        self.log(f"model {c.model.preset}: {mc.num_params() / 1e6:.2f} M parameters ({vocab}), "
                  f"{self.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}")
         self.log(f"batch: {c.train.global_batch} x {c.data.seq_len} tokens/step, "
                  f"micro-batch {c.train.micro_batch}, accumulation {c.grad_accum}")
