@@ -128,6 +128,7 @@ CASES = [
     (["info", "--seq-len", "-1"], "--seq-len=-1 must be >= 1"),
     (["info", "--seq-len", "abc"], "argument --seq-len: invalid int value: 'abc'"),
     (["prepare", "missing.txt", "--out", "ds"], "missing.txt"),
+    (["prepare", "empty.txt", "--out", "new/ds", "--quiet"], "empty.txt holds no documents"),
     (["prepare", "notes.txt", "--out", "full"], "full"),
     (["prepare", "notes.txt", "--out", "notes.txt/ds"], "notes.txt"),
     (["prepare", "notes.txt", "--out", "ds", "--vocab-size", "10"], "--vocab-size=10 must be"),
@@ -140,6 +141,9 @@ CASES = [
     (["train", "bad.toml"], "bad.toml"),
     (["train", "--model.preset=tiny", "--parallel.dp=10000000", "--parallel.auto=true",
       "--dry-run"], "10000000"),
+    (["train", "--model.preset=tiny", "--parallel.dp=99999999999", "--parallel.auto=true",
+      "--train.global_batch=99999999999", "--dry-run"],
+     "parallel.auto: 99999999999 ranks is more than the planner's maximum of 16777216"),
 ]
 
 

@@ -386,7 +386,7 @@ def calibrate(log: Callable[[str], None] = print, rounds: int = 3, max_wait: flo
         for t in sorted({1, cores}):
             rs = []
             for _ in range(rounds):
-                rs.append(run_world(1, _rates, t, idle.left)[0])
+                rs.append(run_world(1, _rates, t, idle.left, timeout=300.0 + idle.left)[0])
                 idle.note(rs[-1]["waited"], rs[-1]["load"])
             for name in ("fp32", "bf16"):
                 peak[name][t] = _best_of(rs, f"peak_{name}")

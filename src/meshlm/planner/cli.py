@@ -143,7 +143,12 @@ def run_calibration(max_wait: float, path: str | None) -> int:
         output_file(path, "--calibration")
     print(f"calibrating the cpu entry (a few minutes; waits at most {max_wait:.0f} s in all "
           "for an idle machine) ...")
-    print(f"stored {save(calibrate(max_wait=max_wait), path)}")
+    try:
+        profile = calibrate(max_wait=max_wait)
+    except TimeoutError as e:  # (a round's processes are given 300 s beyond the wait)
+        raise ConfigError(f"calibration gave up: {e}; the machine is too busy to measure, "
+                          "nothing was stored") from None
+    print(f"stored {save(profile, path)}")
     return 0
 
 
