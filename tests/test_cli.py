@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.cli import build_parser
+from meshlm.cli import build_parser, main
 
 MESHLM = Path(sys.executable).parent / "meshlm"  # the installed console script
 
@@ -56,6 +56,17 @@ def test_info_lists_presets() -> None:
     assert rows["mixtral-8x7b"]["active_params"] < rows["mixtral-8x7b"]["params"]
     table = run("info")
     assert table.returncode == 0 and "llama3-405b" in table.stdout and "8.03 B" in table.stdout
+    # which vocabulary the counts use, and that training uses the tokenizer's
+    assert rows["tiny"]["vocab"] == 512 and "tokenizer's" in table.stdout
+
+
+def test_an_override_value_may_hold_spaces(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse would take ``--run.sample_prompt=The licensee`` for the config file."""
+    assert main(["train", "--run.sample_prompt=The licensee", "--model.preset=tiny",
+                 "--dry-run"]) == 0
+    assert 'sample_prompt = "The licensee"' in capsys.readouterr().out
+    assert main(["train", "--run.sample_prompt", "two words", "--dry-run"]) == 0
+    assert 'sample_prompt = "two words"' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

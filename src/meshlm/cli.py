@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -36,6 +37,31 @@ def _split_overrides(rest: list[str]) -> list[str]:
         out.append(item)
         i += 1
     return out
+
+
+_OVERRIDE = re.compile(r"--[A-Za-z_]\w*\.[\w.]+(=.*)?", re.S)
+
+
+def _pull_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without its ``--section.key[=value]`` overrides, the overrides) for ``train``.
+
+    argparse takes a word that starts with ``--`` but holds a space (``--run.sample_prompt=The
+    licensee``) for a positional -- the config file -- so overrides are set aside before it
+    parses; a ``--section.key value`` pair keeps its value word."""
+    if not argv or argv[0] != "train":
+        return argv, []
+    kept, pulled, i = [], [], 0
+    while i < len(argv):
+        word = argv[i]
+        if _OVERRIDE.fullmatch(word):
+            pulled.append(word)
+            if "=" not in word and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                pulled.append(argv[i + 1])
+                i += 1
+        else:
+            kept.append(word)
+        i += 1
+    return kept, pulled
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,6 +218,7 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
             "preset": name, "params": mc.num_params(), "active_params": mc.num_params(active=True),
             "layers": mc.n_layers, "dim": mc.dim, "heads": mc.n_heads, "kv_heads": mc.n_kv_heads,
             "experts": mc.moe_experts, "flops_per_token": mc.flops_per_token(args.seq_len),
+            "vocab": mc.vocab_size,
         })
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -200,15 +227,19 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
     from rich.table import Table
 
     table = Table(title=f"meshlm {__version__} presets (training FLOPs/token at seq {args.seq_len})")
-    for col in ("preset", "params", "active", "layers", "dim", "heads/kv", "experts", "FLOPs/token"):
+    table.caption = ("params at each preset's vocabulary (vocab); meshlm train sizes the "
+                     "embedding and head to its tokenizer's (the default corpus: 4096 ids)")
+    cols = ("preset", "params", "active", "vocab", "layers", "dim", "heads/kv", "experts",
+            "FLOPs/token")
+    for col in cols:
         table.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
-            r["preset"], _human(r["params"]), _human(r["active_params"]), str(r["layers"]),
-            str(r["dim"]), f"{r['heads']}/{r['kv_heads']}", str(r["experts"] or "-"),
-            _human(r["flops_per_token"]),
+            r["preset"], _human(r["params"]), _human(r["active_params"]), f"{r['vocab']:,}",
+            str(r["layers"]), str(r["dim"]), f"{r['heads']}/{r['kv_heads']}",
+            str(r["experts"] or "-"), _human(r["flops_per_token"]),
         )
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
     return 0
 
 
@@ -502,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, overrides = _pull_overrides(list(sys.argv[1:] if argv is None else argv))
     args, rest = parser.parse_known_args(argv)
+    rest = overrides + rest
     from .distributed.flight import CollectiveFailure
     from .launch import WorkerFailure
     from .train.nonfinite import NonFiniteError
