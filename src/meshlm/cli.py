@@ -161,6 +161,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
             shutdown_worker(wait_for_peers=ended_well)
         if world.rank == 0:
             _say_how_to_resume(result, argv_rest=rest, config=args.config)
+        _leave_world()
     elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent
         from pathlib import Path
 
@@ -175,6 +176,17 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     else:
         _say_how_to_resume(train(cfg), argv_rest=rest, config=args.config)
     return 0
+
+
+def _leave_world() -> typing.NoReturn:
+    """End a rank of a torchrun / SLURM world whose run completed: output flushed, then the
+    process exits at once. Its process group is destroyed and its peers have left
+    (``shutdown_worker``); what is left are C++ objects of torch.distributed (store clients,
+    gloo threads) whose destructors at interpreter exit can abort a complete run
+    ("terminate called without an active exception") when the rendezvous host has gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _say_how_to_resume(result, argv_rest: list[str], config: str | None) -> None:  # noqa: ANN001
