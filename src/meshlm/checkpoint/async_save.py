@@ -119,6 +119,9 @@ class HostCopy:
             with torch.cuda.stream(self.stream):
                 copied = {k: self._buffer(k, t).copy_(t, non_blocking=True)
                           for k, t in contents.tensors.items() if k in pieces}
+            for k in pieces:  # (a temporary source is not reused before its copy ran)
+                if contents.tensors[k].is_cuda:
+                    contents.tensors[k].record_stream(self.stream)
             self.done = self.stream.record_event()
             torch.cuda.current_stream().wait_stream(self.stream)  # (no update before the copy)
         else:
@@ -145,6 +148,9 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.in_flight: int | None = None  # the step being written
+        # the last save's writer times on this rank (seconds): its file, the agreement that
+        # every file is on disk, the completion (index, rename; rank 0)
+        self.times: dict[str, float] = {}
 
     @property
     def host_bytes(self) -> int:
@@ -194,7 +200,7 @@ class AsyncSaver:
         try:
             if self.group is not None:
                 dist.barrier(group=self.group)  # rank 0 made the folder
-            ok = 1
+            ok, t0 = 1, time.perf_counter()
             try:
                 self.host.ready()
                 slow_if_asked(step)
@@ -202,11 +208,12 @@ class AsyncSaver:
                 kill_if_asked("MESHLM_FAULT_KILL_IN_SAVE", step, mesh.rank, mesh.world_size)
             except Exception as e:  # (told to the others; raised on this rank's main thread)
                 ok, self._error = 0, e
+            t1 = time.perf_counter()
             if not self._agree(ok, dist.ReduceOp.MIN):
                 self._error = self._error or RuntimeError("another rank could not write its "
                                                           "file")
                 return
-            done = 0
+            done, t2 = 0, time.perf_counter()
             if mesh.rank == 0:
                 try:
                     complete_checkpoint(root, step, mesh.world_size, mesh.describe(), state,
@@ -216,5 +223,7 @@ class AsyncSaver:
                     self._error = e
             if not self._agree(done, dist.ReduceOp.MAX) and self._error is None:
                 self._error = RuntimeError("rank 0 could not complete it")
+            self.times = {"write_s": t1 - t0, "agree_s": t2 - t1,
+                          "complete_s": time.perf_counter() - t2}
         except Exception as e:  # a side collective failed (a peer died)
             self._error = self._error or e
