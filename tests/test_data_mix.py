@@ -108,7 +108,7 @@ def test_training_on_a_mixture_matches_one_process_and_resumes_exactly(
     train(load_config(None, [*base, f"--run.dir={refs['cp2-doc-mask']}",
                              "--data.doc_mask=true"]), log=lambda _m: None, progress=False)
     runs = [[*args, f"--run.dir={tmp_path / name}"] for name, args in RUNS.items()]
-    results = run_world(2, train_runs, base, runs, timeout=600)[0]
+    results = run_world(2, train_runs, base, runs)[0]
     for (name, _), got in zip(RUNS.items(), results, strict=True):
         ref = _losses(refs[name])
         assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1)), name

@@ -233,7 +233,7 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
         train(load_config(None, base + extra + [f"--run.dir={refs[key]}"]),
               log=lambda _m: None, progress=False)
     runs = [[*args, f"--run.dir={root / name}"] for name, _, args, *_ in LAYOUTS]
-    results = run_world(2, train_runs, base, runs, timeout=900)[0]
+    results = run_world(2, train_runs, base, runs)[0]
     losses = dict(zip([name for name, *_ in LAYOUTS], results, strict=True))
     return root, refs, losses
 

@@ -85,7 +85,7 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
     saved = {"saved": [*HSDP, "--parallel.zero=3", "--train.micro_batch=2"],
              "saved-plain": [*DP2_TP2, "--parallel.zero=1", "--train.micro_batch=4"]}
     runs += [[*args, *CKPT, f"--run.dir={root / name}"] for name, args in saved.items()]
-    results = run_world(4, train_runs, base, runs, timeout=600)[0]
+    results = run_world(4, train_runs, base, runs)[0]
     names = [name for name, _, _ in LAYOUTS] + list(saved)
     losses = dict(zip(names, results, strict=True))
     return base, root, refs, losses

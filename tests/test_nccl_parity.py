@@ -64,7 +64,7 @@ def test_every_p2p_and_handle_layout_matches_one_process_under_nccl_rules(
         refs[key] = (res.losses, final_weights(run_dir))
     runs = [[*args, f"--run.dir={tmp_path / name}"] for name, _, args in LAYOUTS]
     monkeypatch.setenv(nccl_semantics.ENV, "1")  # the spawned ranks inherit it
-    results = run_world(4, train_runs, base, runs, timeout=600)[0]
+    results = run_world(4, train_runs, base, runs)[0]
     for (name, key, _), losses in zip(LAYOUTS, results, strict=True):
         ref_losses, ref_weights = refs[key]
         if key == "sgd":  # DiLoCo: rank 0's loss is its island's; the mean is outer_loss

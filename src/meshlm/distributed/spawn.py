@@ -40,10 +40,12 @@ def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: flo
             dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args, timeout: float = 300.0) -> list:  # noqa: ANN001
+def run_world(world: int, fn, *args, timeout: float = 1800.0) -> list:  # noqa: ANN001
     """Run ``fn(*args)`` on ``world`` gloo ranks (spawned, one thread each); rank-ordered results.
 
     ``fn`` must be importable (module level). A failing rank raises here with its traceback.
+    ``timeout`` guards against a hang, not a slow machine: a world of many training runs on a
+    loaded 2-core machine takes several times its idle time, so the default is generous.
     """
     import queue as queue_mod
 
