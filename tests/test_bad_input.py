@@ -20,19 +20,10 @@ import pytest
 from meshlm.cli import main
 from meshlm.config import DataSection
 from meshlm.data import build_data
+from meshlm.testing import cli
 
 MESHLM = Path(sys.executable).parent / "meshlm"
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
-
-
-def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
-    """(exit status, stderr lines) of ``meshlm argv`` run in this process."""
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    return rc, capsys.readouterr().err.strip().splitlines()
 
 
 def assert_one_line(rc: int, lines: list[str], message: str) -> None:

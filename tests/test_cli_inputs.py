@@ -21,16 +21,7 @@ from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.memory import stage_memory
 from meshlm.planner.search import MAX_WORLD, base_layouts, search, world_problem
 from meshlm.planner.workload import ModelSpec
-
-
-def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
-    """(exit status, stderr lines) of ``meshlm argv`` run in this process."""
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's own errors
-        rc = e.code
-    return rc, capsys.readouterr().err.strip().splitlines()
+from meshlm.testing import cli
 
 
 def snapshot(root: Path) -> dict[str, bytes | None]:

@@ -79,3 +79,16 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:  # noqa: ANN001
     from .checkpoint.loading import load_model
 
     return {n: p.detach() for n, p in load_model(run_dir).named_parameters()}
+
+
+def cli(argv: list[str], capsys) -> tuple[int, list[str]]:  # noqa: ANN001
+    """(exit status, stderr lines) of ``meshlm argv`` run in this process (``capsys``: pytest's
+    capture fixture)."""
+    from .cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    return rc, capsys.readouterr().err.strip().splitlines()
