@@ -1,9 +1,9 @@
 """Hybrid sharding (``parallel.dp_shard`` < dp, HSDP) against the one-process reference.
 
-One spawned world of 4 runs every layout in turn: dp 4 sharded 2 ways under ZeRO-1/2/3 (with
-gradient accumulation), and shard groups of one rank (dp 2, dp_shard 1) composed with tp + sp,
-pp (ZeRO-1 and 3), cp (the shard group is dp_shard x cp), experts (dp 4, dp_shard 2, ep 2) and
-DiLoCo islands. Each must reproduce the reference's losses, gradient norms and final weights
+One spawned world of 4 runs dp 4 sharded 2 ways under ZeRO-1/2/3 (with gradient accumulation),
+cp (dp 2, dp_shard 1: the shard group is dp_shard x cp) and experts (dp 4, dp_shard 2, ep 2);
+one world of 8 composes dp 4 dp_shard 2 (shard groups of two ranks, two replicas) with tp + sp,
+pp (ZeRO-1 and 3) and DiLoCo islands. Each must reproduce the reference's losses, gradient norms and final weights
 (fp32, relative 1e-5, as the other parity tests); each rank must hold 1/dp_shard of the
 one-process state where ZeRO shards it; the comm log must show gradient shards all-reduced
 across the replicas (dp_rep) once per step and parameters gathered within the shard group
@@ -37,12 +37,6 @@ LAYOUTS = [
     ("zero2", "dense", [*HSDP, "--parallel.zero=2", "--train.micro_batch=1"]),
     ("zero3", "dense", [*HSDP, "--parallel.zero=3", "--train.micro_batch=1"]),
     ("zero3-plain", "dense", ["--parallel.dp=4", "--parallel.zero=3", "--train.micro_batch=1"]),
-    ("tp2-sp-zero3", "dense", [*ONE, "--parallel.tp=2", "--parallel.sp=true",
-                               "--parallel.zero=3", "--train.micro_batch=2"]),
-    ("pp2-zero1", "dense", [*ONE, "--parallel.pp=2", "--parallel.zero=1",
-                            "--train.micro_batch=2"]),
-    ("pp2-zero3", "dense", [*ONE, "--parallel.pp=2", "--parallel.zero=3",
-                            "--train.micro_batch=2"]),
     ("cp2-zero2", "dense", [*ONE, "--parallel.cp=2", "--parallel.zero=2",
                             "--train.micro_batch=2"]),
     ("ep2-zero1", "moe", [*HSDP, "--parallel.ep=2", "--parallel.zero=1",
@@ -51,8 +45,17 @@ LAYOUTS = [
                           "--model.preset=tiny-moe", "--train.micro_batch=2"]),
     ("zero2-disk", "dense", [*HSDP, "--parallel.zero=2", "--parallel.offload=disk",
                              "--train.micro_batch=2"]),
-    ("islands2", "sgd", ["--parallel.islands=2", *ONE, "--parallel.zero=2",
-                         "--train.micro_batch=2", *SGD_SYNC]),
+]
+# (name, reference, arguments) -- the world is 8 ranks: dp 4 in shard groups of 2, times 2
+LAYOUTS_8 = [
+    ("tp2-sp-zero3", "dense", [*HSDP, "--parallel.tp=2", "--parallel.sp=true",
+                               "--parallel.zero=3", "--train.micro_batch=2"]),
+    ("pp2-zero1", "dense", [*HSDP, "--parallel.pp=2", "--parallel.zero=1",
+                            "--train.micro_batch=1"]),
+    ("pp2-zero3", "dense", [*HSDP, "--parallel.pp=2", "--parallel.zero=3",
+                            "--train.micro_batch=1"]),
+    ("islands2", "sgd", ["--parallel.islands=2", *HSDP, "--parallel.zero=2",
+                         "--train.micro_batch=1", *SGD_SYNC]),
 ]
 CKPT = ["--train.steps=6", "--train.checkpoint_every=3"]
 DP2_TP2 = ["--parallel.dp=2", "--parallel.tp=2"]
@@ -71,8 +74,8 @@ def base_args(corpus: Path, cache: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Every layout in one world of 4 (and the run a checkpoint is cut from), the
-    one-process references in this process."""
+    """The layouts in a world of 4 (with the runs checkpoints are cut from) and a world of 8,
+    the one-process references in this process."""
     root = tmp_path_factory.mktemp("hsdp")
     base = base_args(corpus_dir, cache_dir)
     refs = {}
@@ -86,7 +89,9 @@ def world(corpus_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
              "saved-plain": [*DP2_TP2, "--parallel.zero=1", "--train.micro_batch=4"]}
     runs += [[*args, *CKPT, f"--run.dir={root / name}"] for name, args in saved.items()]
     results = run_world(4, train_runs, base, runs)[0]
-    names = [name for name, _, _ in LAYOUTS] + list(saved)
+    results += run_world(8, train_runs, base,
+                         [[*args, f"--run.dir={root / name}"] for name, _, args in LAYOUTS_8])[0]
+    names = [name for name, _, _ in LAYOUTS] + list(saved) + [name for name, _, _ in LAYOUTS_8]
     losses = dict(zip(names, results, strict=True))
     return base, root, refs, losses
 
@@ -100,7 +105,7 @@ def n_params(run_dir: Path) -> tuple[int, int]:
 
 def test_layouts_match_one_process(world) -> None:  # noqa: ANN001
     _, root, refs, losses = world
-    for name, key, _ in LAYOUTS:
+    for name, key, _ in LAYOUTS + LAYOUTS_8:
         ref = {r["step"]: r for r in read_metrics(refs[key] / "metrics.jsonl")}
         records = {r["step"]: r for r in read_metrics(root / name / "metrics.jsonl")}
         got = losses[name]
@@ -154,6 +159,13 @@ def test_shards_are_reduced_across_replicas_once_per_step(world) -> None:  # noq
             gathered = 4 * psi if zero < 3 else 4 * (psi + psi_layers) * accum
             assert gathered <= got["all_gather/dp_shard"] <= gathered + 4 * 64 * 2 * accum
             assert got["all_reduce/dp"] == 8  # the squared gradient norm
+    # composed with tp + sp, pp and islands: shard groups of two ranks, two replicas
+    for name, _, _ in LAYOUTS_8:
+        for rec in read_metrics(root / name / "metrics.jsonl"):
+            got = rec["comm_bytes"]
+            assert got["all_reduce/dp_rep"] * 2 == got["reduce_scatter/dp_shard"] > 0, (name, got)
+            gathers = {k for k in got if k.startswith("all_gather/") and k != "all_gather/tp"}
+            assert gathers == {"all_gather/dp_shard"}, (name, got)
     # with the shard group x cp, and the expert groups (edp_shard, replicas on dp_rep)
     cp = read_metrics(root / "cp2-zero2" / "metrics.jsonl")[-1]["comm_bytes"]
     assert cp["all_reduce/dp_rep"] * 2 * 2 == cp["reduce_scatter/dp_shard_cp"]

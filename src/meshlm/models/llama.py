@@ -255,13 +255,19 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # an empty table: init_weights sets every weight (nn.Embedding's own normal_ on the meta
+        # device would import torch._dynamo, ~2 s per process)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim,
+                                           _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.hd, cfg.max_seq_len, cfg.rope_theta)  # (sin sign-folded)
+        if torch.get_default_device().type == "meta":  # shapes only: build_buffers makes them
+            cos, sin = torch.empty(cfg.max_seq_len, cfg.hd), torch.empty(cfg.max_seq_len, cfg.hd)
+        else:
+            cos, sin = rope_tables(cfg.hd, cfg.max_seq_len, cfg.rope_theta)  # (sin sign-folded)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Context parallelism sets this: (tokens held, device) -> their global positions, or

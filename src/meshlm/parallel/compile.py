@@ -98,13 +98,32 @@ class GradOnly:
 
 def compile_fn(fn: Callable[..., Any]) -> GradOnly:
     """``fn`` compiled for the training step (static shapes), eager elsewhere."""
+    _prepare_eager_calls()
     return GradOnly(fn, torch.compile(fn, dynamic=False))
 
 
-@torch.compiler.disable
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+# ``torch.compiler.disable(_call)``, made when something is first compiled (with the float8
+# matmul allowed in graphs): doing it at import would import torch._dynamo (about 2 s) into
+# every process, compiled or not.
+_DISABLED_CALL: Callable[..., Any] | None = None
+
+
+def _prepare_eager_calls() -> None:
+    global _DISABLED_CALL
+    if _DISABLED_CALL is None:
+        from .float8 import allow_in_compiled_graphs
+
+        _DISABLED_CALL = torch.compiler.disable(_call)
+        allow_in_compiled_graphs()
+
+
 def eager_call(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` run eagerly from inside a compiled graph (one graph break around it)."""
-    return fn(*args)
+    return (_DISABLED_CALL or _call)(fn, *args)
 
 
 class Uncompiled(nn.Module):

@@ -202,7 +202,6 @@ def weight_grad(x: torch.Tensor, dy: torch.Tensor, plan: Fp8Plan,
     return torch.mm(cast(dy2, "dy_dw", plan, scales[0]).t(), cast(x2, "x_dw", plan, scales[1]))
 
 
-@torch._dynamo.allow_in_graph
 class _Float8Matmul(torch.autograd.Function):
     """``x W^T`` with all three matmuls in float8 (module docstring). A tensorwise scale is
     computed once per tensor: ``W``'s and ``x``'s are kept from forward for backward (one
@@ -398,6 +397,12 @@ def defer_weight_grads(module: nn.Module, compiled: bool = False) -> dict[int, F
     return found
 
 
-__all__ = ["FP8_LINEARS", "RECIPES", "Float8Linear", "Fp8Plan", "cast", "defer_weight_grads",
-           "make_plan", "plain_linear", "require_torchao", "scale_of", "set_block_precision",
-           "shares_scale", "split_linear", "torchao_available", "weight_grad"]
+def allow_in_compiled_graphs() -> None:
+    """Let dynamo put the float8 matmul in a graph as one call (``allow_in_graph``); called
+    before anything is compiled, not at import, which would import torch._dynamo everywhere."""
+    torch._dynamo.allow_in_graph(_Float8Matmul)
+
+
+__all__ = ["FP8_LINEARS", "RECIPES", "Float8Linear", "Fp8Plan", "allow_in_compiled_graphs",
+           "cast", "defer_weight_grads", "make_plan", "plain_linear", "require_torchao", "scale_of",
+           "set_block_precision", "shares_scale", "split_linear", "torchao_available", "weight_grad"]
