@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from meshlm.checkpoint import validate
 from meshlm.config import load_config
-from meshlm.testing import command_env, final_weights, run_world
+from meshlm.testing import HANG_GUARD_S, command_env, final_weights, run_world
 from meshlm.train.trainer import Trainer, train
 
 STEPS, EVERY, CUT = 8, 2, 4
@@ -230,7 +230,7 @@ def test_sigkill_of_the_writer_leaves_the_previous_checkpoint_latest(
     run, ref = tmp_path / "run", tmp_path / "ref"
     args = [*one, "--checkpoint.async=true", f"--run.dir={run}"]
     killed = subprocess.run([str(MESHLM), "train", *args], capture_output=True, text=True,
-                            timeout=300, env=command_env({"MESHLM_FAULT_KILL_IN_SAVE": "4"}))
+                            timeout=HANG_GUARD_S, env=command_env({"MESHLM_FAULT_KILL_IN_SAVE": "4"}))
     assert killed.returncode == -signal.SIGKILL, (killed.stdout, killed.stderr)
     assert _listing(run) == ["step_0000002", "step_0000004.tmp"]
     resumed = _train([*args, "--run.resume=auto"])

@@ -20,7 +20,7 @@ import pytest
 from meshlm.cli import main
 from meshlm.config import DataSection
 from meshlm.data import build_data
-from meshlm.testing import cli
+from meshlm.testing import HANG_GUARD_S, cli
 
 MESHLM = Path(sys.executable).parent / "meshlm"
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
@@ -50,7 +50,7 @@ def run_unprivileged(argv: list[str], cwd: Path) -> tuple[int, list[str]]:
     if ROOT and shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: permission bits cannot bind")
     out = subprocess.run([*UNPRIVILEGED, str(MESHLM), *argv], capture_output=True, text=True,
-                         cwd=cwd, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         cwd=cwd, timeout=HANG_GUARD_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return out.returncode, out.stderr.strip().splitlines()
 
 
@@ -470,7 +470,7 @@ def test_no_traceback_reaches_the_terminal(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff\xfe[train]")
     for args, message in ((["frobnicate"], "invalid choice: 'frobnicate'"),
                           (["train", str(bad)], "is not UTF-8 text")):
-        out = subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=120,
+        out = subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=HANG_GUARD_S,
                              env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path)
         assert out.returncode == 2 and out.stdout == ""
         assert out.stderr.count("\n") == 1 and out.stderr.startswith("meshlm: error:")

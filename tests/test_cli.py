@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from meshlm.cli import build_parser, main
+from meshlm.testing import HANG_GUARD_S
 
 MESHLM = Path(sys.executable).parent / "meshlm"  # the installed console script
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=300,
+    return subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env=env, cwd=cwd)
 
 
@@ -170,13 +171,13 @@ def test_bad_layout_under_torchrun_fails_before_init(world: str, args: list[str]
                MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
     out = subprocess.run([str(MESHLM), "train", "--model.preset=tiny", *args,
                           f"--run.dir={tmp_path / 'r'}"], capture_output=True, text=True,
-                         timeout=120, env=env)
+                         timeout=HANG_GUARD_S, env=env)
     assert out.returncode == 2
     assert out.stderr.strip() == f"meshlm: error: {message}"  # one line, before any rendezvous
     assert not (tmp_path / "r").exists()
     # the other ranks exit with the same status, silently
     quiet = subprocess.run([str(MESHLM), "train", "--model.preset=tiny", *args],
-                           capture_output=True, text=True, timeout=120, env=env | {"RANK": "1"})
+                           capture_output=True, text=True, timeout=HANG_GUARD_S, env=env | {"RANK": "1"})
     assert quiet.returncode == 2 and quiet.stderr == ""
 
 

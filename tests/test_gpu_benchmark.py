@@ -20,6 +20,7 @@ import torch
 
 from meshlm.models import build_model
 from meshlm.models.config import ModelConfig
+from meshlm.testing import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
@@ -42,7 +43,7 @@ def run_tiny(rows: list[str], out: Path) -> tuple[str, dict]:
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--json", str(out), "--rows", ",".join(rows)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "plan step s" in proc.stdout and f"wrote {out}" in proc.stdout
     data = json.loads(out.read_text())

@@ -18,7 +18,7 @@ from meshlm import load_model  # noqa: E402
 from meshlm.config import load_config  # noqa: E402
 from meshlm.data import build_data  # noqa: E402
 from meshlm.data.sampler import StepSampler  # noqa: E402
-from meshlm.testing import relative_difference, run_world  # noqa: E402
+from meshlm.testing import HANG_GUARD_S, relative_difference, run_world  # noqa: E402
 from meshlm.train.trainer import train  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def _quiet(_m: str) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True,
-                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=HANG_GUARD_S)
 
 
 def train_losses(args: list[str]) -> dict[int, float]:

@@ -104,7 +104,7 @@ def test_raising_worker_stops_the_others(caplog: pytest.LogCaptureFixture) -> No
     caplog.set_level(logging.DEBUG)
     start = time.monotonic()
     with pytest.raises(WorkerFailure) as info:
-        launch_local(3, _rank2_raises_worker)
+        launch_local(3, _rank2_raises_worker, timeout_s=600)
     elapsed = time.monotonic() - start
     assert info.value.log_dir is not None
     shutil.rmtree(info.value.log_dir)
@@ -114,7 +114,7 @@ def test_raising_worker_stops_the_others(caplog: pytest.LogCaptureFixture) -> No
     assert "rank 2" in msg and "ValueError: boom" in msg, msg
     assert info.value.rank == 2
     assert "Traceback" in info.value.details and "_rank2_raises_worker" in info.value.details
-    assert elapsed < 60, elapsed
+    assert elapsed < 600, elapsed  # the others were stopped, not left to their timeout
 
 
 def test_worker_killed_by_signal() -> None:

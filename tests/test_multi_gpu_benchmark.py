@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from meshlm.testing import command_env
+from meshlm.testing import HANG_GUARD_S, command_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "multi_gpu.py"
@@ -42,7 +42,7 @@ def run_script(out: Path, cache: Path, *args: str) -> tuple[str, dict[str, Any]]
         [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--json", str(out),
                            "--cache-dir", str(cache), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"wrote {out}" in proc.stdout
     return proc.stdout, json.loads(out.read_text())

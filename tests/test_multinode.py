@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.launch import free_port
+from meshlm.testing import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -49,7 +50,7 @@ STEPS = 4
 SIZES = ["--model.preset=tiny", f"--train.steps={STEPS}", "--data.seq_len=32",
          "--run.sample_tokens=0", "--train.eval_every=0", "--precision.dtype=fp32",
          "--train.log_every=1"]
-TIMEOUT_S = 240  # per launch; a hang (e.g. a rendezvous that never completes) fails, not blocks
+TIMEOUT_S = HANG_GUARD_S  # per launch; a hang (e.g. a rendezvous that never completes) fails
 
 # A parent's world must not leak into the "nodes": they find their world from these alone.
 _WORLD_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|"

@@ -23,7 +23,13 @@ import torch
 from meshlm.config import load_config
 from meshlm.layout import Layout
 from meshlm.parallel.offload import OffloadedAdamW, SyncCopies, plan_chunks
-from meshlm.testing import final_weights, max_relative_difference, run_world, train_runs
+from meshlm.testing import (
+    HANG_GUARD_S,
+    final_weights,
+    max_relative_difference,
+    run_world,
+    train_runs,
+)
 from meshlm.train.metrics import read_metrics
 from meshlm.train.trainer import Trainer, train
 
@@ -284,7 +290,7 @@ def test_disk_offload_drops_the_moments_from_resident_memory(corpus_dir: Path, c
          f"--run.dir={tmp_path / kind}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True) for kind in ("none", "disk")}
     for kind, proc in procs.items():
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=HANG_GUARD_S)
         assert proc.returncode == 0, (kind, out[-2000:])
     recs = {kind: read_metrics(tmp_path / kind / "metrics.jsonl") for kind in procs}
     moments = recs["none"][-1]["optim_bytes"]

@@ -19,7 +19,7 @@ from meshlm.distributed.phases import PHASES, phase, phase_of
 from meshlm.planner.cli import config_vocab, config_workload
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.levers import levers
-from meshlm.testing import command_env
+from meshlm.testing import HANG_GUARD_S, command_env
 from meshlm.train.oom import asked_bytes, describe
 
 MESHLM = Path(sys.executable).with_name("meshlm")
@@ -38,7 +38,7 @@ def args(corpus_dir: Path, cache_dir: Path) -> list[str]:
 
 
 def _meshlm(argv: list[str], fault: str | None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=300,
+    return subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env=command_env({"MESHLM_FAULT_OOM": fault} if fault else None))
 
 

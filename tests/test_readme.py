@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from meshlm.testing import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAKEFILE = ROOT / "Makefile"
@@ -74,7 +76,7 @@ NOT_RUN: dict[str, str] = {
 SUBCOMMANDS = ("train", "info", "generate", "convert", "schedule", "plan", "report", "prepare")
 _CMD_START = re.compile(r"^(meshlm|make|pip|pip3|python|python3|torchrun|srun|\.venv/bin/\S+)\s")
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[^\n]*$", re.S | re.M)
-TIMEOUT_S = 300
+TIMEOUT_S = HANG_GUARD_S  # per command: a hang guard
 
 
 def key(cmd: str) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from meshlm.checkpoint.loading import load_model
 from meshlm.checkpoint.sharded import ShardedCheckpoint
 from meshlm.config import load_config
 from meshlm.distributed.flight import FlightRecorder, describe_record, diagnose, read_ring
-from meshlm.testing import command_env, max_relative_difference, run_world
+from meshlm.testing import HANG_GUARD_S, command_env, max_relative_difference, run_world
 from meshlm.train.metrics import read_metrics
 from meshlm.train.nonfinite import NonFiniteError
 from meshlm.train.trainer import Trainer, train
@@ -54,18 +54,20 @@ def _meshlm(*argv: str, env: dict[str, str] | None = None, timeout: float = 300
 
 # ------------------------------------------------------------------ frozen / killed ranks
 def test_frozen_rank_is_named_within_twice_the_timeout(args: list[str], tmp_path: Path) -> None:
-    """Rank 3 SIGSTOPs itself inside step 3: every rank exits, non-zero, within 2x
-    distributed.timeout_s of the freeze; the message names rank 3, its coordinates and its
+    """Rank 3 SIGSTOPs itself inside step 3: every rank exits, non-zero, the survivors giving up
+    within 2x distributed.timeout_s of the freeze; the message names rank 3, its coordinates and its
     last collective; the survivors dumped their flight records."""
     stop_file = tmp_path / "stopped_at"
     run = tmp_path / "run"
     proc = _meshlm(*args, *LAYOUT, "--train.steps=200", f"--run.dir={run}",
                    f"--distributed.timeout_s={TIMEOUT_S}",
                    env={"MESHLM_FAULT_STOP_AT_STEP": "3", "MESHLM_FAULT_STOP_FILE": str(stop_file)})
-    ended = time.time()
     assert proc.returncode != 0, proc.stdout
     froze = float(stop_file.read_text())
-    assert ended - froze < 2 * TIMEOUT_S, (ended - froze, proc.stderr)
+    # when the survivors gave up (their flight dumps), not when the processes were gone: the
+    # teardown after it is the machine's, slow when it is loaded
+    detected = min(p.stat().st_mtime for p in (run / "flight").glob("rank_0000[012].json"))
+    assert detected - froze < 2 * TIMEOUT_S, (detected - froze, proc.stderr)
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("meshlm: error: rank "), proc.stderr
     assert "stalled rank 3 (pp 0, dp 1, cp 0, tp 1; process stopped): last collective " in err[0]
@@ -78,11 +80,12 @@ def test_frozen_rank_is_named_within_twice_the_timeout(args: list[str], tmp_path
 
 def test_killed_rank_is_named_with_its_last_collective(args: list[str], tmp_path: Path) -> None:
     """Rank 3 SIGKILLs itself inside step 3: the job exits 1 (a fault, not a user mistake)
-    within 2x distributed.timeout_s of the last step record, naming rank 3, its signal, its
-    coordinates and its last collective, read from its flight ring."""
+    without waiting for distributed.timeout_s, naming rank 3, its signal, its coordinates and
+    its last collective, read from its flight ring."""
     run = tmp_path / "run"
+    timeout_s = 90.0  # longer than any teardown, loaded or not: ending sooner is not waiting
     proc = _meshlm(*args, *LAYOUT, "--train.steps=200", f"--run.dir={run}",
-                   f"--distributed.timeout_s={TIMEOUT_S}",
+                   f"--distributed.timeout_s={timeout_s}",
                    env={"MESHLM_FAULT_KILL_AT_STEP": "3"})
     ended = time.time()
     assert proc.returncode == 1, proc.stderr
@@ -94,7 +97,7 @@ def test_killed_rank_is_named_with_its_last_collective(args: list[str], tmp_path
     steps = [r["step"] for r in read_metrics(metrics)]
     assert steps[-1] <= 3  # it stopped right there, not after a timeout-long wait
     # the last sign of life (step 2's or 3's record) to the end of every process
-    assert ended - metrics.stat().st_mtime < 2 * TIMEOUT_S
+    assert ended - metrics.stat().st_mtime < timeout_s
     ring = read_ring(run / "flight", 3)
     assert ring["records"], "the killed rank's ring outlives it"
     assert describe_record(ring["records"][-1]) in line
@@ -108,13 +111,13 @@ def test_sigterm_saves_exits_zero_and_resumes_on_the_uninterrupted_curve(
     proc = subprocess.Popen([str(MESHLM), *args, *LAYOUT, *steps, f"--run.dir={run}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
+    deadline = time.time() + HANG_GUARD_S
     while time.time() < deadline and proc.poll() is None:
         if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
             break
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)  # the launcher relays it to its 4 workers
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 0, err
     stopped = [r["step"] for r in read_metrics(metrics)]
     last = stopped[-1]
@@ -155,7 +158,7 @@ with StopSignals() as stop:
 
 def test_a_second_signal_ends_the_process_at_once() -> None:
     proc = subprocess.run([sys.executable, "-c", _STOPPER], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=HANG_GUARD_S)
     assert proc.stdout.split() == ["SIGTERM"], proc.stdout
     assert proc.returncode == -signal.SIGTERM
 
@@ -172,17 +175,17 @@ def test_a_second_signal_ends_a_stuck_graceful_stop_at_once(args: list[str],
          f"--run.dir={run}", "--distributed.timeout_s=120"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=_env({"MESHLM_FAULT_STOP_AT_STEP": "3", "MESHLM_FAULT_STOP_FILE": str(stop_file)}))
-    deadline = time.time() + 180
+    deadline = time.time() + HANG_GUARD_S
     while not stop_file.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
-    assert stop_file.exists(), proc.communicate(timeout=60)
+    assert stop_file.exists(), proc.communicate(timeout=HANG_GUARD_S)
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)  # graceful: cannot finish, rank 3 is frozen
     time.sleep(1.5)
     assert proc.poll() is None
     second = time.time()
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert time.time() - second < 15, "a second signal must not wait for the timeout"
     assert proc.returncode == 130 and err.strip().endswith("meshlm: interrupted"), (out, err)
     complete = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")]

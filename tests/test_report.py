@@ -15,7 +15,7 @@ import torch
 
 from meshlm.cli import main
 from meshlm.config import load_config
-from meshlm.testing import final_weights, run_world, train_runs
+from meshlm.testing import HANG_GUARD_S, final_weights, run_world, train_runs
 from meshlm.train import peak
 from meshlm.train.report import write_report
 from meshlm.train.trainer import train
@@ -72,7 +72,7 @@ def test_profiled_dp2_run_traces_and_report(tiny_args: list[str], tmp_path: Path
         assert {"meshlm.step[2]", "meshlm.step[3]"} <= names and "meshlm.step[1]" not in names
 
     out = subprocess.run([str(MESHLM), "report", str(profiled)], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         timeout=HANG_GUARD_S, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr
     report = profiled / "report"
     assert f"report: {report / 'index.html'}" in out.stdout
@@ -99,7 +99,7 @@ def render_in_chromium(page: Path, shot: Path) -> None:
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
          f"--user-data-dir={shot.parent / 'chromium-profile'}", "--window-size=1100,1400",
          f"--screenshot={shot}", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0 and shot.is_file(), out.stderr[-2000:]
     check_png(shot, (1000, 1000))
     from PIL import Image

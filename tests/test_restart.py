@@ -22,6 +22,7 @@ from meshlm import load_model
 from meshlm.config import Config, ConfigError, load_config, to_toml
 from meshlm.distributed.comm import Comm, CommLog
 from meshlm.distributed.mesh import Mesh
+from meshlm.testing import HANG_GUARD_S
 from meshlm.train.metrics import read_metrics
 from meshlm.train.run_dir import (
     agree_run_dir,
@@ -188,7 +189,7 @@ def _meshlm(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHLM_FAULT",
                                                                           "TORCHELASTIC_"))}
     full_env.update(OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=420,
+    return subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env=full_env)
 
 

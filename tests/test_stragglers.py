@@ -17,7 +17,7 @@ import pytest
 
 from meshlm.distributed import faults
 from meshlm.layout import Layout
-from meshlm.testing import command_env
+from meshlm.testing import HANG_GUARD_S, command_env
 from meshlm.train.metrics import read_metrics
 from meshlm.train.stragglers import NcclWait, StragglerDetector, WaitClock, seconds, wait_clock
 
@@ -212,7 +212,7 @@ def args(corpus_dir: Path, cache_dir: Path) -> list[str]:
 
 
 def _meshlm(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=HANG_GUARD_S,
                           env=command_env(env))
     assert proc.returncode == 0, proc.stderr
     return proc

@@ -18,7 +18,12 @@ import torch
 
 from .distributed.spawn import run_world
 
-__all__ = ["assert_weights_close", "command_env", "final_weights", "max_relative_difference",
+# How long a test waits for a command or a spawned world before calling it hung. A guard against
+# hangs, never a speed requirement: on a loaded 2-core machine a command runs several times
+# slower than on an idle one. MESHLM_TEST_HANG_GUARD_S changes it.
+HANG_GUARD_S = float(os.environ.get("MESHLM_TEST_HANG_GUARD_S", "1800"))
+
+__all__ = ["HANG_GUARD_S", "assert_weights_close", "command_env", "final_weights", "max_relative_difference",
            "relative_difference", "run_world", "train_runs"]
 
 

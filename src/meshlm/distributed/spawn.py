@@ -1,18 +1,37 @@
 """Spawned gloo worlds on this machine: run a module-level function on N ranks, get results.
 
 Used by the planner's calibration (collectives over loopback) and by tests and benchmarks.
-Each rank is a fresh ``spawn`` process with one thread; the parent serves the rendezvous store.
+Each rank is a fresh process with one thread, forked from a forkserver that has torch and meshlm
+imported (``spawn`` where there is no forkserver), with the caller's environment; the parent
+serves the rendezvous store.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 
 import torch
 
+# What a forked rank finds imported: the forkserver imports these once, then forks every rank
+# of every world from itself (a spawned rank imports torch and meshlm anew, seconds each).
+PRELOAD = ["torch", "torch.distributed", "meshlm.train.trainer", "meshlm.distributed.spawn"]
 
-def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: float) -> None:  # noqa: ANN001
+
+def _context():  # noqa: ANN202
+    """forkserver (preloaded, see PRELOAD) where the platform has it, else spawn."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # (no effect once this process's server runs)
+    return ctx
+
+
+def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: float,  # noqa: ANN001
+                 collective_timeout: float | None, environ: dict[str, str]) -> None:
     import faulthandler
     import os
     import traceback
@@ -20,6 +39,9 @@ def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: flo
 
     import torch.distributed as dist
 
+    # the caller's environment as it is now (a forked rank has the forkserver's, from its start)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -27,7 +49,7 @@ def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: flo
     faulthandler.dump_traceback_later(max(10.0, timeout - 20), exit=False)
     try:
         # a collective that waits longer than this raises instead of hanging
-        limit = timedelta(seconds=max(30.0, timeout - 40))
+        limit = timedelta(seconds=collective_timeout or max(30.0, timeout - 40))
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
         # plain pickle: tensors travel by value, not as shared memory that vanishes when
@@ -40,26 +62,30 @@ def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: flo
             dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args, timeout: float = 1800.0) -> list:  # noqa: ANN001
-    """Run ``fn(*args)`` on ``world`` gloo ranks (spawned, one thread each); rank-ordered results.
+def run_world(world: int, fn, *args, timeout: float = 1800.0,  # noqa: ANN001
+              collective_timeout: float | None = None) -> list:
+    """Run ``fn(*args)`` on ``world`` gloo ranks (one thread each); rank-ordered results.
 
     ``fn`` must be importable (module level). A failing rank raises here with its traceback.
     ``timeout`` guards against a hang, not a slow machine: a world of many training runs on a
     loaded 2-core machine takes several times its idle time, so the default is generous.
+    ``collective_timeout``: the process group's (default ``timeout`` - 40 s, at least 30 s), for
+    a world expected to deadlock.
     """
     import queue as queue_mod
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     # The parent serves the rendezvous store on a port the OS picks: no race for a free port
     # with other worlds started at the same time.
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     port = store.port
-    procs = [ctx.Process(target=_world_entry, args=(r, world, port, fn, args, q, timeout),
-                         daemon=True) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_world_entry, daemon=True,
+                         args=(r, world, port, fn, args, q, timeout, collective_timeout, env))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
