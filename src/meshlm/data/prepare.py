@@ -485,11 +485,9 @@ class _Progress:
 
 # ------------------------------------------------------------------ running units
 def _context() -> mp.context.BaseContext:
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])  # workers fork from one process that has it
-        return ctx
-    return mp.get_context("spawn")
+    from ..distributed.spawn import forkserver_context
+
+    return forkserver_context([__name__])  # workers fork from one process that has it
 
 
 def _execute(jobs: list[tuple[Unit, dict[str, Any] | None]], init: tuple[Any, ...],

@@ -8,6 +8,7 @@ serves the rendezvous store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import time
@@ -19,19 +20,53 @@ import torch
 PRELOAD = ["torch", "torch.distributed", "meshlm.train.trainer", "meshlm.distributed.spawn"]
 
 
-def _context():  # noqa: ANN202
-    """forkserver (preloaded, see PRELOAD) where the platform has it, else spawn."""
+class CallerStdio:
+    """The caller's stdout and stderr, for a process forked from a forkserver (whose own are
+    those of whoever started the server, e.g. an earlier test's captured output). Pickled while
+    the process starts, the descriptors travel with it, and unpickling puts them in place of
+    the child's 1 and 2, before the process runs anything (a launcher's redirection of a rank's
+    output to a file then applies on top)."""
+
+    def __reduce__(self) -> tuple:
+        import sys
+        from multiprocessing import reduction
+
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                stream.flush()
+        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_stdio(out, err) -> CallerStdio:  # noqa: ANN001
+    for dup, fd in ((out, 1), (err, 2)):
+        os.dup2(dup.detach(), fd)
+    return CallerStdio()
+
+
+_PRELOADS: set[str] = set()
+
+
+def forkserver_context(preload: list[str]):  # noqa: ANN201
+    """multiprocessing's forkserver context, its server importing ``preload`` and what every
+    earlier caller in this process asked for (a process has one server, started by the first
+    process forked, with the list of that moment); the spawn context where there is none."""
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
+    _PRELOADS.update(preload)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # (no effect once this process's server runs)
+    ctx.set_forkserver_preload(sorted(_PRELOADS))
     return ctx
 
 
+def _context():  # noqa: ANN202
+    return forkserver_context(PRELOAD)
+
+
 def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: float,  # noqa: ANN001
-                 collective_timeout: float | None, environ: dict[str, str]) -> None:
+                 collective_timeout: float | None, environ: dict[str, str],
+                 stdio: CallerStdio) -> None:
     import faulthandler
     import os
     import traceback
@@ -84,7 +119,8 @@ def run_world(world: int, fn, *args, timeout: float = 1800.0,  # noqa: ANN001
     port = store.port
     env = dict(os.environ)
     procs = [ctx.Process(target=_world_entry, daemon=True,
-                         args=(r, world, port, fn, args, q, timeout, collective_timeout, env))
+                         args=(r, world, port, fn, args, q, timeout, collective_timeout, env,
+                               CallerStdio()))
              for r in range(world)]
     for p in procs:
         p.start()
