@@ -226,13 +226,15 @@ def _replay(records: list[dict], threshold: float = 0.2, steps: int = 5) -> list
 
 
 def test_a_slow_rank_is_named_during_the_run(args: list[str], tmp_path: Path) -> None:
-    """Rank 1 sleeps 0.3 s in steps 3-8 (the steps take ~0.1 s): after straggler_steps=3 slow
-    steps it is named with its coordinates, before step 5's progress line; it has caught up
-    some steps after the fault ends. The metrics list every rank's step and wait times, and
-    replayed through a detector they give the lines the run printed."""
+    """Rank 1 sleeps 1 s in steps 3-8 (the steps take ~0.1 s idle, a few times that on a
+    loaded host): after straggler_steps=3 slow steps it is named with its coordinates, before
+    step 5's progress line. The metrics list every rank's step and wait times, and replayed
+    through a detector they give exactly the lines the run printed -- its "caught up" line
+    too, whenever the recorded times after the fault show it (a loaded host may starve either
+    rank then; the detector's own tests show the line)."""
     run = tmp_path / "run"
     proc = _meshlm(*args, "--train.steps=20", "--distributed.straggler_steps=3",
-                   f"--run.dir={run}", env={"MESHLM_FAULT_SLOW_RANK": "1:0.3:3-8"})
+                   f"--run.dir={run}", env={"MESHLM_FAULT_SLOW_RANK": "1:1.0:3-8"})
     out = proc.stdout.splitlines()
     named = [i for i, ln in enumerate(out) if ln.startswith("straggler: ")]
     assert named, proc.stdout
@@ -242,8 +244,6 @@ def test_a_slow_rank_is_named_during_the_run(args: list[str], tmp_path: Path) ->
     assert "x slower than the median rank: " in line and line.endswith("(last 3 steps)"), line
     progress = {ln.split("/")[0]: i for i, ln in enumerate(out) if ln.startswith("step ")}
     assert progress["step 4"] < named[0] < progress["step 5"], proc.stdout  # during the run
-    assert any(out[i].startswith("straggler: rank 1 (pp 0, dp 1, cp 0, tp 0) has caught up")
-               for i in named[1:]), proc.stdout
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 21))
     assert [out[i] for i in named] == _replay(records, steps=3)
@@ -257,7 +257,7 @@ def test_a_slow_rank_is_named_during_the_run(args: list[str], tmp_path: Path) ->
                 wait[k] += waits[k] / 6
         if 5 <= r["step"] <= 8:
             assert r["straggler"]["rank"] == 1 and r["straggler"]["ratio"] > 2, r
-    assert own[1] > own[0] + 0.2 and own[1] > 0.3 and wait[0] > wait[1] + 0.2, (own, wait)
+    assert own[1] > own[0] + 0.7 and own[1] > 1.0 and wait[0] > wait[1] + 0.7, (own, wait)
 
 
 def test_no_straggler_is_named_without_one(args: list[str], tmp_path: Path) -> None:
