@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshlm.cli import build_parser, main
+from meshlm.distributed.spawn import run_world
 from meshlm.launch import (
     WorkerFailure,
     WorldInfo,
@@ -249,3 +250,31 @@ def test_max_restarts_under_torchrun_is_refused(tmp_path: Path, monkeypatch: pyt
     assert err.startswith("meshlm: error: --max-restarts restarts the workers meshlm starts "
                           "itself; this process is one rank of a torchrun world"), err
     assert "\n" not in err and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ forked workers
+PROBE = "MESHLM_TEST_PROBE"
+
+
+def _probe_worker() -> str | None:
+    """Print a line (rank 0's reaches the launcher's stdout) and return the probe variable."""
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} forked", flush=True)
+    return os.environ.get(PROBE)
+
+
+def test_forked_workers_get_the_launchers_environment_and_output(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """Workers fork from a forkserver started once per process, with the environment and
+    stdout of that moment. Each world and each launch still gets the caller's as they are at
+    its start: a variable set after the server started is seen, one removed is gone, and a
+    rank's print reaches this test's captured output, not an earlier test's."""
+    run_world(1, _probe_worker)  # the server runs from here on
+    monkeypatch.setenv(PROBE, "42")
+    assert run_world(2, _probe_worker) == ["42", "42"]
+    assert launch_local(2, _probe_worker) == {0: "42", 1: "42"}
+    out = capfd.readouterr().out
+    assert "rank 0 of 2 forked" in out and "rank 1 of 2 forked" in out, out
+    monkeypatch.delenv(PROBE)
+    assert run_world(2, _probe_worker) == [None, None]
+    assert launch_local(2, _probe_worker) == {0: None, 1: None}
+    assert "rank 0 of 2 forked" in capfd.readouterr().out

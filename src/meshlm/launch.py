@@ -416,9 +416,6 @@ def _is_secondary(message: str) -> bool:
     return type_name in _SECONDARY_ERRORS or any(m in message for m in _SECONDARY_MARKERS)
 
 
-# @record writes the exception (type, message, traceback) to the error file the agent assigned
-# this worker; the agent reads it back into ChildFailedError, which is where WorkerFailure gets
-# the root cause from. Module level, because spawn pickles the entry point by qualified name.
 def _adopt_environ(environ: Mapping[str, str]) -> None:
     """This worker's environment: the launcher's ``environ`` as it was at this launch, plus what
     the agent set for this worker (the variables that differ from the inherited ones)."""
@@ -432,10 +429,15 @@ def _start_method() -> str:
     return forkserver_context(_PRELOAD).get_start_method()
 
 
+# @record writes the exception (type, message, traceback) to the error file the agent assigned
+# this worker; the agent reads it back into ChildFailedError, which is where WorkerFailure gets
+# the root cause from. Module level, because spawn pickles the entry point by qualified name.
 @record
 def _worker_main(fn: Callable[..., T], timeout_s: float, environ: Mapping[str, str],
                  stdio: CallerStdio, *args: Any) -> T:
-    """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure)."""
+    """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure).
+    ``environ``: the launcher's environment; ``stdio``: its stdout / stderr, already in place
+    (they were put there when this process's arguments were unpickled)."""
     _adopt_environ(environ)
     if folder := os.environ.get(_LAUNCH_DIR_VAR):
         with contextlib.suppress(OSError):
