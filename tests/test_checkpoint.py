@@ -214,6 +214,7 @@ def construct_zero3(dims: dict, zero: int) -> dict:
     """World body: shard-only construction of a ~27 M-parameter model; peak RSS growth."""
     import resource
 
+    import torch._dynamo  # noqa: F401 -- torch's optimizers import it when first built: not ours
     import torch.distributed as dist
 
     from meshlm.config import ParallelSection, TrainSection
