@@ -147,15 +147,24 @@ def _activation_bytes(mode: str, cfg, batch: int, seq: int) -> int:  # noqa: ANN
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_recompute_lowers_activations_as_the_planner_predicts() -> None:
+def _measure_modes(cfg, batch: int, seq: int) -> dict[bool, dict[str, int]]:  # noqa: ANN001
+    """World body: :func:`_activation_bytes` of every mode, math and flash attention, in a
+    process of its own (a heap another test has fragmented returns its pages differently)."""
     pin_malloc_mmap_threshold()  # (as the trainer: buffers above 128 KiB are mmapped)
+    out = {}
+    for flash in (False, True):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION if flash else SDPBackend.MATH):
+            out[flash] = {m: _activation_bytes(m, cfg, batch, seq) for m in MODES}
+    return out
+
+
+def test_recompute_lowers_activations_as_the_planner_predicts() -> None:
     cfg = get_preset("tiny").with_(dim=256, n_heads=4, n_kv_heads=4, ffn_hidden=688,
                                    n_layers=4, vocab_size=4096, max_seq_len=512)
     batch, seq = 4, 256
+    every = run_world(1, _measure_modes, cfg, batch, seq)[0]
     for flash in (False, True):
-        backend = SDPBackend.FLASH_ATTENTION if flash else SDPBackend.MATH
-        with sdpa_kernel(backend):
-            measured = {m: _activation_bytes(m, cfg, batch, seq) for m in MODES}
+        measured = every[flash]
         work = Workload(ModelSpec(cfg), seq, batch, dtype="fp32", states="fp32", flash=flash)
         for m in MODES:
             lo = Layout(micro_batch=batch, recompute=m)
