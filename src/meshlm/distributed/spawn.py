@@ -24,8 +24,7 @@ class CallerStdio:
     """The caller's stdout and stderr, for a process forked from a forkserver (whose own are
     those of whoever started the server, e.g. an earlier test's captured output). Pickled while
     the process starts, the descriptors travel with it, and unpickling puts them in place of
-    the child's 1 and 2, before the process runs anything (a launcher's redirection of a rank's
-    output to a file then applies on top)."""
+    the child's 1 and 2 before the process runs anything."""
 
     def __reduce__(self) -> tuple:
         import sys
