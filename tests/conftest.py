@@ -15,8 +15,8 @@ from meshlm.distributed.spawn import PRELOAD, forkserver_context
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # This process's forkserver (started by whichever test forks first) preloads what the ranks of
-# run_world and `prepare`'s workers import.
-forkserver_context([*PRELOAD, "meshlm.data.prepare"])
+# run_world, launch_local's workers and `prepare`'s workers import.
+forkserver_context([*PRELOAD, "meshlm.launch", "meshlm.data.prepare"])
 
 CORPUS_MODULES = [
     "textwrap.py", "json/decoder.py", "json/encoder.py", "fnmatch.py", "shlex.py",

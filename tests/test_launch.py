@@ -264,11 +264,11 @@ def _probe_worker() -> str | None:
 
 def test_forked_workers_get_the_launchers_environment_and_output(
         monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
-    """run_world's ranks fork from a forkserver started once per process, with the environment
-    and stdout of that moment. Each world still gets the caller's as they are at its start, as
-    launch_local's (spawned) workers do: a variable set after the server started is seen, one
-    removed is gone, and a rank's print reaches this test's captured output, not an earlier
-    test's."""
+    """run_world's ranks and launch_local's workers fork from a forkserver started once per
+    process, with the environment and stdout of that moment. Each world and each launch still
+    gets the caller's as they are at its start: a variable set after the server started is
+    seen, one removed is gone, and a rank's print reaches this test's captured output, not an
+    earlier test's."""
     run_world(1, _probe_worker)  # the server runs from here on
     monkeypatch.setenv(PROBE, "42")
     assert run_world(2, _probe_worker) == ["42", "42"]

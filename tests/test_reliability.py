@@ -9,6 +9,7 @@ one-process run. The flight recorder's diagnosis is also checked alone on synthe
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -312,6 +313,36 @@ def test_diagnosis_follows_the_chain_of_waits(tmp_path: Path) -> None:
     ring = read_ring(tmp_path, 0)
     assert ring["collectives"] == 6 and len(ring["records"]) == 6
     assert ring["per_axis"]["tp"] == 4 and ring["per_axis"]["dp"] == 2
+    for rec in recs.values():
+        rec.close()
+
+
+def test_a_survivor_that_gave_up_and_exited_is_not_named(tmp_path: Path) -> None:
+    """Rank 3 is stopped; rank 2, its peer, gave up first (dumped its ring) and has exited;
+    rank 1 is gone without a dump (killed). The diagnosis names ranks 1 and 3, not rank 2."""
+    groups = {0: {"dp": [0, 2], "tp": [0, 1]}, 1: {"dp": [1, 3], "tp": [0, 1]},
+              2: {"dp": [0, 2], "tp": [2, 3]}, 3: {"dp": [1, 3], "tp": [2, 3]}}
+    recs = {r: FlightRecorder(tmp_path, r, 4, 8, {"pp": 0, "dp": r // 2, "cp": 0, "tp": r % 2},
+                              groups[r]) for r in range(4)}
+    recs[2].enter("all_reduce", "tp", 64)
+    recs[2].dump("Timed out")
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        os.waitpid(frozen.pid, os.WUNTRACED)  # (returns once it is stopped)
+        for rank, pid in ((1, exited.pid), (2, exited.pid), (3, frozen.pid)):
+            meta_path = tmp_path / f"rank_{rank:05d}.meta.json"
+            meta = json.loads(meta_path.read_text())
+            meta_path.write_text(json.dumps({**meta, "pid": pid}))
+        line = diagnose(tmp_path, 4)
+    finally:
+        frozen.kill()
+        frozen.wait()
+    assert line.startswith("stalled rank 1 (pp 0, dp 0, cp 0, tp 1; process gone): "), line
+    assert "; rank 3 (pp 0, dp 1, cp 0, tp 1; process stopped): " in line, line
+    assert "rank 2 (" not in line and "rank 2 waited in all_reduce[tp] #1" in line, line
     for rec in recs.values():
         rec.close()
 

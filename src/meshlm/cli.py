@@ -165,9 +165,10 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent
         from pathlib import Path
 
-        from .launch import launch_local, refuse_local_ranks
+        from .launch import launch_local, refuse_local_ranks, start_worker_server
 
         refuse_local_ranks(cfg.world_size)  # (CUDA: one GPU per rank; nothing written yet)
+        start_worker_server()  # (its imports overlap the data checks)
         prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
         results = launch_local(cfg.world_size, run_worker, cfg, max_restarts=args.max_restarts,
                                timeout_s=cfg.distributed.init_timeout_s,

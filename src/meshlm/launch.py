@@ -11,9 +11,11 @@ meshlm runs the same training function in three situations:
 :func:`detect_external_world` tells the first two apart from the third. :func:`init_worker`
 turns whichever environment a worker finds into an initialised ``torch.distributed`` process
 group, on the GPU :func:`choose_device` picks from what the launcher made visible (one GPU per
-rank, or a one-line :class:`DeviceError`). :func:`launch_local` starts local workers through torch's elastic agent -- the machinery
-behind ``torchrun`` -- so local runs behave like ``torchrun --nproc-per-node=N``: the same
-environment variables, rendezvous and fail-stop behaviour (one failed worker stops the others).
+rank, or a one-line :class:`DeviceError`). :func:`launch_local` starts local workers through
+torch's elastic agent -- the machinery behind ``torchrun`` -- so local runs behave like
+``torchrun --nproc-per-node=N``: the same environment variables, rendezvous and fail-stop
+behaviour (one failed worker stops the others). The workers fork from a forkserver that has
+torch and meshlm imported (no CUDA initialised there), so N workers cost one import.
 With ``max_restarts`` > 0 the agent then starts the whole worker group again, up to that many
 times; the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0 (meshlm's trainer then resumes from
 the latest checkpoint) and rank 0 prints one line saying so. A failure of the last attempt comes
@@ -51,6 +53,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import ConfigError
+from .distributed.spawn import CallerStdio, forkserver_context
 
 T = TypeVar("T")
 
@@ -94,6 +97,15 @@ _LAUNCH_DIR_VAR = "MESHLM_LAUNCH_DIR"
 _RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
 _MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"
 _UNSHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+# launch_local's workers fork from a forkserver that has imported these once (a spawned worker
+# imports torch and meshlm itself: seconds per rank). Where there is no forkserver: spawn.
+# torch._dynamo: torch's optimizers import it when the first one is built.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer",
+            "meshlm.launch"]
+# The environment this module was imported with. In a forked worker that is the forkserver's,
+# from when it started: _adopt_environ replaces it by the launcher's of this launch.
+_IMPORT_ENV = dict(os.environ)
 
 
 @dataclass(frozen=True)
@@ -406,12 +418,38 @@ def _is_secondary(message: str) -> bool:
     return type_name in _SECONDARY_ERRORS or any(m in message for m in _SECONDARY_MARKERS)
 
 
+def _adopt_environ(environ: Mapping[str, str]) -> None:
+    """This worker's environment: the launcher's ``environ`` as it was at this launch, plus what
+    the agent set for this worker (the variables that differ from the inherited ones)."""
+    agent = {k: v for k, v in os.environ.items() if _IMPORT_ENV.get(k) != v}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(agent)
+
+
+def _start_method() -> str:
+    return forkserver_context(_PRELOAD).get_start_method()
+
+
+def start_worker_server() -> None:
+    """Start the forkserver :func:`launch_local`'s workers fork from, now: its imports (a few
+    seconds) then overlap what the launcher does before launching (checking and caching data)."""
+    if _start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 # @record writes the exception (type, message, traceback) to the error file the agent assigned
 # this worker; the agent reads it back into ChildFailedError, which is where WorkerFailure gets
 # the root cause from. Module level, because spawn pickles the entry point by qualified name.
 @record
-def _worker_main(fn: Callable[..., T], timeout_s: float, *args: Any) -> T:
-    """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure)."""
+def _worker_main(fn: Callable[..., T], timeout_s: float, environ: Mapping[str, str],
+                 stdio: CallerStdio, *args: Any) -> T:
+    """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure).
+    ``environ``: the launcher's environment; ``stdio``: its stdout / stderr, already in place
+    (they were put there when this process's arguments were unpickled)."""
+    _adopt_environ(environ)
     if folder := os.environ.get(_LAUNCH_DIR_VAR):
         with contextlib.suppress(OSError):
             with open(os.path.join(folder, f"pid_{os.environ.get('RANK', '0')}"), "w") as f:
@@ -643,7 +681,7 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
                  flight_dir: str | None = None) -> dict[int, T]:
     """Run ``fn(*args)`` in ``nprocs`` local workers after :func:`init_worker`; {rank: result}.
 
-    ``fn`` must be a module-level function (workers are spawned and import it by name) and its
+    ``fn`` must be a module-level function (workers import it by name) and its
     arguments and return value picklable. With ``quiet_ranks`` only rank 0 writes to the console;
     the other ranks' stdout/stderr go to per-rank files that are kept when a worker fails
     (``WorkerFailure.log_dir``). ``timeout_s`` is the collective timeout of the process group.
@@ -680,7 +718,7 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
         rdzv_backend="c10d", rdzv_endpoint=f"localhost:{free_port()}",
         run_id=run_id or f"meshlm-{uuid.uuid4().hex[:12]}",
         max_restarts=max_restarts,  # a failed worker stops the others; then restart or end
-        monitor_interval=_MONITOR_INTERVAL_S, start_method="spawn", logs_specs=logs,
+        monitor_interval=_MONITOR_INTERVAL_S, start_method=_start_method(), logs_specs=logs,
         shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM/SIGINT: relayed (graceful stop)
     )
@@ -696,7 +734,8 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     try:
         with (_patched_env(env), _quiet_agent_logs(), _kept_signal_handlers(), relay.installed(),
               _short_failure_shutdown()):
-            results = elastic_launch(config, _worker_main)(fn, timeout_s, *args)
+            results = elastic_launch(config, _worker_main)(fn, timeout_s, dict(os.environ),
+                                                           CallerStdio(), *args)
     except ChildFailedError as err:
         if relay.repeated:  # the user asked twice: the workers stopped at once
             shutil.rmtree(log_dir, ignore_errors=True)

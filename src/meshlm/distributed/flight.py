@@ -164,6 +164,16 @@ def _process_state(meta: Mapping[str, Any]) -> str | None:
     return "stopped" if state in ("T", "t") else ("gone" if state in ("Z", "X") else None)
 
 
+def _gave_up(folder: Path, rank: int, meta: Mapping[str, Any]) -> bool:
+    """Whether ``rank`` dumped its ring (:meth:`FlightRecorder.dump`: it gave up on a
+    collective) in this run, i.e. after its ring was started."""
+    try:
+        dumped = json.loads((folder / f"rank_{rank:05d}.json").read_text()).get("dumped", 0.0)
+    except (OSError, ValueError):
+        return False
+    return float(dumped) >= float(meta.get("started", 0.0))
+
+
 def describe_record(r: Mapping[str, Any] | None) -> str:
     if r is None:
         return "none recorded"
@@ -192,8 +202,10 @@ def diagnose(folder: Path, world: int, me: int | None = None) -> str:
         entering collectives after the one that stalls (they return once queued)."""
         return next((r for r in m["records"] if not r["t_done"]), None)
 
-    # 1. frozen or dead processes (this host)
-    culprits = [r for r, m in ranks.items() if _process_state(m) is not None]
+    # 1. frozen or dead processes (this host); a process gone after dumping its ring is a
+    # survivor that gave up before this one (its own timeout ran out first), not a laggard
+    culprits = [r for r, m in ranks.items() if _process_state(m) == "stopped"
+                or (_process_state(m) == "gone" and not _gave_up(folder, r, m))]
     why = {r: f"process {_process_state(ranks[r])}" for r in culprits}
     # 2. the ends of "waits for" chains
     if not culprits:

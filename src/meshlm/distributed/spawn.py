@@ -17,7 +17,9 @@ import torch
 
 # What a forked rank finds imported: the forkserver imports these once, then forks every rank
 # of every world from itself (a spawned rank imports torch and meshlm anew, seconds each).
-PRELOAD = ["torch", "torch.distributed", "meshlm.train.trainer", "meshlm.distributed.spawn"]
+# torch._dynamo: torch's optimizers import it when the first one is built (seconds per rank).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer",
+           "meshlm.distributed.spawn"]
 
 
 class CallerStdio:
