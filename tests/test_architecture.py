@@ -9,6 +9,8 @@ placement flag survives on parameters (their shard spec carries placement).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import meshlm
@@ -21,6 +23,10 @@ FORBIDDEN: dict[str, set[str]] = {
                "checkpoint", "planner", "cli", "launch", "testing", "data"},
     "schema": {"models", "layout", "config", "optim", "precision", "distributed", "parallel",
                "train", "checkpoint", "planner", "cli", "launch", "testing", "data"},
+    "dtypes": {"models", "schema", "layout", "config", "optim", "precision", "distributed",
+               "parallel", "train", "checkpoint", "planner", "cli", "launch", "testing", "data"},
+    "world": {"models", "optim", "precision", "distributed", "parallel", "train", "checkpoint",
+              "planner", "cli", "launch", "testing", "data"},
     "layout": {"config", "distributed", "parallel", "train", "checkpoint", "planner", "cli",
                "launch", "testing"},
     "config": {"distributed", "parallel", "train", "checkpoint", "planner", "cli", "launch",
@@ -116,3 +122,21 @@ def test_moe_layer_uses_a_dispatcher() -> None:
     flat = x.reshape(-1, x.shape[-1])
     weights, idx = moe.route(flat)
     assert torch.equal(y, moe.combine(flat, weights, idx).reshape(x.shape))
+
+
+def test_mistakes_info_and_plans_answer_without_importing_torch() -> None:
+    """A bad value, ``meshlm info`` and ``meshlm plan`` never import torch (seconds of start-up
+    for a one-line answer): configuration, presets, world detection and the planner are
+    torch-free; only what trains, converts or draws a schedule imports it."""
+    probe = (
+        "import contextlib, io, sys\n"
+        "from meshlm.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    codes = [main(['train', '--train.steps=abc']), main(['info']),\n"
+        "             main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--gpu', 'h100-sxm',\n"
+        "                   '--top', '1'])]\n"
+        "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))[:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[2, 0, 0] []", out

@@ -109,7 +109,7 @@ def refuse_if_too_big(cfg) -> None:  # noqa: ANN001
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     """Validate everything, then train: in-process, under torchrun/SLURM, or on local workers."""
-    from .launch import detect_external_world
+    from .world import detect_external_world
 
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0")
@@ -549,34 +549,46 @@ def main(argv: list[str] | None = None) -> int:
     argv, overrides = _pull_overrides(list(sys.argv[1:] if argv is None else argv))
     args, rest = parser.parse_known_args(argv)
     rest = overrides + rest
-    from .distributed.flight import CollectiveFailure
-    from .launch import WorkerFailure
-    from .train.nonfinite import NonFiniteError
-    from .train.oom import OutOfMemory
-
     try:
         return args.func(args, rest)
-    except OutOfMemory as e:  # the rank that ran out says where, how much and what would fit
-        print(f"meshlm: error: {e}", file=sys.stderr)
-        return 1
-    except CollectiveFailure as e:  # every rank that gave up says which rank it waited for
-        print(f"meshlm: error: {e}", file=sys.stderr)
-        return 1
-    except NonFiniteError as e:  # decided alike on every rank: rank 0 speaks
-        if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
-            print(f"meshlm: error: {e}", file=sys.stderr)
-        return 1
-    except WorkerFailure as e:  # a fault while running, not a user mistake: exit 1
-        print(f"meshlm: error: {e}", file=sys.stderr)
-        return 1
     except (ConfigError, CheckpointError) as e:
         # Under torchrun every rank validates the same config: only rank 0 speaks.
-        if os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0":
+        if _rank_zero():
             print(f"meshlm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshlm: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        code = _fault_status(e)
+        if code is None:
+            raise
+        return code
+
+
+def _rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("SLURM_PROCID", "0") == "0"
+
+
+def _fault_status(e: Exception) -> int | None:
+    """Exit status 1 after one line for a fault while running (not a user mistake); None for
+    anything else. (Imported here: a configuration error never needs torch.)"""
+    from .distributed.flight import CollectiveFailure
+    from .launch import WorkerFailure
+    from .train.nonfinite import NonFiniteError
+    from .train.oom import OutOfMemory
+
+    # OutOfMemory: the rank that ran out says where, how much and what would fit;
+    # CollectiveFailure: every rank that gave up says which rank it waited for;
+    # WorkerFailure: launch_local's one line for a failed worker
+    if isinstance(e, OutOfMemory | CollectiveFailure | WorkerFailure):
+        print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
+    if isinstance(e, NonFiniteError):  # decided alike on every rank: rank 0 speaks
+        if _rank_zero():
+            print(f"meshlm: error: {e}", file=sys.stderr)
+        return 1
+    return None
 
 
 if __name__ == "__main__":

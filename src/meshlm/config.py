@@ -5,7 +5,7 @@ A config is a set of dataclass sections (``[model]``, ``[data]``, ``[train]``, `
 What a key accepts is declared once, on its field (:func:`meshlm.schema.declare`: a
 :class:`~meshlm.schema.Choice` or a :class:`~meshlm.schema.Range`; :data:`RULES` lists them);
 the layout's named values come from :mod:`meshlm.layout`, the dtypes from
-:data:`meshlm.precision.DTYPES`. :func:`load_config` parses every value as its field's type,
+:mod:`meshlm.dtypes`. :func:`load_config` parses every value as its field's type,
 :func:`resolve` derives what was left to meshlm (the automatic ``train.micro_batch``), and
 :func:`validate` checks every rule -- the declared ones and those relating keys -- without
 changing anything, before any worker starts or any file is written; a bad value raises
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .dtypes import AUTOCAST_NAMES, FP8_RECIPES, FP8_REST, PRECISIONS
 from .layout import (
     CONFIG_KEYS,
     CP_MODES,
@@ -44,12 +45,10 @@ from .layout import (
 )
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
-from .precision import DTYPES as TORCH_DTYPES
-from .precision import FP8_RECIPES, FP8_REST, PRECISIONS
 from .schema import Choice, Range, Rule, declare, jointly, key_of, rules, section_keys
 
 # precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
-DTYPES = tuple(TORCH_DTYPES)
+DTYPES = AUTOCAST_NAMES
 
 
 class ConfigError(ValueError):

@@ -24,12 +24,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# precision.dtype=fp8: the decoder blocks' linears in float8 (meshlm.parallel.float8), the rest
-# under autocast in one of these (precision.fp8_rest)
-FP8_REST = ("bf16", "fp32")
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (precision.fp8_recipe)
-PRECISIONS = (*DTYPES, "fp8")  # precision.dtype: the autocast dtypes, and fp8
+from .dtypes import AUTOCAST_NAMES, FP8_RECIPES, FP8_REST, PRECISIONS
+
+DTYPES = dict(zip(AUTOCAST_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
+__all__ = ["DTYPES", "FP8_RECIPES", "FP8_REST", "PRECISIONS"]  # (and what is defined below)
 
 
 def autocast_name(dtype: str, fp8_rest: str = "bf16") -> str:

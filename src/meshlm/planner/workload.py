@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..dtypes import FP8_REST, PRECISIONS
 from ..layout import SHORT_KEYS, Layout
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
-from ..precision import FP8_REST, PRECISIONS
 
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = PRECISIONS
