@@ -199,6 +199,21 @@ def test_bf16_warning_logic() -> None:
     assert peak.check_bf16(torch.device("cpu"), "fp32") is None  # nothing measured
 
 
+def test_cpu_peak_is_measured_once_per_process_dtype_and_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[torch.dtype] = []
+    monkeypatch.setattr(peak, "_MEASURED", {})
+    monkeypatch.setattr(peak, "measure_matmul_flops",
+                        lambda dtype: calls.append(dtype) or 5e10 + len(calls))
+    cpu = torch.device("cpu")
+    first = peak.peak_flops(cpu, "fp32")
+    assert first == (5e10 + 1, f"measured CPU matmul fp32, {torch.get_num_threads()} thread(s)")
+    assert peak.peak_flops(cpu, "fp32") == first and calls == [torch.float32]
+    assert peak.peak_flops(cpu, "bf16")[0] == 5e10 + 2  # another dtype: measured
+    assert peak.peak_flops(cpu, "fp32", override=1e9) == (1e9, "train.peak_flops")
+    assert len(calls) == 2
+
+
 def test_bf16_run_warns_at_startup(tiny_args: list[str], monkeypatch: pytest.MonkeyPatch,
                                    tmp_path: Path) -> None:
     monkeypatch.setattr(peak, "quick_matmul_rates", lambda: {"fp32": 80e9, "bf16": 2e9})

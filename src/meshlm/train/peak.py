@@ -1,7 +1,7 @@
 """Peak FLOP/s of one rank, the denominator of MFU.
 
-On CPU the peak is measured at start-up: the best rate of a square matmul in the run's compute
-dtype with the threads this process uses (so MFU reads "fraction of what this machine's matmul
+On CPU the peak is measured at start-up (once per process, dtype and thread count: about 0.4 s):
+the best rate of a square matmul in the run's compute dtype with the threads this process uses (so MFU reads "fraction of what this machine's matmul
 can do"). On a GPU it is the datasheet dense peak of the named part. ``train.peak_flops``
 overrides both. The source is always reported next to the number.
 
@@ -94,5 +94,12 @@ def peak_flops(device: torch.device, dtype_name: str, override: float = 0.0) -> 
         raise ValueError(f"unknown GPU {name!r}: set train.peak_flops to its peak FLOP/s")
     from ..precision import DTYPES
 
-    value = measure_matmul_flops(DTYPES[dtype_name])
-    return value, f"measured CPU matmul {dtype_name}, {torch.get_num_threads()} thread(s)"
+    threads = torch.get_num_threads()
+    key = (dtype_name, threads)
+    if key not in _MEASURED:  # (once per process: a later run here reads the same machine)
+        _MEASURED[key] = measure_matmul_flops(DTYPES[dtype_name])
+    return _MEASURED[key], f"measured CPU matmul {dtype_name}, {threads} thread(s)"
+
+
+# peak_flops' CPU measurements in this process: (dtype name, threads) -> FLOP/s
+_MEASURED: dict[tuple[str, int], float] = {}
