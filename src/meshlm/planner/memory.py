@@ -87,6 +87,7 @@ the accelerator's reserved runtime memory.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -163,7 +164,8 @@ class MemoryBreakdown:
         return self.items["params"] + self.items["grads"] + self.items["optim"]
 
     def phase_bytes(self, phase: str) -> float:
-        return sum(self.items.get(k, 0.0) for k in self.phases[phase])
+        keys = self.phases[phase]
+        return sum(map(self.items.get, keys, itertools.repeat(0.0, len(keys))))
 
     @property
     def peak_phase(self) -> str:
@@ -176,7 +178,7 @@ class MemoryBreakdown:
     def total(self) -> float:
         if not self.phases:
             return sum(self.items.values())
-        return self.phase_bytes(self.peak_phase)
+        return max(map(self.phase_bytes, self.phases))
 
     @property
     def allocated(self) -> float:
