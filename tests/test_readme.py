@@ -56,6 +56,7 @@ NOT_RUN: dict[str, str] = {
     'make train ARGS="--train.steps=100"': "as `make train` (ARGS checked in "
                                            "test_make_targets_exist)",
     "make test": "runs the whole test suite, this file included",
+    "make test TEST_WORKERS=0": "as `make test`, in one process",
     "make setup": "creates .venv as `make train` and `make test` do first (target checked in "
                   "test_make_targets_exist)",
     "pip install .": _PIP,
