@@ -24,10 +24,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .dtypes import AUTOCAST_NAMES, FP8_RECIPES, FP8_REST, PRECISIONS
+from .dtypes import AUTOCAST_NAMES, FP8_RECIPES, FP8_REST, PRECISIONS  # noqa: F401 (re-exported)
 
 DTYPES = dict(zip(AUTOCAST_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
-__all__ = ["DTYPES", "FP8_RECIPES", "FP8_REST", "PRECISIONS"]  # (and what is defined below)
 
 
 def autocast_name(dtype: str, fp8_rest: str = "bf16") -> str:

@@ -204,9 +204,10 @@ def diagnose(folder: Path, world: int, me: int | None = None) -> str:
 
     # 1. frozen or dead processes (this host); a process gone after dumping its ring is a
     # survivor that gave up before this one (its own timeout ran out first), not a laggard
-    culprits = [r for r, m in ranks.items() if _process_state(m) == "stopped"
-                or (_process_state(m) == "gone" and not _gave_up(folder, r, m))]
-    why = {r: f"process {_process_state(ranks[r])}" for r in culprits}
+    states = {r: _process_state(m) for r, m in ranks.items()}
+    culprits = [r for r, s in states.items() if s == "stopped"
+                or (s == "gone" and not _gave_up(folder, r, ranks[r]))]
+    why = {r: f"process {states[r]}" for r in culprits}
     # 2. the ends of "waits for" chains
     if not culprits:
         behind: dict[int, set[int]] = {}
