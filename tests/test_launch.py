@@ -10,6 +10,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -279,3 +281,24 @@ def test_forked_workers_get_the_launchers_environment_and_output(
     assert run_world(2, _probe_worker) == [None, None]
     assert launch_local(2, _probe_worker) == {0: None, 1: None}
     assert "rank 0 of 2 forked" in capfd.readouterr().out
+
+
+def test_the_forkserver_holds_none_of_the_callers_pipes() -> None:
+    """The forkserver outlives the process that started it by its own teardown (torch imported:
+    a second here); it holds /dev/null, not the caller's stdin / stdout / stderr, so a pipe from
+    ``meshlm train`` ends when meshlm does. It starts without importing torch (the launcher
+    starts it before its own imports), and the caller's descriptors are back in place."""
+    probe = (
+        "import os, sys\n"
+        "from multiprocessing import forkserver\n"
+        "from meshlm.distributed.forkserver import ensure_server, forkserver_context\n"
+        "before = [os.readlink(f'/proc/self/fd/{fd}') for fd in (0, 1, 2)]\n"
+        "ensure_server(forkserver_context(['json']))\n"
+        "pid = forkserver._forkserver._forkserver_pid\n"
+        "server = [os.readlink(f'/proc/{pid}/fd/{fd}') for fd in (0, 1, 2)]\n"
+        "after = [os.readlink(f'/proc/self/fd/{fd}') for fd in (0, 1, 2)]\n"
+        "print(server, before == after, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, stdin=subprocess.PIPE)
+    assert out.stdout.strip() == f"{[os.devnull] * 3} True False", (out.stdout, out.stderr)

@@ -124,6 +124,12 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     resolve_world(cfg, world.world_size if world else None)
     from .planner.cli import fit_micro_batch
 
+    if world is None and (cfg.world_size > 1 or args.max_restarts) and not args.dry_run:
+        from .distributed.forkserver import start_worker_server
+
+        # local workers will fork from it: its imports (torch, meshlm: seconds) run beside this
+        # process's own and its checks, not before the first fork
+        start_worker_server()
     if (line := fit_micro_batch(cfg)) and (world is None or world.rank == 0):
         print(line)
     if not args.dry_run:
@@ -165,10 +171,9 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent
         from pathlib import Path
 
-        from .launch import launch_local, refuse_local_ranks, start_worker_server
+        from .launch import launch_local, refuse_local_ranks
 
         refuse_local_ranks(cfg.world_size)  # (CUDA: one GPU per rank; nothing written yet)
-        start_worker_server()  # (its imports overlap the data checks)
         prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
         results = launch_local(cfg.world_size, run_worker, cfg, max_restarts=args.max_restarts,
                                timeout_s=cfg.distributed.init_timeout_s,

@@ -50,7 +50,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .config import ConfigError
-from .distributed.spawn import CallerStdio, forkserver_context
+from .distributed.forkserver import (  # noqa: F401 (start_worker_server: re-exported)
+    LAUNCH_PRELOAD,
+    CallerStdio,
+    ensure_server,
+    forkserver_context,
+    start_worker_server,
+)
 from .world import (  # noqa: F401 (world detection, re-exported: launch is where users look)
     _SOURCE_VAR,
     WorldInfo,
@@ -94,11 +100,6 @@ _RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
 _MAX_RESTARTS_VAR = "TORCHELASTIC_MAX_RESTARTS"
 _UNSHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-# launch_local's workers fork from a forkserver that has imported these once (a spawned worker
-# imports torch and meshlm itself: seconds per rank). Where there is no forkserver: spawn.
-# torch._dynamo: torch's optimizers import it when the first one is built.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer",
-            "meshlm.launch"]
 # The environment this module was imported with. In a forked worker that is the forkserver's,
 # from when it started: _adopt_environ replaces it by the launcher's of this launch.
 _IMPORT_ENV = dict(os.environ)
@@ -263,16 +264,10 @@ def _adopt_environ(environ: Mapping[str, str]) -> None:
 
 
 def _start_method() -> str:
-    return forkserver_context(_PRELOAD).get_start_method()
-
-
-def start_worker_server() -> None:
-    """Start the forkserver :func:`launch_local`'s workers fork from, now: its imports (a few
-    seconds) then overlap what the launcher does before launching (checking and caching data)."""
-    if _start_method() == "forkserver":
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+    """launch_local's workers fork from a forkserver that has imported :data:`LAUNCH_PRELOAD`
+    once (a spawned worker imports torch and meshlm itself: seconds per rank); spawn where there
+    is no forkserver."""
+    return forkserver_context(LAUNCH_PRELOAD).get_start_method()
 
 
 # @record writes the exception (type, message, traceback) to the error file the agent assigned
@@ -558,6 +553,7 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGTERM/SIGINT: relayed (graceful stop)
     )
     relay = _SignalRelay(log_dir)
+    ensure_server(forkserver_context(LAUNCH_PRELOAD))  # (started already by meshlm train)
     # OMP_NUM_THREADS=1: each worker's OpenMP pool would otherwise claim every core.
     env = {"OMP_NUM_THREADS": "1", _SOURCE_VAR: "local", _LAUNCH_DIR_VAR: log_dir,
            **(nccl_flight_env(flight_dir) if flight_dir else {})}

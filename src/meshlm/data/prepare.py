@@ -485,9 +485,11 @@ class _Progress:
 
 # ------------------------------------------------------------------ running units
 def _context() -> mp.context.BaseContext:
-    from ..distributed.spawn import forkserver_context
+    from ..distributed.forkserver import ensure_server, forkserver_context
 
-    return forkserver_context([__name__])  # workers fork from one process that has it
+    ctx = forkserver_context([__name__])  # workers fork from one process that has it
+    ensure_server(ctx)
+    return ctx
 
 
 def _execute(jobs: list[tuple[Unit, dict[str, Any] | None]], init: tuple[Any, ...],

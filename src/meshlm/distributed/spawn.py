@@ -8,57 +8,19 @@ serves the rendezvous store.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import time
 
 import torch
 
+from .forkserver import CallerStdio, ensure_server, forkserver_context
+
 # What a forked rank finds imported: the forkserver imports these once, then forks every rank
 # of every world from itself (a spawned rank imports torch and meshlm anew, seconds each).
 # torch._dynamo: torch's optimizers import it when the first one is built (seconds per rank).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "meshlm.train.trainer",
            "meshlm.distributed.spawn"]
-
-
-class CallerStdio:
-    """The caller's stdout and stderr, for a process forked from a forkserver (whose own are
-    those of whoever started the server, e.g. an earlier test's captured output). Pickled while
-    the process starts, the descriptors travel with it, and unpickling puts them in place of
-    the child's 1 and 2 before the process runs anything."""
-
-    def __reduce__(self) -> tuple:
-        import sys
-        from multiprocessing import reduction
-
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(AttributeError, ValueError, OSError):
-                stream.flush()
-        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
-
-
-def _adopt_stdio(out, err) -> CallerStdio:  # noqa: ANN001
-    for dup, fd in ((out, 1), (err, 2)):
-        os.dup2(dup.detach(), fd)
-    return CallerStdio()
-
-
-_PRELOADS: set[str] = set()
-
-
-def forkserver_context(preload: list[str]):  # noqa: ANN201
-    """multiprocessing's forkserver context, its server importing ``preload`` and what every
-    earlier caller in this process asked for (a process has one server, started by the first
-    process forked, with the list of that moment); the spawn context where there is none."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    _PRELOADS.update(preload)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(sorted(_PRELOADS))
-    return ctx
 
 
 def _context():  # noqa: ANN202
@@ -113,6 +75,7 @@ def run_world(world: int, fn, *args, timeout: float = 1800.0,  # noqa: ANN001
     import torch.distributed as dist
 
     ctx = _context()
+    ensure_server(ctx)
     q = ctx.Queue()
     # The parent serves the rendezvous store on a port the OS picks: no race for a free port
     # with other worlds started at the same time.
