@@ -283,11 +283,12 @@ def test_forked_workers_get_the_launchers_environment_and_output(
     assert "rank 0 of 2 forked" in capfd.readouterr().out
 
 
-def test_the_forkserver_holds_none_of_the_callers_pipes() -> None:
+def test_the_forkserver_holds_neither_stdin_nor_stdout_of_its_caller() -> None:
     """The forkserver outlives the process that started it by its own teardown (torch imported:
-    a second here); it holds /dev/null, not the caller's stdin / stdout / stderr, so a pipe from
-    ``meshlm train`` ends when meshlm does. It starts without importing torch (the launcher
-    starts it before its own imports), and the caller's descriptors are back in place."""
+    a second here); it holds /dev/null, not the caller's stdin / stdout, so ``meshlm train |
+    tee log`` ends when meshlm does. Its stderr is the caller's: a child that fails before it
+    takes its caller's streams says why. It starts without importing torch (the launcher starts
+    it before its own imports), and the caller's descriptors are back in place."""
     probe = (
         "import os, sys\n"
         "from multiprocessing import forkserver\n"
@@ -297,8 +298,38 @@ def test_the_forkserver_holds_none_of_the_callers_pipes() -> None:
         "pid = forkserver._forkserver._forkserver_pid\n"
         "server = [os.readlink(f'/proc/{pid}/fd/{fd}') for fd in (0, 1, 2)]\n"
         "after = [os.readlink(f'/proc/self/fd/{fd}') for fd in (0, 1, 2)]\n"
-        "print(server, before == after, 'torch' in sys.modules)\n"
+        "print(server[:2], server[2] == before[2], before == after, 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, stdin=subprocess.PIPE)
-    assert out.stdout.strip() == f"{[os.devnull] * 3} True False", (out.stdout, out.stderr)
+    assert out.stdout.strip() == f"{[os.devnull] * 2} True True False", (out.stdout, out.stderr)
+
+
+def _unimportable_main_worker() -> None:
+    """Never runs: its launch dies while the child imports its main module."""
+
+
+def test_a_child_that_fails_before_taking_the_callers_streams_says_why(tmp_path: Path) -> None:
+    """A script whose own import fails in the forked child (here: a module it imports is gone)
+    gets that traceback on its stderr, and the world's failure names the dead rank."""
+    (tmp_path / "gone_mod.py").write_text("X = 1\n")
+    script = tmp_path / "main_script.py"
+    script.write_text(
+        "import os, shutil, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import gone_mod\n"
+        "from meshlm.distributed.spawn import run_world\n"
+        "from test_launch import _unimportable_main_worker\n"
+        "if __name__ == '__main__':\n"
+        f"    os.remove({str(tmp_path / 'gone_mod.py')!r})\n"
+        f"    shutil.rmtree({str(tmp_path / '__pycache__')!r}, ignore_errors=True)\n"
+        "    try:\n"
+        "        run_world(1, _unimportable_main_worker, timeout=120)\n"
+        "    except RuntimeError as e:\n"
+        "        print('world:', e)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         check=True, env=env)
+    assert "world: rank 0 died" in out.stdout, (out.stdout, out.stderr)
+    assert "No module named 'gone_mod'" in out.stderr, out.stderr

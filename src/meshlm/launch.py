@@ -274,11 +274,12 @@ def _start_method() -> str:
 # this worker; the agent reads it back into ChildFailedError, which is where WorkerFailure gets
 # the root cause from. Module level, because spawn pickles the entry point by qualified name.
 @record
-def _worker_main(fn: Callable[..., T], timeout_s: float, environ: Mapping[str, str],
-                 stdio: CallerStdio, *args: Any) -> T:
+def _worker_main(stdio: CallerStdio, fn: Callable[..., T], timeout_s: float,
+                 environ: Mapping[str, str], *args: Any) -> T:
     """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure).
-    ``environ``: the launcher's environment; ``stdio``: its stdout / stderr, already in place
-    (they were put there when this process's arguments were unpickled)."""
+    ``stdio``: the launcher's stdout / stderr, already in place (put there when this process's
+    arguments were unpickled; first, so a failure to unpickle the rest is seen);
+    ``environ``: the launcher's environment."""
     _adopt_environ(environ)
     if folder := os.environ.get(_LAUNCH_DIR_VAR):
         with contextlib.suppress(OSError):
@@ -565,8 +566,8 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     try:
         with (_patched_env(env), _quiet_agent_logs(), _kept_signal_handlers(), relay.installed(),
               _short_failure_shutdown()):
-            results = elastic_launch(config, _worker_main)(fn, timeout_s, dict(os.environ),
-                                                           CallerStdio(), *args)
+            results = elastic_launch(config, _worker_main)(CallerStdio(), fn, timeout_s,
+                                                           dict(os.environ), *args)
     except ChildFailedError as err:
         if relay.repeated:  # the user asked twice: the workers stopped at once
             shutil.rmtree(log_dir, ignore_errors=True)

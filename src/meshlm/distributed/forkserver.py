@@ -65,26 +65,27 @@ def start_worker_server(preload: list[str] = LAUNCH_PRELOAD) -> None:
 
 
 def ensure_server(ctx) -> None:  # noqa: ANN001
-    """Start ``ctx``'s forkserver if it is one and not running yet, with /dev/null for its stdin,
-    stdout and stderr. Every process forked from it takes its caller's (:class:`CallerStdio`);
-    the server itself would otherwise hold this process's pipes open after this process exits,
-    while it tears down its imports (a second here), and ``meshlm train ... | tee`` or a
-    captured subprocess would wait for that."""
+    """Start ``ctx``'s forkserver if it is one and not running yet, with /dev/null for its stdin
+    and stdout. Every process forked from it takes its caller's (:class:`CallerStdio`); the
+    server itself would otherwise hold this process's stdout open after this process exits,
+    while it tears down its imports (a second here), and ``meshlm train ... | tee log`` would
+    wait for that. Its stderr stays this process's: a child that fails before it takes its
+    caller's (importing the main module, e.g. a script without a ``__main__`` guard) says why
+    there."""
     if ctx.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
 
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError, OSError):
-            stream.flush()
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        sys.stdout.flush()
     null = os.open(os.devnull, os.O_RDWR)
-    saved = [os.dup(fd) for fd in (0, 1, 2)]
+    saved = [os.dup(fd) for fd in (0, 1)]
     try:
-        for fd in (0, 1, 2):
+        for fd in (0, 1):
             os.dup2(null, fd)
         forkserver.ensure_running()
     finally:
-        for fd, dup in zip((0, 1, 2), saved, strict=True):
+        for fd, dup in zip((0, 1), saved, strict=True):
             os.dup2(dup, fd)
             os.close(dup)
         os.close(null)

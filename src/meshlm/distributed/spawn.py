@@ -27,9 +27,11 @@ def _context():  # noqa: ANN202
     return forkserver_context(PRELOAD)
 
 
-def _world_entry(rank: int, world: int, port: int, fn, args, queue, timeout: float,  # noqa: ANN001
-                 collective_timeout: float | None, environ: dict[str, str],
-                 stdio: CallerStdio) -> None:
+def _world_entry(stdio: CallerStdio, rank: int, world: int, port: int, fn, args,  # noqa: ANN001
+                 queue, timeout: float, collective_timeout: float | None,  # noqa: ANN001
+                 environ: dict[str, str]) -> None:
+    # stdio first: the caller's stdout / stderr are in place before ``fn`` is unpickled (a
+    # function whose module does not import is reported there, not to the server's /dev/null)
     import faulthandler
     import os
     import traceback
@@ -83,8 +85,8 @@ def run_world(world: int, fn, *args, timeout: float = 1800.0,  # noqa: ANN001
     port = store.port
     env = dict(os.environ)
     procs = [ctx.Process(target=_world_entry, daemon=True,
-                         args=(r, world, port, fn, args, q, timeout, collective_timeout, env,
-                               CallerStdio()))
+                         args=(CallerStdio(), r, world, port, fn, args, q, timeout,
+                               collective_timeout, env))
              for r in range(world)]
     for p in procs:
         p.start()
