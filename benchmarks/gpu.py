@@ -35,7 +35,7 @@ Next to each row: the planner's predicted step time, tokens/s, MFU and memory fo
 prediction of the meshlm config they mirror). "plan alloc" is the planner's total less its
 ``reserved`` entry (CUDA context and libraries), the figure to hold against measured allocation.
 
-Each row runs in a fresh subprocess with a time limit (an out-of-memory row is recorded with
+Each row runs in a process of its own with a time limit (an out-of-memory row is recorded with
 its error line and the run goes on), driving meshlm's real ``Trainer`` (``train_step`` plus
 its per-step metrics record, written to ``metrics.jsonl`` in a temporary run directory and
 read back). The data is synthetic and offline: random words over a word-level tokenizer of
@@ -72,7 +72,6 @@ import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -640,29 +639,40 @@ class RowRun:
 
 
 # ---------------------------------------------------------------------- the driver (parent)
+# What a row's process finds imported: it forks from a forkserver that imported these once (a
+# fresh interpreter imports torch and meshlm anew, seconds per row). The server never touches
+# CUDA, so each row still initialises its own device and context.
+_ROW_PRELOAD = ["numpy", "torch", "torch._dynamo", "meshlm.train.trainer"]
+
+
 def run_row(row: Row, args: argparse.Namespace, work: Path, cache: Path,
             deadline: float) -> dict[str, Any]:
-    """``row`` in a fresh subprocess until ``deadline``; its result (status ok, oom, error,
-    skipped or timeout)."""
+    """``row`` in a process of its own (forked from the forkserver) until ``deadline``; its
+    result (status ok, oom, error, skipped or timeout)."""
+    from meshlm.distributed.forkserver import ensure_server, forkserver_context, run_script
+
     out, log = work / f"{row.name}.json", work / f"{row.name}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", row.name,
-           "--child-out", str(out), "--child-work", str(work), "--cache-dir", str(cache),
-           "--child-deadline", str(deadline)]
-    cmd += ["--tiny"] * args.tiny + ["--force"] * args.force
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    argv = ["--child", row.name, "--child-out", str(out), "--child-work", str(work),
+            "--cache-dir", str(cache), "--child-deadline", str(deadline)]
+    argv += ["--tiny"] * args.tiny + ["--force"] * args.force
+    env = dict(os.environ)
     if args.tiny:  # the CPU version, even on a machine with a GPU
         env["CUDA_VISIBLE_DEVICES"] = ""
+    ctx = forkserver_context(_ROW_PRELOAD)
+    ensure_server(ctx)
     t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    proc = ctx.Process(target=run_script, args=(str(Path(__file__).resolve()), argv, str(log),
+                                                env))
+    proc.start()
+    proc.join(timeout=max(0.0, deadline - time.time()))
+    timed_out = proc.exitcode is None
+    if timed_out:
         try:
-            rc = proc.wait(timeout=max(1.0, deadline - time.time()))
-            timed_out = False
-        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            rc, timed_out = proc.wait(), True
+        except ProcessLookupError:
+            proc.kill()
+        proc.join()
+    rc = proc.exitcode
     res: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {
         "row": row.name, "impl": row.impl, "shape": row.shape, "dtype": row.dtype,
         "compiled": row.compiled, "note": row.note, "status": "running"}

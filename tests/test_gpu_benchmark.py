@@ -186,9 +186,8 @@ def test_rows_subset_and_failure_outcomes(gpu: ModuleType, tmp_path: Path) -> No
     assert gpu.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224 MiB"))
     assert not gpu.is_oom(ValueError("shapes do not match"))
     assert gpu.error_line(RuntimeError("first\nsecond")) == "RuntimeError: first"
-    # a row past its time limit is killed and recorded; the driver goes on
+    # a row still running at its time limit (here: reached as it starts) is killed with what
+    # it started and recorded; the driver goes on
     args = argparse.Namespace(tiny=True, force=False)
-    t0 = time.time()
-    res = gpu.run_row(gpu.ROWS[0], args, tmp_path, tmp_path / "cache", time.time() + 1.0)
-    assert res["status"] == "timeout" and "time limit" in res["error"]
-    assert time.time() - t0 < 30
+    res = gpu.run_row(gpu.ROWS[0], args, tmp_path, tmp_path / "cache", time.time())
+    assert res["status"] == "timeout" and "time limit" in res["error"], res
