@@ -8,9 +8,10 @@ is neither fails :func:`test_every_readme_command_is_run_or_listed`.
 
 They run in a scratch directory standing in for the checkout (``examples/``, ``src/`` and
 ``.venv`` linked, ``docs/img/`` empty), with the data cache in a temporary ``XDG_CACHE_HOME`` shared by the
-session. The only change made to a line: ``meshlm train`` gets tiny sizes for the keys it does
-not set itself (``SIZES``), so a line's own choices (layout, steps, sequence length, run dir, ...)
-are kept. Commands that need an earlier one's run dir (generate, convert, report, resume) come
+session. The only changes made to a line are sizes: ``meshlm train`` gets tiny ones for the keys
+it does not set itself (``SIZES``), and the steps it sets itself divided by ``STEP_SCALE``
+(a line that continues an earlier one's run still continues it), so a line's own choices
+(layout, precision, sequence length, run dir, resuming, ...) are kept. Commands that need an earlier one's run dir (generate, convert, report, resume) come
 after it in the README and so run after it here.
 """
 
@@ -41,6 +42,9 @@ VENV_BIN = Path(sys.executable).parent
 # Appended to `meshlm train` lines that do not set the key (dry runs excepted: they are cheap).
 SIZES = {"model.preset": "tiny", "train.steps": "2", "data.seq_len": "32",
          "run.sample_tokens": "0", "train.eval_every": "0"}
+# A line's own train.steps, divided by this (at least 2): the README's lines are sized for a
+# minute of `small` each, the test runs `tiny`.
+STEP_SCALE = 10
 
 _MULTINODE = "run by tests/test_multinode.py: two torchrun 'nodes' on loopback, the README's line"
 _SRUN = ("run by tests/test_multinode.py without srun (not installed here): the SLURM variables "
@@ -160,10 +164,15 @@ def overrides(words: list[str]) -> dict[str, str]:
 
 
 def sized(words: list[str]) -> list[str]:
-    """A ``meshlm train`` line with tiny sizes appended for the keys it does not set."""
+    """A ``meshlm train`` line with tiny sizes appended for the keys it does not set and its own
+    steps divided by ``STEP_SCALE``."""
     if words[:2] != ["meshlm", "train"] or "--dry-run" in words:
         return words
     own = overrides(words)
+    if "train.steps" in own:
+        steps = max(2, math.ceil(int(own["train.steps"]) / STEP_SCALE))
+        words = [f"--train.steps={steps}" if w.startswith("--train.steps=") else w
+                 for w in words]
     extra = []
     for k, v in SIZES.items():
         if k in own or (k == "model.preset" and "model.init_from" in own):

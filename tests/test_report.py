@@ -203,8 +203,9 @@ def test_cpu_peak_is_measured_once_per_process_dtype_and_threads(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[torch.dtype] = []
     monkeypatch.setattr(peak, "_MEASURED", {})
+    monkeypatch.setattr(peak, "peak_matmul_size", lambda dtype: 1024)
     monkeypatch.setattr(peak, "measure_matmul_flops",
-                        lambda dtype: calls.append(dtype) or 5e10 + len(calls))
+                        lambda dtype, n: calls.append(dtype) or 5e10 + len(calls))
     cpu = torch.device("cpu")
     first = peak.peak_flops(cpu, "fp32")
     assert first == (5e10 + 1, f"measured CPU matmul fp32, {torch.get_num_threads()} thread(s)")
@@ -212,6 +213,17 @@ def test_cpu_peak_is_measured_once_per_process_dtype_and_threads(
     assert peak.peak_flops(cpu, "bf16")[0] == 5e10 + 2  # another dtype: measured
     assert peak.peak_flops(cpu, "fp32", override=1e9) == (1e9, "train.peak_flops")
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize(("probe_s", "size"), [(0.001, 1024), (0.01, 512), (0.05, 256),
+                                               (2.0, 256)])
+def test_the_cpu_peak_matmul_shrinks_for_a_slow_dtype(probe_s: float, size: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """1024 x 1024 unless a 256 probe says one call takes over 0.1 s (x8 per doubling), down to
+    256: an emulated bf16 matmul is not timed for seconds at every start."""
+    clock = iter([0.0, probe_s])
+    monkeypatch.setattr(peak.time, "perf_counter", lambda: next(clock))
+    assert peak.peak_matmul_size(torch.float32) == size
 
 
 def test_bf16_run_warns_at_startup(tiny_args: list[str], monkeypatch: pytest.MonkeyPatch,

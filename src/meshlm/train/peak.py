@@ -1,8 +1,9 @@
 """Peak FLOP/s of one rank, the denominator of MFU.
 
 On CPU the peak is measured at start-up (once per process, dtype and thread count: about 0.4 s):
-the best rate of a square matmul in the run's compute dtype with the threads this process uses (so MFU reads "fraction of what this machine's matmul
-can do"). On a GPU it is the datasheet dense peak of the named part. ``train.peak_flops``
+the best rate of a square matmul in the run's compute dtype with the threads this process uses
+(so MFU reads "fraction of what this machine's matmul can do"), 1024 x 1024 where one call
+takes at most 0.1 s, smaller for a slow dtype. On a GPU it is the datasheet dense peak of the named part. ``train.peak_flops``
 overrides both. The source is always reported next to the number.
 
 ``bf16_warning``: CPUs without native bf16 matmul (AVX2-only x86: no AVX512-BF16 or AMX) run
@@ -97,8 +98,26 @@ def peak_flops(device: torch.device, dtype_name: str, override: float = 0.0) -> 
     threads = torch.get_num_threads()
     key = (dtype_name, threads)
     if key not in _MEASURED:  # (once per process: a later run here reads the same machine)
-        _MEASURED[key] = measure_matmul_flops(DTYPES[dtype_name])
+        dtype = DTYPES[dtype_name]
+        _MEASURED[key] = measure_matmul_flops(dtype, peak_matmul_size(dtype))
     return _MEASURED[key], f"measured CPU matmul {dtype_name}, {threads} thread(s)"
+
+
+def peak_matmul_size(dtype: torch.dtype, largest: int = 1024, call_s: float = 0.1) -> int:
+    """The square matmul size the CPU peak is measured at: ``largest``, or the largest power of
+    two below it (at least 256) whose one call a 256 probe says takes at most ``call_s``. A slow
+    dtype (bf16 without native support: about 1 GFLOP/s, 3 s per 1024 matmul) is measured in
+    a fraction of a second instead of seconds per run."""
+    probe = 256
+    a = torch.randn(probe, probe).to(dtype)
+    a @ a  # (warm-up)
+    t0 = time.perf_counter()
+    a @ a
+    seconds = time.perf_counter() - t0
+    n = largest
+    while n > probe and seconds * (n / probe) ** 3 > call_s:
+        n //= 2
+    return n
 
 
 # peak_flops' CPU measurements in this process: (dtype name, threads) -> FLOP/s
