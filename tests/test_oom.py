@@ -8,7 +8,6 @@ traceback; a save that runs out leaves no partial checkpoint and the run resumes
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,8 @@ from meshlm.distributed.phases import PHASES, phase, phase_of
 from meshlm.planner.cli import config_vocab, config_workload
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.levers import levers
-from meshlm.testing import HANG_GUARD_S, command_env
+from meshlm.testing import run_cli
 from meshlm.train.oom import asked_bytes, describe
-
-MESHLM = Path(sys.executable).with_name("meshlm")
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +35,9 @@ def args(corpus_dir: Path, cache_dir: Path) -> list[str]:
 
 
 def _meshlm(argv: list[str], fault: str | None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env=command_env({"MESHLM_FAULT_OOM": fault} if fault else None))
+    """``meshlm ARGV`` with the fault injected (run here: its workers fork from this process's
+    forkserver; the console script itself is run by tests/test_readme.py and test_cli.py)."""
+    return run_cli(argv, {"MESHLM_FAULT_OOM": fault} if fault else None)
 
 
 def _one_line(proc: subprocess.CompletedProcess, where: str) -> str:

@@ -9,9 +9,7 @@ or resumed run must end with exactly the weights of an uninterrupted one.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from meshlm import load_model
 from meshlm.config import Config, ConfigError, load_config, to_toml
 from meshlm.distributed.comm import Comm, CommLog
 from meshlm.distributed.mesh import Mesh
-from meshlm.testing import HANG_GUARD_S
+from meshlm.testing import run_cli
 from meshlm.train.metrics import read_metrics
 from meshlm.train.run_dir import (
     agree_run_dir,
@@ -31,8 +29,6 @@ from meshlm.train.run_dir import (
     resolve_run_dir,
     restart_count,
 )
-
-MESHLM = Path(sys.executable).parent / "meshlm"  # the installed console script
 
 
 # ---------------------------------------------------------------------- run-dir rules
@@ -186,11 +182,9 @@ LAYOUT = ["--parallel.dp=2", "--parallel.tp=2"]
 
 
 def _meshlm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHLM_FAULT",
-                                                                          "TORCHELASTIC_"))}
-    full_env.update(OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([str(MESHLM), *args], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env=full_env)
+    """``meshlm ARGS`` with the faults in ``env``, run here (its workers fork from this
+    process's forkserver; the faults kill workers, not the launcher)."""
+    return run_cli(list(args), env)
 
 
 @pytest.fixture(scope="module")

@@ -135,7 +135,7 @@ class Layout:
         return ",".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _FIELDS}
 
     # ------------------------------------------------------------------ the rules
     def problems(self, model_cfg: ModelConfig | None = None, seq_len: int | None = None,
@@ -274,6 +274,9 @@ class Layout:
             out.append(f"{m} micro-batch(es) per step cannot fill a pipeline of "
                        f"{k('pp')}={self.pp} stages")
         return out
+
+
+_FIELDS = tuple(f.name for f in fields(Layout))  # (as_dict's keys, in declaration order)
 
 
 class _Names:

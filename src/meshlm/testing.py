@@ -12,6 +12,7 @@ one element, while the tensor as a whole agrees to ~1e-7.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping
 
 import torch
@@ -24,7 +25,7 @@ from .distributed.spawn import run_world
 HANG_GUARD_S = float(os.environ.get("MESHLM_TEST_HANG_GUARD_S", "1800"))
 
 __all__ = ["HANG_GUARD_S", "assert_weights_close", "command_env", "final_weights", "max_relative_difference",
-           "relative_difference", "run_world", "train_runs"]
+           "relative_difference", "run_cli", "run_world", "train_runs"]
 
 
 def command_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -35,6 +36,53 @@ def command_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
                                 "SLURM_"))}
     env.update(OMP_NUM_THREADS="1", **(extra or {}))
     return env
+
+
+def run_cli(argv: list[str], extra: Mapping[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``meshlm ARGV`` run in this process, as a command a test runs (:func:`command_env`'s
+    environment, stdout and stderr captured, exit status returned): its local workers fork from
+    this process's forkserver, which has torch and meshlm imported, instead of a new launcher
+    and server importing them (seconds per command). The environment and the descriptors 1 and
+    2 are restored afterwards."""
+    import sys
+    import tempfile
+
+    from .cli import main
+
+    env = command_env(extra)
+    saved_env = dict(os.environ)
+    out = [tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in range(2)]
+    saved_streams = (sys.stdout, sys.stderr)
+    for stream in saved_streams:
+        stream.flush()
+    saved_fds = [os.dup(1), os.dup(2)]
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        os.dup2(out[0].fileno(), 1)  # (what its workers write: they take this process's 1, 2)
+        os.dup2(out[1].fileno(), 2)
+        sys.stdout, sys.stderr = out
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for f in out:
+            f.flush()
+        sys.stdout, sys.stderr = saved_streams
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in saved_fds:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    texts = []
+    for f in out:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return subprocess.CompletedProcess(["meshlm", *argv], code, texts[0], texts[1])
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:

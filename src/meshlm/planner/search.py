@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..layout import RECOMPUTE, Layout
@@ -186,13 +186,14 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
     gpn = None if hw.is_cpu else hw.gpus_per_node
     hopeless: dict[tuple, bool] = {}  # (layout less micro-batch) -> its states alone overflow
     for base in base_layouts(work, world, hw, allowed):
+        fields = base.as_dict()
         for stage in zero:
             if base.pp > 1 and stage > 1:
                 continue
             # dp_shard = 0: plain ZeRO (all of dp); hybrid sharding needs a ZeRO stage
             shards = [0] + ([d for d in _divisors(base.dp) if d < base.dp] if stage else [])
             for dp_shard in shards:
-                lo = Layout(**{**base.as_dict(), "zero": stage, "dp_shard": dp_shard,
+                lo = Layout(**{**fields, "zero": stage, "dp_shard": dp_shard,
                                "tp_overlap": tp_overlap and base.tp > 1})
                 counts["layouts"] += 1
                 if _states_overflow(work, hw, lo, hopeless, counts):
@@ -220,15 +221,19 @@ def _states_overflow(work: Workload, hw: Accelerator, lo: Layout, seen: dict[tup
 def _best_recompute(work: Workload, world: int, hw: Accelerator,
                     allowed: Callable[[Layout], bool] | None, recompute: tuple[str, ...],
                     gpn: int | None, base: Layout, counts: dict[str, int]) -> Plan | None:
-    """The fastest recomputation mode of ``base`` that fits (module docstring's cut)."""
+    """The fastest recomputation mode of ``base`` that fits (module docstring's cut). The
+    layout rules do not depend on the mode: they are checked once."""
+    if base.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
+                     strict=True):
+        return None
     best: Plan | None = None
+    fields = base.as_dict()
     for rc in recompute:
-        lo = replace(base, recompute=rc)
+        if rc not in RECOMPUTE:
+            break  # (a mode the rules refuse)
+        lo = Layout(**{**fields, "recompute": rc})
         if allowed is not None and not allowed(lo):
             continue
-        if lo.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
-                       strict=True):
-            break
         counts["memory"] += 1
         mem = memory(work, lo, hw)
         if mem.fits:
