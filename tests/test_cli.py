@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshlm.cli import build_parser, main
-from meshlm.testing import HANG_GUARD_S
+from meshlm.testing import HANG_GUARD_S, run_cli
 
 MESHLM = Path(sys.executable).parent / "meshlm"  # the installed console script
 
@@ -22,9 +22,15 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           env=env, cwd=cwd)
 
 
+def here(*args: str) -> subprocess.CompletedProcess:
+    """The command run in this process (:func:`meshlm.testing.run_cli`: its workers fork from
+    the test process's forkserver); ``run`` starts the console script itself."""
+    return run_cli(list(args))
+
+
 def test_train_then_generate_end_to_end(tiny_args: list[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    out = run("train", *tiny_args, "--run.sample_tokens=16")
+    out = here("train", *tiny_args, "--run.sample_tokens=16")
     assert out.returncode == 0, out.stderr
     assert "layout: world 1" in out.stdout and "measured" not in out.stdout  # peak given
     assert "step 6/6" in out.stdout and "sample:" in out.stdout
@@ -33,7 +39,7 @@ def test_train_then_generate_end_to_end(tiny_args: list[str], tmp_path: Path) ->
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5, 6]
     assert 'preset = "tiny"' in (run_dir / "config.toml").read_text()
 
-    gen = run("generate", "--checkpoint", str(run_dir), "--prompt", "import ",
+    gen = here("generate", "--checkpoint", str(run_dir), "--prompt", "import ",
               "--max-new-tokens", "10")
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("import ") and len(gen.stdout) > len("import \n")
@@ -115,10 +121,10 @@ def test_bad_input_gives_one_clear_line(args: list[str], message: str, tmp_path:
 
 
 def test_generate_rejects_corrupt_checkpoint(tiny_args: list[str], tmp_path: Path) -> None:
-    assert run("train", *tiny_args, "--train.steps=1").returncode == 0
+    assert here("train", *tiny_args, "--train.steps=1").returncode == 0
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000001"
     (ckpt / "rank_00000.safetensors").write_bytes(b"not a safetensors file")
-    out = run("generate", "--checkpoint", str(ckpt), "--prompt", "x")
+    out = here("generate", "--checkpoint", str(ckpt), "--prompt", "x")
     assert out.returncode == 2 and "rank_00000.safetensors" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
@@ -145,7 +151,7 @@ def test_cli_surface_is_frozen() -> None:
 
 def test_train_launches_data_parallel_workers(tiny_args: list[str], tmp_path: Path) -> None:
     """`meshlm train --parallel.dp=2` outside torchrun starts 2 workers through the agent."""
-    out = run("train", *tiny_args, "--parallel.dp=2", "--parallel.zero=2", "--train.steps=3")
+    out = here("train", *tiny_args, "--parallel.dp=2", "--parallel.zero=2", "--train.steps=3")
     assert out.returncode == 0, out.stderr
     assert "layout: world 2 (pp=1 dp=2 cp=1 tp=1), zero 2" in out.stdout
     assert out.stdout.count("layout:") == 1  # only rank 0 speaks
@@ -183,12 +189,12 @@ def test_bad_layout_under_torchrun_fails_before_init(world: str, args: list[str]
 
 def test_train_tensor_parallel_with_sample(tiny_args: list[str], tmp_path: Path) -> None:
     """tp=2 with sequence parallelism end to end, including the sample (vocab shards gathered)."""
-    out = run("train", *tiny_args, "--parallel.tp=2", "--parallel.sp=true", "--train.steps=2",
+    out = here("train", *tiny_args, "--parallel.tp=2", "--parallel.sp=true", "--train.steps=2",
               "--run.sample_tokens=8")
     assert out.returncode == 0, out.stderr
     assert "layout: world 2 (pp=1 dp=1 cp=1 tp=2)" in out.stdout
     assert out.stdout.split("sample:\n", 1)[1].startswith("def ")
-    gen = run("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x",
+    gen = here("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x",
               "--max-new-tokens", "3")
     assert gen.returncode == 0, gen.stderr  # the layout-free checkpoint loads in one process
 
@@ -206,7 +212,7 @@ def test_schedule_command(tmp_path: Path) -> None:
 
 
 def test_pipeline_run_records_and_draws_its_timeline(tiny_args: list[str], tmp_path: Path) -> None:
-    out = run("train", *tiny_args, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
+    out = here("train", *tiny_args, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
               "--train.steps=2", "--run.sample_tokens=5")
     assert out.returncode == 0, out.stderr
     assert "sample:" in out.stdout
@@ -218,7 +224,7 @@ def test_pipeline_run_records_and_draws_its_timeline(tiny_args: list[str], tmp_p
 
 def test_train_with_auto_layout(tiny_args: list[str], tmp_path: Path) -> None:
     """parallel.auto asks the planner for the layout of the ranks given (here 2)."""
-    out = run("train", *tiny_args, "--parallel.dp=2", "--parallel.auto=true", "--train.steps=2")
+    out = here("train", *tiny_args, "--parallel.dp=2", "--parallel.auto=true", "--train.steps=2")
     assert out.returncode == 0, out.stderr
     assert "parallel.auto: 2 ranks ->" in out.stdout
     assert "layout: world 2" in out.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,11 +16,10 @@ import pytest
 
 from meshlm.distributed import faults
 from meshlm.layout import Layout
-from meshlm.testing import HANG_GUARD_S, command_env
+from meshlm.testing import run_cli
 from meshlm.train.metrics import read_metrics
 from meshlm.train.stragglers import NcclWait, StragglerDetector, WaitClock, seconds, wait_clock
 
-MESHLM = Path(sys.executable).with_name("meshlm")
 LAYOUT = Layout(dp=2, tp=2)  # rank 2: pp 0, dp 1, cp 0, tp 0
 
 
@@ -212,8 +210,8 @@ def args(corpus_dir: Path, cache_dir: Path) -> list[str]:
 
 
 def _meshlm(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(MESHLM), *argv], capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env=command_env(env))
+    """``meshlm ARGV`` run here (its workers fork from this process's forkserver)."""
+    proc = run_cli(list(argv), env)
     assert proc.returncode == 0, proc.stderr
     return proc
 
