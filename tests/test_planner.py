@@ -811,6 +811,53 @@ def test_search_returns_only_layouts_that_divide_and_fit(preset: str, gpus: int,
     assert all(a >= b * (1 - 1e-5) for a, b in zip(speeds, speeds[1:], strict=False))
 
 
+def _every_fitting_plan(work: Workload, world: int, hw) -> list:  # noqa: ANN001
+    """Every layout the search could propose, each evaluated: no cut."""
+    from meshlm.planner.search import _divisors, _rank_key, base_layouts
+
+    plans = []
+    for base in base_layouts(work, world, hw):
+        for zero in (0, 1, 2, 3):
+            if base.pp > 1 and zero > 1:
+                continue
+            for shard in [0] + ([d for d in _divisors(base.dp) if d < base.dp] if zero else []):
+                for rc in RECOMPUTE:
+                    lo = dataclasses.replace(base, zero=zero, dp_shard=shard, recompute=rc)
+                    if lo.problems(work.model.config, work.seq_len, work.global_batch, world,
+                                   None if hw.is_cpu else hw.gpus_per_node, strict=True):
+                        continue
+                    p = evaluate(work, lo, hw, world)
+                    if p.fits:
+                        plans.append(p)
+    return sorted(plans, key=_rank_key)
+
+
+@pytest.mark.parametrize("preset, gpus, memory_gib, batch, seq", [
+    ("llama3-8b", 8, 40, 64, 4096),  # large micro-batches overflow: the search stops growing
+    # one rank: micro-batches of 1 overflow (142.6 GiB at best), 2 fit (127.6 GiB): one
+    # micro-batch per step frees the gradients between steps
+    ("llama3-8b", 1, 135, 2, 256),
+    ("mixtral-8x7b", 16, 80, 32, 4096)])
+def test_search_keeps_the_best_layouts_of_an_exhaustive_evaluation(
+        preset: str, gpus: int, memory_gib: float, batch: int, seq: int) -> None:
+    """The search's cuts (states that overflow, the first recomputation mode that fits, no
+    larger micro-batch once every mode overflows) drop no layout an exhaustive evaluation of
+    every candidate ranks among the fastest: the same layouts, in the same order."""
+    hw = dataclasses.replace(H100, memory=memory_gib * GIB)
+    work = Workload(ModelSpec(PRESETS[preset]), seq, batch)
+    got = search(work, gpus, hw, top=5)
+    want = _every_fitting_plan(work, gpus, hw)
+    assert want
+    # the exhaustive list also holds the slower modes of a layout the search times once
+    firsts = []
+    for p in want:
+        key = dataclasses.replace(p.layout, recompute="none")
+        if all(dataclasses.replace(q.layout, recompute="none") != key for q in firsts):
+            firsts.append(p)
+    assert [p.layout.describe() for p in got] == [p.layout.describe() for p in firsts[:5]]
+    assert [p.tokens_per_s for p in got] == [p.tokens_per_s for p in firsts[:5]]
+
+
 def test_search_is_at_least_as_fast_as_a_hand_layout() -> None:
     work = WORKS[0]
     hand = evaluate(work, Layout(tp=8, dp=8, micro_batch=1, zero=1), H100, 64)

@@ -10,7 +10,7 @@ With ZeRO, ZeRO's group is every divisor ``dp_shard`` of dp (hybrid sharding: sh
 dp_shard x cp ranks, replicated dp / dp_shard times); dp_shard = dp is plain ZeRO.
 AFAB is left out: it has 1F1B's bubble and holds more activations, so it never ranks higher.
 
-Three cuts keep the search fast without losing the best layout. The splits of the world
+Four cuts keep the search fast without losing the best layout. The splits of the world
 come from the divisors of the model's dimensions and of the batch, so the work is bounded
 by the model, not by the number of ranks (at most :data:`MAX_WORLD`). A layout whose
 weights, gradients and Adam moments alone overflow the device is dropped with every
@@ -18,8 +18,11 @@ micro-batch and recomputation mode (neither changes them). The recomputation mod
 tried from least to most recomputation (none, selective, op, full); each keeps fewer
 activations and recomputes a superset of the one before, except selective (the attention
 core) and op (every other matmul and the elementwise ops), which do not nest. So the first
-mode that fits is timed -- and op too when that is selective. And memory, which is cheap, is
-checked before time.
+mode that fits is timed -- and op too when that is selective. Memory does not fall as the
+micro-batch grows (activations, logits and transients grow with it; a pipeline holds
+min(micro-batches, stages) of them), so once no mode fits a micro-batch, no larger one of the
+same layout is tried -- except on one rank without ZeRO, where one micro-batch per step frees
+the gradients between steps. And memory, which is cheap, is checked before time.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
     found: list[Plan] = []
     gpn = None if hw.is_cpu else hw.gpus_per_node
     hopeless: dict[tuple, bool] = {}  # (layout less micro-batch) -> its states alone overflow
+    too_big: set[tuple] = set()  # (layout less micro-batch): no mode fits a smaller micro-batch
     for base in base_layouts(work, world, hw, allowed):
         fields = base.as_dict()
         for stage in zero:
@@ -196,21 +200,36 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
                 lo = Layout(**{**fields, "zero": stage, "dp_shard": dp_shard,
                                "tp_overlap": tp_overlap and base.tp > 1})
                 counts["layouts"] += 1
-                if _states_overflow(work, hw, lo, hopeless, counts):
+                key = _less_micro_batch(lo)
+                if key in too_big or _states_overflow(work, hw, lo, key, hopeless, counts):
                     continue
-                best = _best_recompute(work, world, hw, allowed, recompute, gpn, lo, counts)
+                best, overflow = _best_recompute(work, world, hw, allowed, recompute, gpn, lo,
+                                                 counts)
                 if best is not None:
                     found.append(best)
+                elif overflow and not _may_free_gradients(lo):
+                    too_big.add(key)
     found.sort(key=_rank_key)
     return found[:top]
 
 
-def _states_overflow(work: Workload, hw: Accelerator, lo: Layout, seen: dict[tuple, bool],
-                     counts: dict[str, int]) -> bool:
+def _less_micro_batch(lo: Layout) -> tuple:
+    """The layout's fields but its micro-batch and recomputation mode."""
+    return tuple(v for k, v in lo.as_dict().items() if k not in ("micro_batch", "recompute"))
+
+
+def _may_free_gradients(lo: Layout) -> bool:
+    """Whether one micro-batch per step (the largest micro-batch) frees this layout's gradients
+    between steps (one process: memory.py's ``freed``), so that it may fit where a smaller
+    micro-batch did not."""
+    return lo.zero == 0 and lo.dp * lo.cp == 1 and lo.pp == 1 and lo.islands == 1
+
+
+def _states_overflow(work: Workload, hw: Accelerator, lo: Layout, key: tuple,
+                     seen: dict[tuple, bool], counts: dict[str, int]) -> bool:
     """Whether the weights, gradients and Adam moments alone overflow the device -- then no
     micro-batch or recomputation fits (the optimizer step holds all of them, and they do not
-    depend on either). Decided once per layout less its micro-batch."""
-    key = tuple(v for k, v in lo.as_dict().items() if k not in ("micro_batch", "recompute"))
+    depend on either). Decided once per layout less its micro-batch (``key``)."""
     if key not in seen:
         counts["memory"] += 1
         m = memory(work, lo, hw)
@@ -220,30 +239,35 @@ def _states_overflow(work: Workload, hw: Accelerator, lo: Layout, seen: dict[tup
 
 def _best_recompute(work: Workload, world: int, hw: Accelerator,
                     allowed: Callable[[Layout], bool] | None, recompute: tuple[str, ...],
-                    gpn: int | None, base: Layout, counts: dict[str, int]) -> Plan | None:
-    """The fastest recomputation mode of ``base`` that fits (module docstring's cut). The
-    layout rules do not depend on the mode: they are checked once."""
+                    gpn: int | None, base: Layout, counts: dict[str, int]
+                    ) -> tuple[Plan | None, bool]:
+    """The fastest recomputation mode of ``base`` that fits (module docstring's cut), and
+    whether every mode of ``recompute`` was allowed and overflows the device (then none fits a
+    larger micro-batch either). The layout rules do not depend on the mode: checked once."""
     if base.problems(work.model.config, work.seq_len, work.global_batch, world, gpn,
                      strict=True):
-        return None
+        return None, False
     best: Plan | None = None
+    overflow = True
     fields = base.as_dict()
     for rc in recompute:
         if rc not in RECOMPUTE:
-            break  # (a mode the rules refuse)
+            return best, False  # (a mode the rules refuse)
         lo = Layout(**{**fields, "recompute": rc})
         if allowed is not None and not allowed(lo):
+            overflow = False
             continue
         counts["memory"] += 1
         mem = memory(work, lo, hw)
         if mem.fits:
+            overflow = False
             counts["timed"] += 1
             plan = Plan(lo, mem, step_time(work, lo, hw))
             if best is None or plan.tokens_per_s > best.tokens_per_s:
                 best = plan
             if rc != "selective":
                 break  # what follows recomputes a superset: slower
-    return best
+    return best, overflow and best is None
 
 
 def _rank_key(p: Plan) -> tuple:
