@@ -23,7 +23,13 @@ from meshlm.checkpoint.loading import load_model
 from meshlm.checkpoint.sharded import ShardedCheckpoint
 from meshlm.config import load_config
 from meshlm.distributed.flight import FlightRecorder, describe_record, diagnose, read_ring
-from meshlm.testing import HANG_GUARD_S, command_env, max_relative_difference, run_world
+from meshlm.testing import (
+    HANG_GUARD_S,
+    command_env,
+    max_relative_difference,
+    run_cli,
+    run_world,
+)
 from meshlm.train.metrics import read_metrics
 from meshlm.train.nonfinite import NonFiniteError
 from meshlm.train.trainer import Trainer, train
@@ -60,9 +66,9 @@ def test_frozen_rank_is_named_within_twice_the_timeout(args: list[str], tmp_path
     last collective; the survivors dumped their flight records."""
     stop_file = tmp_path / "stopped_at"
     run = tmp_path / "run"
-    proc = _meshlm(*args, *LAYOUT, "--train.steps=200", f"--run.dir={run}",
-                   f"--distributed.timeout_s={TIMEOUT_S}",
-                   env={"MESHLM_FAULT_STOP_AT_STEP": "3", "MESHLM_FAULT_STOP_FILE": str(stop_file)})
+    proc = run_cli([*args, *LAYOUT, "--train.steps=200", f"--run.dir={run}",
+                    f"--distributed.timeout_s={TIMEOUT_S}"],
+                   {"MESHLM_FAULT_STOP_AT_STEP": "3", "MESHLM_FAULT_STOP_FILE": str(stop_file)})
     assert proc.returncode != 0, proc.stdout
     froze = float(stop_file.read_text())
     # when the survivors gave up (their flight dumps), not when the processes were gone: the
@@ -85,9 +91,8 @@ def test_killed_rank_is_named_with_its_last_collective(args: list[str], tmp_path
     its last collective, read from its flight ring."""
     run = tmp_path / "run"
     timeout_s = 90.0  # longer than any teardown, loaded or not: ending sooner is not waiting
-    proc = _meshlm(*args, *LAYOUT, "--train.steps=200", f"--run.dir={run}",
-                   f"--distributed.timeout_s={timeout_s}",
-                   env={"MESHLM_FAULT_KILL_AT_STEP": "3"})
+    proc = run_cli([*args, *LAYOUT, "--train.steps=200", f"--run.dir={run}",
+                    f"--distributed.timeout_s={timeout_s}"], {"MESHLM_FAULT_KILL_AT_STEP": "3"})
     ended = time.time()
     assert proc.returncode == 1, proc.stderr
     line = proc.stderr.strip()
