@@ -1028,10 +1028,12 @@ def test_auto_layout_turns_on_recomputation_only_when_memory_needs_it(
 
 def test_collective_calibration_times_each_op_in_a_steps_pattern() -> None:
     """`meshlm plan --calibrate`'s collective microbenchmark on 2 gloo ranks: every op (the
-    all-to-all included) is timed at every size, on every rank, as a finite positive time.
-    (Whether a 64x larger buffer takes longer is this machine's property, not meshlm's: under
-    load a 64 KiB all-to-all once took longer than a 4 MiB one; `meshlm plan --calibrate`
-    measures it on an idle machine.)"""
+    all-to-all included) is timed at every size, on every rank, as a finite time >= 0 (the
+    op's time less that of the compute between calls), and above 0 at 4 MiB, milliseconds of
+    copying over loopback. (How a 64 KiB op compares is this machine's state, not meshlm's:
+    under load a 64 KiB all-to-all once took longer than a 4 MiB one, and once less than the
+    1 ms of compute subtracted from it, read as 0; `meshlm plan --calibrate` measures on an
+    idle machine.)"""
     import math
 
     from meshlm.distributed.spawn import run_world
@@ -1042,7 +1044,8 @@ def test_collective_calibration_times_each_op_in_a_steps_pattern() -> None:
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
         for r in per_rank:
             assert sorted(r[op]) == sorted(sizes), (op, r[op])
-            assert all(math.isfinite(t) and t > 0 for t in r[op].values()), (op, r[op])
+            assert all(math.isfinite(t) and t >= 0 for t in r[op].values()), (op, r[op])
+            assert r[op][max(sizes)] > 0, (op, r[op])
 
 
 def test_automatic_micro_batch_really_fits_on_one_h200(monkeypatch: pytest.MonkeyPatch) -> None:
