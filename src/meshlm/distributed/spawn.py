@@ -31,7 +31,7 @@ def _world_entry(stdio: CallerStdio, rank: int, world: int, port: int, fn, args,
                  queue, timeout: float, collective_timeout: float | None,  # noqa: ANN001
                  environ: dict[str, str]) -> None:
     # stdio first: the caller's stdout / stderr are in place before ``fn`` is unpickled (a
-    # function whose module does not import is reported there, not to the server's /dev/null)
+    # function whose module does not import is reported there, not to the server's streams)
     import faulthandler
     import os
     import traceback
