@@ -191,6 +191,11 @@ def init_worker(timeout_s: float = 300) -> WorldInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device_id)
+        if backend == "gloo" and info.world_size > 1:
+            # gloo's full mesh is built rank by rank: a rank whose work needs no collective can
+            # end and close its sockets while a peer is still connecting, and that peer fails
+            # ("Connection closed by peer"). Init returns once every rank's mesh is complete.
+            dist.barrier()
     return info
 
 

@@ -52,6 +52,8 @@ def _world_entry(stdio: CallerStdio, rank: int, world: int, port: int, fn, args,
         limit = timedelta(seconds=collective_timeout or max(30.0, timeout - 40))
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=limit)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=limit)
+        if world > 1:  # every rank's gloo mesh complete before any rank may end (see init_worker)
+            dist.barrier()
         # plain pickle: tensors travel by value, not as shared memory that vanishes when
         # this process exits before the parent has read the result
         queue.put((rank, "ok", pickle.dumps(fn(*args))))
