@@ -109,9 +109,11 @@ def test_init_worker_without_gpus_takes_gloo(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: calls.update(backend=backend, **kw))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.setdefault("threads", n))
+    # a gloo world of more than one rank: init returns after a barrier (every rank's mesh built)
+    monkeypatch.setattr(dist, "barrier", lambda: calls.setdefault("barrier", "backend" in calls))
     init_worker(10)
     assert calls == {"backend": "gloo", "timeout": calls["timeout"], "device_id": None,
-                     "threads": 1}
+                     "threads": 1, "barrier": True}
 
 
 @pytest.mark.parametrize("source", ["torchrun", "slurm"])
