@@ -18,22 +18,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # run_world, launch_local's workers and `prepare`'s workers import.
 forkserver_context([*PRELOAD, "meshlm.launch", "meshlm.data.prepare"])
 
-# The slowest files first (seconds on the 2-core machine, run 3 at a time, first run: compile
-# caches cold): `make test` runs files on parallel workers (pytest-xdist, --dist loadfile
-# --no-loadscope-reorder: files handed out in this order, two to each worker at the start),
-# and a long file started last would run alone at the end. The rest keep their order.
-SLOWEST_FIRST = ["test_compile.py", "test_fp8.py", "test_readme.py", "test_gpu_benchmark.py",
-                 "test_reliability.py", "test_planner_published.py", "test_multinode.py",
-                 "test_expert_parallel.py", "test_pipeline.py", "test_launch.py",
-                 "test_multi_gpu_benchmark.py", "test_checkpoint.py", "test_nccl_semantics.py",
-                 "test_context_parallel.py", "test_cli.py", "test_oom.py", "test_planner.py",
-                 "test_doc_mask.py", "test_restart.py", "test_recompute.py"]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 CORPUS_MODULES = [
     "textwrap.py", "json/decoder.py", "json/encoder.py", "fnmatch.py", "shlex.py",
