@@ -29,11 +29,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
 # Test files run on TEST_WORKERS parallel workers (pytest-xdist; 0: in this process). Three on
-# a 2-core machine: many tests wait on subprocesses, timeouts and stalled ranks.
+# a 2-core machine: many tests wait on subprocesses, timeouts and stalled ranks. Files are
+# handed out in the order tests/conftest.py gives them (--no-loadscope-reorder).
 TEST_WORKERS ?= 3
 
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/single_process.py

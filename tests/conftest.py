@@ -18,6 +18,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # run_world, launch_local's workers and `prepare`'s workers import.
 forkserver_context([*PRELOAD, "meshlm.launch", "meshlm.data.prepare"])
 
+# The order in which `make test` hands files to its workers (pytest-xdist --dist loadfile
+# --no-loadscope-reorder): xdist's own, the files with the most tests first, except these,
+# which go first. Each runs its commands one at a time (the README tour, the GPU benchmark's
+# rows) for minutes; with few tests, xdist's order started them last, where one ran alone for
+# the last 2-4 minutes. At the start they run beside the compile-heavy worlds.
+FIRST = ["test_readme.py", "test_gpu_benchmark.py"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    count: dict[Path, int] = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    first = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -count[item.path]))
+
 
 CORPUS_MODULES = [
     "textwrap.py", "json/decoder.py", "json/encoder.py", "fnmatch.py", "shlex.py",
