@@ -258,28 +258,33 @@ def test_max_restarts_under_torchrun_is_refused(tmp_path: Path, monkeypatch: pyt
 PROBE = "MESHLM_TEST_PROBE"
 
 
-def _probe_worker() -> str | None:
-    """Print a line (rank 0's reaches the launcher's stdout) and return the probe variable."""
+def _probe_worker() -> tuple[str | None, str]:
+    """Print a line (rank 0's reaches the launcher's stdout); the probe variable and the
+    folder the worker runs in."""
     print(f"rank {dist.get_rank()} of {dist.get_world_size()} forked", flush=True)
-    return os.environ.get(PROBE)
+    return os.environ.get(PROBE), os.getcwd()
 
 
-def test_forked_workers_get_the_launchers_environment_and_output(
-        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+def test_forked_workers_get_the_launchers_environment_output_and_folder(
+        monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
     """run_world's ranks and launch_local's workers fork from a forkserver started once per
-    process, with the environment and stdout of that moment. Each world and each launch still
-    gets the caller's as they are at its start: a variable set after the server started is
-    seen, one removed is gone, and a rank's print reaches this test's captured output, not an
-    earlier test's."""
-    run_world(1, _probe_worker)  # the server runs from here on
+    process, with the environment, stdout and folder of that moment. Each world and each
+    launch still gets the caller's as they are at its start: a variable set after the server
+    started is seen, one removed is gone, a rank's print reaches this test's captured output,
+    not an earlier test's, and a relative path means what it means to the caller."""
+    here = os.getcwd()
+    run_world(2, _probe_worker)  # the server runs from here on
     monkeypatch.setenv(PROBE, "42")
-    assert run_world(2, _probe_worker) == ["42", "42"]
-    assert launch_local(2, _probe_worker) == {0: "42", 1: "42"}
+    monkeypatch.chdir(tmp_path)
+    assert run_world(2, _probe_worker) == [("42", str(tmp_path))] * 2
+    assert launch_local(2, _probe_worker) == {0: ("42", str(tmp_path)), 1: ("42", str(tmp_path))}
     out = capfd.readouterr().out
     assert "rank 0 of 2 forked" in out and "rank 1 of 2 forked" in out, out
     monkeypatch.delenv(PROBE)
-    assert run_world(2, _probe_worker) == [None, None]
-    assert launch_local(2, _probe_worker) == {0: None, 1: None}
+    monkeypatch.chdir(here)
+    assert run_world(2, _probe_worker) == [(None, here)] * 2
+    assert launch_local(2, _probe_worker) == {0: (None, here), 1: (None, here)}
     assert "rank 0 of 2 forked" in capfd.readouterr().out
 
 

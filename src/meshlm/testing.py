@@ -38,21 +38,25 @@ def command_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_cli(argv: list[str], extra: Mapping[str, str] | None = None
-            ) -> subprocess.CompletedProcess:
+def run_cli(argv: list[str], extra: Mapping[str, str] | None = None, *,
+            environ: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
+            merge_stderr: bool = False) -> subprocess.CompletedProcess:
     """``meshlm ARGV`` run in this process, as a command a test runs (:func:`command_env`'s
-    environment, stdout and stderr captured, exit status returned): its local workers fork from
-    this process's forkserver, which has torch and meshlm imported, instead of a new launcher
-    and server importing them (seconds per command). The environment and the descriptors 1 and
-    2 are restored afterwards."""
+    environment plus ``extra``, or exactly ``environ``; in ``cwd``; stdout and stderr captured
+    -- as one stream, in the order written, with ``merge_stderr`` -- exit status returned): its
+    local workers fork from this process's forkserver, which has torch and meshlm imported,
+    instead of a new launcher and server importing them (seconds per command). The
+    environment, the folder and the descriptors 1 and 2 are restored afterwards."""
     import sys
     import tempfile
 
     from .cli import main
 
-    env = command_env(extra)
-    saved_env = dict(os.environ)
-    out = [tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") for _ in range(2)]
+    env = dict(environ) if environ is not None else command_env(extra)
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    out = [tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")]
+    out.append(out[0] if merge_stderr else
+               tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace"))
     saved_streams = (sys.stdout, sys.stderr)
     for stream in saved_streams:
         stream.flush()
@@ -60,6 +64,8 @@ def run_cli(argv: list[str], extra: Mapping[str, str] | None = None
     try:
         os.environ.clear()
         os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
         os.dup2(out[0].fileno(), 1)  # (what its workers write: they take this process's 1, 2)
         os.dup2(out[1].fileno(), 2)
         sys.stdout, sys.stderr = out
@@ -75,14 +81,16 @@ def run_cli(argv: list[str], extra: Mapping[str, str] | None = None
         os.dup2(saved_fds[1], 2)
         for fd in saved_fds:
             os.close(fd)
+        os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
     texts = []
-    for f in out:
+    for f in dict.fromkeys(out):  # (one file when merged)
         f.seek(0)
         texts.append(f.read())
         f.close()
-    return subprocess.CompletedProcess(["meshlm", *argv], code, texts[0], texts[1])
+    return subprocess.CompletedProcess(["meshlm", *argv], code, texts[0],
+                                       "" if merge_stderr else texts[1])
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
