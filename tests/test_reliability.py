@@ -53,12 +53,6 @@ def args(corpus_dir: Path, cache_dir: Path) -> list[str]:
     ]
 
 
-def _meshlm(*argv: str, env: dict[str, str] | None = None, timeout: float = 300
-            ) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MESHLM), *argv], capture_output=True, text=True,
-                          timeout=timeout, env=_env(env))
-
-
 # ------------------------------------------------------------------ frozen / killed ranks
 def test_frozen_rank_is_named_within_twice_the_timeout(args: list[str], tmp_path: Path) -> None:
     """Rank 3 SIGSTOPs itself inside step 3: every rank exits, non-zero, the survivors giving up
@@ -134,9 +128,9 @@ def test_sigterm_saves_exits_zero_and_resumes_on_the_uninterrupted_curve(
     assert len(resume) == 1 and resume[0].endswith(f"--run.dir={run} --run.resume=true"), out
     command = resume[0].split("to continue: ", 1)[1].split()
     assert command[:2] == ["meshlm", "train"]
-    done = _meshlm(*command[1:])
+    done = run_cli(command[1:])  # (the printed command, through meshlm's main in this process)
     assert done.returncode == 0, done.stderr
-    assert _meshlm(*args, *steps, "--train.micro_batch=8", f"--run.dir={ref}").returncode == 0
+    assert run_cli([*args, *steps, "--train.micro_batch=8", f"--run.dir={ref}"]).returncode == 0
     got = {r["step"]: r["loss"] for r in read_metrics(metrics)}
     want = {r["step"]: r["loss"] for r in read_metrics(ref / "metrics.jsonl")}
     assert sorted(got) == list(range(1, 31))
