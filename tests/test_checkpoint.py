@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,13 @@ from meshlm import load_model
 from meshlm.checkpoint import CheckpointError, ShardedCheckpoint, validate
 from meshlm.checkpoint.sharded import read_local
 from meshlm.config import load_config
-from meshlm.testing import final_weights, max_relative_difference, relative_difference, run_world
+from meshlm.testing import (
+    final_weights,
+    max_relative_difference,
+    relative_difference,
+    run_cli,
+    run_world,
+)
 from meshlm.train.trainer import Trainer, train
 
 STEPS, HALF = 10, 5
@@ -305,8 +309,7 @@ def test_damaged_checkpoint_is_named_and_auto_resume_falls_back(
         validate(latest)
     before = _snapshot(small_run / "checkpoints")
     # the CLI: one line naming the file, no traceback, nothing written
-    out = subprocess.run([sys.executable, "-m", "meshlm.cli", "generate", "--checkpoint",
-                          str(latest), "--prompt", "x"], capture_output=True, text=True)
+    out = run_cli(["generate", "--checkpoint", str(latest), "--prompt", "x"])
     assert out.returncode == 2 and needle in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert _snapshot(small_run / "checkpoints") == before
@@ -357,8 +360,7 @@ def test_nothing_is_unpickled(small_run: Path, tiny_args: list[str], tmp_path: P
     for args in (["generate", "--checkpoint", str(ckpt), "--prompt", "x",
                   "--max-new-tokens", "2"],
                  ["convert", str(ckpt), "--to-hf", str(tmp_path / "hf")]):
-        out = subprocess.run([sys.executable, "-m", "meshlm.cli", *args], capture_output=True,
-                             text=True)
+        out = run_cli(args)
         assert out.returncode == 0, out.stderr
     load_model(tmp_path / "hf")
     assert not marker.exists()
