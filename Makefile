@@ -28,10 +28,12 @@ train: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 
-# Test files run on TEST_WORKERS parallel workers (pytest-xdist; 0: in this process). Three on
-# a 2-core machine: many tests wait on subprocesses, timeouts and stalled ranks. Files are
-# handed out in the order tests/conftest.py gives them (--no-loadscope-reorder).
-TEST_WORKERS ?= 3
+# Test files run on TEST_WORKERS parallel workers (pytest-xdist; 0: in this process). Two on
+# a 2-core machine: a third keeps the cores no busier (they are ~95 % busy with two) and makes
+# every process slower (cold run, same code: 14:21 with two, 15:29 with three, which spent 13 %
+# more CPU time). Files are handed out in the order tests/conftest.py gives them
+# (--no-loadscope-reorder).
+TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile \
