@@ -31,8 +31,8 @@ lint: $(STAMP)
 # Test files run on TEST_WORKERS parallel workers (pytest-xdist; 0: in this process). Two on
 # a 2-core machine: a third keeps the cores no busier (they are ~95 % busy with two) and makes
 # every process slower (cold runs: 13:20 and 14:21 with two, 15:29 with three, which spent
-# 1,830 CPU-seconds against 1,500-1,600). Files are handed out in the order tests/conftest.py gives them
-# (--no-loadscope-reorder).
+# 1,830 CPU-seconds against 1,500-1,600). Files are handed out in the order tests/conftest.py
+# gives them (--no-loadscope-reorder).
 TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
