@@ -223,7 +223,7 @@ class Recorder:
         for line in lines:
             self.log(line)
         self.log(f"peak {self.peak / 1e9:.1f} GFLOP/s per rank ({self.peak_source})")
-        if self.mesh.is_logging_rank:  # bf16 on a CPU without native bf16 matmul: a slowdown
+        if self.mesh.is_logging_rank:  # bf16 slower than fp32 on this CPU: say so
             from ..peak import check_bf16
 
             if warning := check_bf16(device, c.precision.dtype, c.precision.fp8_rest):
