@@ -40,7 +40,13 @@ def _structure(model: Transformer) -> list:
 
 
 def test_registries_name_every_choice() -> None:
-    assert set(ATTENTION.names()) == {"sdpa", "eager", "zigzag", "ring", "ulysses"}
+    # one list of attention kernels; context parallelism's modes compose around any of them
+    from meshlm.layout import CP_MODES
+    from meshlm.models.attention_spec import SPECS
+
+    assert {"sdpa", "eager"} <= set(ATTENTION.names())
+    assert set(ATTENTION.names()) == set(SPECS)  # each kernel has the planner's description
+    assert not set(CP_MODES) & set(ATTENTION.names())
     assert RECOMPUTE.names() == ("none", "selective", "op", "full")
     assert {n: PRECISION[n].dtype for n in PRECISION.names() if n != "fp8"} == DTYPES
     assert PRECISION["fp8"].float8 and not any(PRECISION[n].float8 for n in DTYPES)
@@ -75,6 +81,8 @@ def test_unknown_choice_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="recompute mode 'some' is not one of none, selective"):
         apply_choices(_model(), recompute="some")
     with pytest.raises(ValueError, match="needs context parallelism"):
+        apply_choices(_model(), context="zigzag")
+    with pytest.raises(ValueError, match="attention kernel 'zigzag' is not one of sdpa, eager"):
         apply_choices(_model(), attention="zigzag")
 
 
@@ -161,7 +169,8 @@ def _cp_models() -> list[list]:
 
     comm = Comm(Mesh(Layout(cp=2, cp_attention="zigzag")))
     cp = ContextParallel(comm, "zigzag")
-    changes = [("attention", "zigzag"), ("recompute", "selective"), ("compiled", True)]
+    changes = [("attention", "eager"), ("context", "zigzag"), ("recompute", "selective"),
+               ("compiled", True)]
     out = []
     for order in [changes, *permutations(changes)]:
         model = _model()
@@ -177,10 +186,13 @@ def _cp_models() -> list[list]:
 def test_context_parallel_kernel_in_any_order() -> None:
     structures = run_world(2, _cp_models)[0]
     text = structures[0][0]
-    assert "attention=zigzag, recompute=selective, compiled=True" in text
-    # kept out of compiled graphs, then recomputed (the fixed order of extensions.py)
+    assert "attention=eager, context=zigzag, recompute=selective, compiled=True" in text
+    # the ring around the model's kernel, kept out of compiled graphs, then recomputed (the
+    # fixed order of extensions.py)
     assert ("(kernel): Checkpointed(\n          (inner): Uncompiled(\n"
-            "            (inner): ContextParallelAttention(zigzag, cp=2)") in text
+            "            (inner): ContextParallelAttention(\n"
+            "              zigzag, cp=2\n"
+            "              (inner): EagerAttention()") in text
     assert all(s == structures[0] for s in structures)
 
 

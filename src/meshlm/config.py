@@ -80,6 +80,9 @@ class ModelSection:
     moe_balance: str | None = None  # aux | seq_aux | bias
     moe_bias_rate: float | None = None
     moe_capacity: float | None = None  # 0: dropless
+    # the attention kernel: a name registered in models/attention.py (sdpa | eager | ...)
+    attention: str | None = None
+    sliding_window: int | None = None  # a query sees the last N keys (itself included); 0: all
     # A Hugging Face folder (config.json + safetensors: its shape replaces the preset's) or a
     # meshlm run/checkpoint dir to take the initial weights from; "" -> drawn from train.seed.
     init_from: str = ""

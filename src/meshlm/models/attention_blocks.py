@@ -11,7 +11,9 @@ Backward of a block needs only the *final* output and log-sum-exp of its query r
 ``P = exp(q k^T scale - l)`` is then the block's share of the global softmax, and
 ``dS = P (dO v^T - rowsum(dO o))`` gives the block's dq, dk, dv.
 
-Two kernels, same maths, grouped-query heads (``nh`` a multiple of ``nkv``) on both:
+Two implementations, same maths, grouped-query heads (``nh`` a multiple of ``nkv``) on both;
+they are the block paths of the attention kernels ``sdpa`` (``flash`` on CPU) and ``eager``
+(``math``) of :mod:`.attention`, not kernels of their own:
 
 - ``flash``: ATen's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
   backward). Scores are never materialised: memory O(block rows x head dim).
@@ -31,12 +33,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-KERNELS = ("flash", "math")
-
-
-def default_kernel(device: torch.device) -> str:
-    return "flash" if device.type == "cpu" else "math"
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

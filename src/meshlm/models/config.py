@@ -8,13 +8,16 @@ FLOP convention (PaLM, Chowdhery et al. 2022, appendix B): per trained token,
 ``6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len``, where ``N_matmul`` counts every
 weight that takes part in a matmul for that token (active experts only, the LM head included,
 the embedding lookup excluded) and the second term is the attention score and value matmuls
-(no discount for the causal mask).
+(no discount for the causal mask; a sliding window ``W`` shorter than the sequence counts
+``W`` keys per query, all a query can see).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+from .attention_spec import SPECS
 
 MOE_BALANCE = ("aux", "seq_aux", "bias")  # load-balancing methods (models/moe.py)
 
@@ -49,6 +52,11 @@ class ModelConfig:
     moe_balance: str = "aux"
     moe_bias_rate: float = 0.001
     moe_capacity: float = 0.0  # capacity factor (0: dropless); per sequence, tokens past it drop
+    # the attention kernel (a name registered in models/attention.py, described for the
+    # planner in models/attention_spec.py) and the sliding window: a query sees the keys at
+    # most sliding_window - 1 positions before it (0: every earlier key; Mistral, gpt-oss)
+    attention: str = "sdpa"
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -92,6 +100,10 @@ class ModelConfig:
             out.append(f"model.moe_capacity={self.moe_capacity} must be >= 0 (0: dropless)")
         if self.moe_bias_rate < 0:
             out.append(f"model.moe_bias_rate={self.moe_bias_rate} must be >= 0")
+        if self.sliding_window < 0:
+            out.append(f"model.sliding_window={self.sliding_window} must be >= 0 (0: none)")
+        if self.attention not in SPECS:
+            out.append(f"model.attention={self.attention!r} is not one of {', '.join(SPECS)}")
         if self.moe_first_dense > self.n_layers:
             out.append(f"model.moe_first_dense={self.moe_first_dense} exceeds n_layers")
         return out
@@ -179,5 +191,10 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, PaLM convention (see module doc)."""
-        attn = 12 * self.n_layers * self.n_heads * self.hd * seq_len
+        attn = 12 * self.n_layers * self.n_heads * self.hd * self.attention_span(seq_len)
         return 6.0 * self.matmul_params() + attn
+
+    def attention_span(self, seq_len: int) -> int:
+        """Keys one query's attention is counted over: the sequence, or the sliding window
+        when shorter (its keys are all a query can see)."""
+        return min(seq_len, self.sliding_window) if self.sliding_window else seq_len

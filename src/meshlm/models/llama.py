@@ -10,9 +10,10 @@ convention is the "rotate half" one of Hugging Face Llama, so HF weights load by
 Extension points -- declared slots the model's own forwards call, filled in one place by
 ``meshlm.parallel.extensions`` and shown by ``print(model)``:
 
-- ``Attention.kernel``: the attention core, a parameterless module (:class:`SDPA` by default,
-  :class:`EagerAttention`, a context-parallel ring / all-to-all kernel, or one wrapped to be
-  recomputed or kept out of compiled graphs);
+- ``Attention.kernel``: the attention core, a parameterless module: the registered kernel
+  ``model.attention`` names (``models/attention.py``: ``sdpa`` by default), with context
+  parallelism's ring / all-to-all composed around it, or wrapped to be recomputed or kept out
+  of compiled graphs;
 - ``Block.run_layer`` / ``Block.run_ffn``: how the layer / its feed-forward is run (compiled,
   recomputed, kept eager); None runs it directly. ``Block.choices`` names them (its repr);
 - ``Transformer.head_input`` (a module: what the LM head's input passes first) and
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import SDPA, EagerAttention, build_kernel, document_mask  # noqa: F401  (re-exported)
 from .config import ModelConfig
 from .moe import MoE, SwiGLU
 
@@ -98,16 +100,6 @@ def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return ar - first
 
 
-def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """(B, s_q, s_k) bool, True where a query may attend to a key: same document and, when
-    ``causal``, the key not after the query (queries and keys at the same positions)."""
-    allowed = q_ids[:, :, None] == k_ids[:, None, :]
-    if causal:
-        n_q, n_k = q_ids.shape[1], k_ids.shape[1]
-        allowed &= torch.ones(n_q, n_k, dtype=torch.bool, device=q_ids.device).tril()
-    return allowed
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, nh, S, hd) by position: x*cos + rotate_half(x)*sin, computed in the tables'
     dtype (fp32) and returned in ``x``'s.
@@ -119,44 +111,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     x1, x2 = x.chunk(2, dim=-1)
     out = x * cos + torch.cat([x2, x1], dim=-1) * signed_sin
     return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-class SDPA(nn.Module):
-    """Causal attention of (B, nh, S, hd) queries on (B, nkv, S, hd) keys/values through
-    ``scaled_dot_product_attention`` (the fused kernel of the device); with ``doc_ids`` (B, S)
-    the causal mask is also cut at document boundaries (a (B, 1, S, S) boolean mask)."""
-
-    name = "sdpa"
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if doc_ids is not None:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=document_mask(doc_ids, doc_ids, True)[:, None],
-                enable_gqa=q.shape[1] != k.shape[1])
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
-
-
-class EagerAttention(nn.Module):
-    """The same attention written out: ``softmax(q k^T / sqrt(hd) + causal mask) v`` in the
-    inputs' dtype, the (B, nh, S, S) scores materialised (a reference; memory O(S^2))."""
-
-    name = "eager"
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        s = q.shape[2]
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, nh, S, S)
-        if doc_ids is not None:
-            mask = ~document_mask(doc_ids, doc_ids, True)[:, None]
-        else:
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        return scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
 
 
 class _Callable(nn.Module):
@@ -174,8 +128,8 @@ class _Callable(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention; the core is the module ``kernel`` (default
-    :class:`SDPA`)."""
+    """Grouped-query causal self-attention; the core is the module ``kernel``, the registered
+    kernel ``model.attention`` names (default :class:`SDPA`), with the model's sliding window."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -184,12 +138,15 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
-        self.kernel: nn.Module = SDPA()
+        # the registered kernel ``model.attention`` names (models/attention.py)
+        self.window = cfg.sliding_window
+        self.kernel_name = cfg.attention
+        self.kernel: nn.Module = build_kernel(cfg.attention, cfg.sliding_window)
 
     @property
     def core(self) -> Callable[..., torch.Tensor]:
         """The attention core as a function of (q, k, v): the ``kernel`` module. Setting a
-        function makes it the kernel; deleting restores :class:`SDPA`."""
+        function makes it the kernel; deleting restores the model's own (``model.attention``)."""
         return self.kernel
 
     @core.setter
@@ -198,7 +155,7 @@ class Attention(nn.Module):
 
     @core.deleter
     def core(self) -> None:
-        self.kernel = SDPA()
+        self.kernel = build_kernel(self.kernel_name, self.window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 *doc_ids: torch.Tensor) -> torch.Tensor:

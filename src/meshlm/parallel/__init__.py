@@ -95,7 +95,7 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     # attention kernel, recomputation, compile: named choices applied together, in the fixed
     # order of extensions.py, to this rank's layers
     apply_choices(model, cp=cp, comm=comm,
-                  attention=parallel.cp_attention if cp is not None else "sdpa",
+                  context=parallel.cp_attention if cp is not None else None,
                   recompute=train.recompute, compiled=train.compile, precision=precision,
                   fp8_recipe=fp8_recipe if precision == "fp8" else None)
     device = comm.mesh.device()

@@ -34,36 +34,51 @@ from torch import nn
 
 from ..distributed.comm import Comm
 from ..layout import CP_MODES
-from ..models.llama import SDPA, Transformer
-from .attention_blocks import KERNELS, default_kernel
-from .registry import ATTENTION
-from .ring_attention import Ring, block_plan, ring_attention
+from ..models.attention import ATTENTION, SDPA, AttentionKernel, EagerAttention, build_kernel
+from ..models.llama import Transformer
+from .ring_attention import Ring, block_plan, ring_attention, share_positions
 from .ulysses import ulysses_attention
 
 AXIS = "cp"
 
 
-def share_positions(seq_len: int, cp: int, rank: int, mode: str) -> np.ndarray:
-    """Global positions (ascending) of cp rank ``rank``'s tokens of a ``seq_len`` sequence."""
-    if mode == "zigzag":
-        c = seq_len // (2 * cp)
-        return np.concatenate([np.arange(rank * c, (rank + 1) * c),
-                               np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
-    n = seq_len // cp
-    return np.arange(rank * n, (rank + 1) * n)
+def check_mode(mode: str) -> None:
+    if mode not in CP_MODES:
+        raise ValueError(f"parallel.cp_attention={mode!r} is not one of {', '.join(CP_MODES)}")
+
+
+# the block paths of the plain kernels, by their old names (a ring's kernel may be given so)
+_BLOCK_PATHS = {"flash": SDPA, "math": EagerAttention}
+
+
+def _default_kernel(kernel: str | AttentionKernel | None) -> AttentionKernel:
+    if isinstance(kernel, AttentionKernel):
+        return kernel
+    if kernel in _BLOCK_PATHS:
+        return _BLOCK_PATHS[kernel]()
+    if kernel is None:
+        return SDPA()
+    if kernel not in ATTENTION:
+        raise ValueError(f"attention kernel {kernel!r} is not one of "
+                         f"{', '.join((*ATTENTION.names(), *_BLOCK_PATHS))}")
+    return build_kernel(kernel)
 
 
 class ContextParallel:
-    """This rank's share of every sequence and its attention over the cp group."""
+    """This rank's share of every sequence and its attention over the cp group, composed
+    around an attention kernel (``models/attention.py``): Ulysses runs the kernel on whole
+    sequences of 1/cp of the heads, the ring runs its blocks and merges them.
 
-    def __init__(self, comm: Comm, mode: str, kernel: str | None = None) -> None:
-        if mode not in CP_MODES:
-            raise ValueError(f"parallel.cp_attention={mode!r} is not one of {', '.join(CP_MODES)}")
+    ``kernel``: the kernel :meth:`attention` uses when it is given none (a name, or ``flash``
+    / ``math`` for ``sdpa``'s / ``eager``'s block paths); the model's kernel is given by
+    :class:`ContextParallelAttention`."""
+
+    def __init__(self, comm: Comm, mode: str, kernel: str | AttentionKernel | None = None
+                 ) -> None:
+        check_mode(mode)
         self.comm, self.mode = comm, mode
         self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
-        self.kernel = kernel or default_kernel(comm.mesh.device())
-        if self.kernel not in KERNELS:
-            raise ValueError(f"attention kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
+        self.kernel = _default_kernel(kernel)
         self.ring = Ring(comm, mode == "zigzag", self.kernel)
         self.enabled = True
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
@@ -102,19 +117,22 @@ class ContextParallel:
 
     # -- attention ---------------------------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence;
-        ``doc_ids`` (B, s): the whole sequences' document ids (document masking)."""
+                  doc_ids: torch.Tensor | None = None, kernel: AttentionKernel | None = None
+                  ) -> torch.Tensor:
+        """Attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence through
+        ``kernel`` (default: this helper's); ``doc_ids`` (B, s): the whole sequences' document
+        ids (document masking)."""
+        kernel = kernel if kernel is not None else self.kernel
         if not self.enabled:
-            return SDPA()(q, k, v, *(() if doc_ids is None else (doc_ids,)))
+            return kernel(q, k, v, *(() if doc_ids is None else (doc_ids,)))
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, self.comm, doc_ids)
+            return ulysses_attention(q, k, v, self.comm, doc_ids, kernel)
         ids = None
         if doc_ids is not None:
             s = doc_ids.shape[1]
             ids = [doc_ids[:, torch.from_numpy(share_positions(s, self.size, r, self.mode))
                            .to(doc_ids.device)] for r in range(self.size)]
-        return ring_attention(q, k, v, self.ring, ids)
+        return ring_attention(q, k, v, self.ring, ids, kernel)
 
     def tiles(self) -> int:
         """c x c attention tiles (c = s / (2 cp)) this rank's ring forwards computed so far."""
@@ -125,43 +143,29 @@ class ContextParallel:
 
 
 class ContextParallelAttention(nn.Module):
-    """The attention kernel of a context-parallel model: ``cp``'s ring / zigzag / Ulysses
-    attention (registered under the mode's name, ``registry.ATTENTION``)."""
+    """Context parallelism around an attention kernel: ``cp``'s ring / zigzag / Ulysses
+    attention running ``inner`` (the model's registered kernel)."""
 
-    communicates = True  # eager exchange with data-dependent shapes: kept out of compiled graphs
+    compilable = False  # eager exchange with data-dependent shapes: kept out of compiled graphs
 
-    def __init__(self, cp: ContextParallel) -> None:
+    def __init__(self, cp: ContextParallel, inner: AttentionKernel) -> None:
         super().__init__()
-        self.cp = cp
+        self.cp, self.inner = cp, inner
         self.name = cp.mode
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.cp.attention(q, k, v, doc_ids)
+        return self.cp.attention(q, k, v, doc_ids, self.inner)
 
     def extra_repr(self) -> str:
         return f"{self.cp.mode}, cp={self.cp.size}"
 
 
-def _kernel(mode: str):  # noqa: ANN202
-    def build(cp: object) -> nn.Module:
-        if not isinstance(cp, ContextParallel) or cp.mode != mode:
-            raise ValueError(f"attention kernel {mode!r} needs context parallelism in mode "
-                             f"{mode!r} (parallel.cp > 1, parallel.cp_attention={mode})")
-        return ContextParallelAttention(cp)
-
-    return build
-
-
-for _mode in CP_MODES:
-    ATTENTION.register(_mode, _kernel(_mode))
-
-
 def apply_context_parallel(model: Transformer, comm: Comm, mode: str,
                            kernel: str | None = None) -> ContextParallel:
     """Make ``model`` run on this rank's share of each sequence (see module docstring): its
-    positions. Its attention kernel, ``mode``, is one of the choices applied together by
-    ``extensions.apply_choices`` (with this helper as ``cp``)."""
+    positions. Its attention context, ``mode``, is one of the choices applied together by
+    ``extensions.apply_choices`` (with this helper as ``cp``), around the model's kernel."""
     cp = ContextParallel(comm, mode, kernel)
     model.positions = cp.local_positions
     return cp

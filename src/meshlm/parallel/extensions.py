@@ -6,10 +6,12 @@ Each choice is a name from a registry (``registry.py``). :func:`apply_choices` m
 choices into those the model already has and rebuilds every extension point from them, always
 in the same order, so applying choices one by one in any order gives the same model:
 
-1. attention kernel: the registered base kernel (``registry.ATTENTION``; a context-parallel one
-   needs the ``cp`` helper), then, when compiled, :class:`~.compile.Uncompiled` around a kernel
-   that communicates (graph break by design), then :class:`~.recompute.Checkpointed` around it
-   when the recompute plan recomputes the kernel (selective; op on a MoE layer);
+1. attention kernel: the registered kernel ``attention`` names (``models/attention.py``, with
+   the model's sliding window), inside context parallelism's ring / all-to-all when ``context``
+   names a cp mode (``context.py``: it needs the ``cp`` helper), then, when compiled,
+   :class:`~.compile.Uncompiled` around a kernel that must run eagerly (one that communicates:
+   a graph break by design), then :class:`~.recompute.Checkpointed` around it when the
+   recompute plan recomputes the kernel (selective; op on a MoE layer);
 2. feed-forward: a MoE layer runs eagerly inside a compiled block (``Block.run_ffn``);
 3. layer: ``Block.layer`` compiled, then recomputed around the compiled function (full, op)
    (``Block.run_layer``);
@@ -18,8 +20,8 @@ in the same order, so applying choices one by one in any order gives the same mo
 0. precision: each block's linears float8 (recipe ``fp8_recipe``) under ``fp8``, plain
    linears otherwise; amax reductions over the axes that shard them (``comm``);
 
-The names show in ``print(model)``: each block's repr reads e.g. ``attention=zigzag,
-recompute=selective, compiled=True``, the kernel's wrappers are its child modules, and the
+The names show in ``print(model)``: each block's repr reads e.g. ``attention=sdpa,
+context=zigzag, recompute=selective, compiled=True``, the kernel's wrappers are its child modules, and the
 model's own repr lists the choices (with ``precision`` when ``parallelize`` was told it).
 
 Applied to the layers this rank holds (after the pipeline split), after tensor parallelism
@@ -34,15 +36,16 @@ from dataclasses import asdict, dataclass, fields, replace
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..models.attention import ATTENTION, build_kernel
 from ..models.llama import Block, Transformer
 from ..models.moe import MoE
-from . import context as _context  # noqa: F401  (registers the context-parallel kernels)
 from .compile import Uncompiled, compile_fn, run_ffn
+from .context import ContextParallel, ContextParallelAttention, check_mode
 from .float8 import RECIPES, set_block_precision
 from .recompute import Checkpointed, Recompute
-from .registry import ATTENTION, PRECISION, RECOMPUTE
+from .registry import PRECISION, RECOMPUTE
 
-_WRAPPERS = (Uncompiled, Checkpointed)
+_WRAPPERS = (Uncompiled, Checkpointed, ContextParallelAttention)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Choices:
     told, the trainer's autocast decides)."""
 
     attention: str = "sdpa"
+    context: str | None = None  # a cp mode (ring | zigzag | ulysses) around the kernel
     recompute: str = "none"
     compiled: bool = False
     precision: str | None = None
@@ -58,6 +62,8 @@ class Choices:
 
     def check(self) -> None:
         ATTENTION[self.attention]
+        if self.context is not None:
+            check_mode(self.context)
         RECOMPUTE[self.recompute]
         if self.precision is not None:
             PRECISION[self.precision]
@@ -71,9 +77,10 @@ class Choices:
 
 
 def choices_of(model: Transformer) -> Choices:
-    """The choices applied to ``model`` so far (the defaults when none)."""
+    """The choices applied to ``model`` so far (the model's own kernel when none)."""
     names = {f.name for f in fields(Choices)}
-    return Choices(**{k: v for k, v in model.choices.items() if k in names})
+    given = {k: v for k, v in model.choices.items() if k in names}
+    return Choices(**{"attention": model.cfg.attention, **given})
 
 
 def base_kernel(kernel: nn.Module) -> nn.Module:
@@ -88,8 +95,8 @@ def apply_choices(model: Transformer, cp: object | None = None, comm: Comm | Non
     """Apply ``changes`` (fields of :class:`Choices`) on top of ``model``'s current choices to
     every layer it holds, in the fixed order of the module docstring; returns the choices.
 
-    ``cp``: the context-parallel helper a context-parallel kernel is built with (needed when the
-    attention kernel changes to one; kept from the current kernel otherwise).
+    ``cp``: the context-parallel helper the ``context`` mode runs on (needed when ``context``
+    changes to a mode; kept from the current kernel otherwise).
     ``comm``: the communicator float8 scales are reduced with over the axes that shard a
     linear (tp) or its tokens (cp); None on one process.
     """
@@ -110,19 +117,37 @@ def apply_choices(model: Transformer, cp: object | None = None, comm: Comm | Non
         block.run_ffn = run_ffn(block) if choices.compiled else None
         layer = compile_fn(block.layer) if choices.compiled else block.layer
         block.run_layer = plan.run_layer(layer) or (layer if choices.compiled else None)
-        block.choices = {"attention": choices.attention, "recompute": plan.name,
-                         "compiled": choices.compiled}
+        block.choices = {"attention": choices.attention,
+                         **({"context": choices.context} if choices.context else {}),
+                         "recompute": plan.name, "compiled": choices.compiled}
     model.run_head = compile_fn(model.final) if choices.compiled else None
     model.choices = {k: v for k, v in asdict(choices).items() if v is not None}
     return choices
 
 
+def _context_of(kernel: nn.Module) -> ContextParallel | None:
+    """The context-parallel helper of the kernel's ring / all-to-all (None: none)."""
+    while isinstance(kernel, _WRAPPERS):
+        if isinstance(kernel, ContextParallelAttention):
+            return kernel.cp
+        kernel = kernel.inner
+    return None
+
+
 def _kernel(block: Block, choices: Choices, plan: Recompute, cp: object | None) -> nn.Module:
-    base = base_kernel(block.attention.kernel)
-    same = getattr(base, "name", None) == choices.attention and (
-        cp is None or getattr(base, "cp", cp) is cp)
-    kernel = base if same else ATTENTION[choices.attention](cp)
-    if choices.compiled and getattr(kernel, "communicates", False):
+    att = block.attention
+    base = base_kernel(att.kernel)
+    same = getattr(base, "name", None) == choices.attention
+    kernel = base if same else build_kernel(choices.attention, att.window)
+    att.kernel_name = choices.attention
+    if choices.context is not None:
+        cp = cp if cp is not None else _context_of(att.kernel)
+        if not isinstance(cp, ContextParallel) or cp.mode != choices.context:
+            raise ValueError(f"attention context {choices.context!r} needs context parallelism "
+                             f"in mode {choices.context!r} (parallel.cp > 1, "
+                             f"parallel.cp_attention={choices.context})")
+        kernel = ContextParallelAttention(cp, kernel)
+    if choices.compiled and not getattr(kernel, "compilable", True):
         kernel = Uncompiled(kernel)
     if plan.kernel:
         kernel = Checkpointed(kernel)

@@ -1,8 +1,7 @@
 """Named choices of how a model runs: name -> factory, one small registry per kind.
 
-- ``ATTENTION``: attention kernels, name -> ``factory(cp) -> kernel module`` (``cp`` the
-  context-parallel helper, or None): ``sdpa``, ``eager`` (here), ``ring``, ``zigzag``,
-  ``ulysses`` (``context.py``);
+- ``ATTENTION``: attention kernels, name -> kernel class (``models/attention.py``: the one
+  list; ``model.attention`` names one; context parallelism composes around it);
 - ``RECOMPUTE``: activation recomputation, name -> its plan (``recompute.py``): ``none``,
   ``selective``, ``op``, ``full``;
 - ``PRECISION``: how a model computes, name -> :class:`PrecisionChoice`: ``fp32``, ``bf16``,
@@ -15,14 +14,12 @@ one place that looks them up and applies them. Communication and memory: none.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
-from torch import nn
 
-from ..models.llama import SDPA, EagerAttention
+from ..models.attention import ATTENTION
 from ..precision import DTYPES
 
 T = TypeVar("T")
@@ -52,12 +49,6 @@ class Registry(Generic[T]):
     def names(self) -> tuple[str, ...]:
         return tuple(self._items)
 
-
-KernelFactory = Callable[[object], nn.Module]  # (context-parallel helper or None) -> kernel
-
-ATTENTION: Registry[KernelFactory] = Registry("attention kernel")
-ATTENTION.register("sdpa", lambda cp: SDPA())
-ATTENTION.register("eager", lambda cp: EagerAttention())
 
 RECOMPUTE: Registry[object] = Registry("recompute mode")  # filled by recompute.py
 

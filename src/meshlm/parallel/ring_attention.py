@@ -25,9 +25,13 @@ K and V, ``2 b (nkv/tp) (s/cp) hd`` elements in the activation dtype): forward `
 sends of ``kv`` (K and V as two messages per hop); backward ``cp - 1`` sends of ``kv`` and
 ``cp - 1`` sends of the fp32 dK/dV accumulator (``kv`` bytes in fp32, one message) -- each
 matched by a receive of the same size.
-Document masking: each rank's document ids (of every rank's share, computed locally from the
-batch: no communication) cut every block's mask at document boundaries; a block where no query
-may see any key is skipped, forward and backward (short documents skip most foreign blocks).
+The blocks run through the model's attention kernel (``models/attention.py``: its ``block``
+and ``block_backward``), each given the :class:`~meshlm.models.attention.Mask` of its rows:
+their global positions (so a sliding window cuts blocks exactly as in one process) and, with
+document masking, their document ids (every rank's share, computed locally from the batch: no
+communication). A block where no query may see any key is skipped, forward and backward: by
+position on the host (the window passes most foreign blocks by), and by documents (short
+documents skip most foreign blocks).
 
 Memory per rank: three K/V blocks (own, current, next) and the fp32 output and
 log-sum-exp of its s/cp queries; backward adds fp32 dq, dK/dV and three accumulators (the
@@ -40,12 +44,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..distributed.comm import Comm
-from ..models.llama import document_mask
+from ..models.attention import AttentionKernel, Mask
+from ..models.attention_blocks import merge
 from ..models.replay import replaying
-from .attention_blocks import block_backward, block_forward, merge
 
 AXIS = "cp"
 ALL = slice(None)
@@ -73,13 +78,29 @@ def block_plan(rank: int, source: int, local: int, zigzag: bool) -> list[Block]:
     return [Block(slice(half, None), ALL, False, 2)]  # only our second chunk sees it
 
 
-class Ring:
-    """This rank's place on the cp ring, the kernel, and the tiles computed (a counter)."""
+def share_positions(seq_len: int, cp: int, rank: int, mode: str) -> np.ndarray:
+    """Global positions (ascending) of cp rank ``rank``'s tokens of a ``seq_len`` sequence."""
+    if mode == "zigzag":
+        c = seq_len // (2 * cp)
+        return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                               np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    n = seq_len // cp
+    return np.arange(rank * n, (rank + 1) * n)
 
-    def __init__(self, comm: Comm, zigzag: bool, kernel: str) -> None:
+
+class Ring:
+    """This rank's place on the cp ring, the default kernel, and the tiles computed (a
+    counter)."""
+
+    def __init__(self, comm: Comm, zigzag: bool, kernel: AttentionKernel) -> None:
         self.comm, self.zigzag, self.kernel = comm, zigzag, kernel
         self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.tiles = 0
+
+    def positions(self, local: int, rank: int) -> np.ndarray:
+        """Global positions of cp rank ``rank``'s ``local`` tokens."""
+        return share_positions(local * self.size, self.size, rank,
+                               "zigzag" if self.zigzag else "ring")
 
     def exchange(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...]) -> list:
         """Post ``send`` to the next rank and ``recv`` from the previous one as one group;
@@ -92,12 +113,19 @@ class Ring:
         return block_plan(self.rank, (self.rank - step) % self.size, local, self.zigzag)
 
 
-def _allowed(ids: list[torch.Tensor] | None, rank: int, source: int, b: Block
-             ) -> torch.Tensor | None:
-    """The document mask of block ``b`` (None without document ids)."""
-    if ids is None:
+def _mask(ring: Ring, kernel: AttentionKernel, ids: list[torch.Tensor] | None, local: int,
+          source: int, b: Block) -> Mask | None:
+    """The mask of block ``b`` (its rows' positions, window and documents); None when no
+    query of it may see any key (the block is skipped)."""
+    mask = Mask(ring.positions(local, ring.rank)[b.q], ring.positions(local, source)[b.kv],
+                kernel.window,
+                None if ids is None else ids[ring.rank][:, b.q],
+                None if ids is None else ids[source][:, b.kv])
+    if mask.empty():
         return None
-    return document_mask(ids[rank][:, b.q], ids[source][:, b.kv], b.causal)
+    if ids is not None and not bool(mask.dense(ids[0].device).any()):
+        return None  # (no query of this block sees a key of it: documents)
+    return mask
 
 
 def _wait(works: list) -> None:
@@ -119,7 +147,8 @@ def _accumulate(total: torch.Tensor | None, rows: slice, value: torch.Tensor,
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
-                ring: Ring, ids: list[torch.Tensor] | None) -> torch.Tensor:
+                ring: Ring, ids: list[torch.Tensor] | None, kernel: AttentionKernel
+                ) -> torch.Tensor:
         local = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -131,25 +160,24 @@ class _RingAttention(torch.autograd.Function):
                 works = ring.exchange(cur, nxt)
             source = (ring.rank - step) % ring.size
             for b in ring.plan(step, local):
-                allowed = _allowed(ids, ring.rank, source, b)
-                if allowed is not None and not bool(allowed.any()):
+                mask = _mask(ring, kernel, ids, local, source, b)
+                if mask is None:
                     continue  # (no query of this block sees a key of it)
-                o, lb = block_forward(q[:, :, b.q], cur[0][:, :, b.kv], cur[1][:, :, b.kv],
-                                      b.causal, ring.kernel, allowed)
+                o, lb = kernel.block(q[:, :, b.q], cur[0][:, :, b.kv], cur[1][:, :, b.kv], mask)
                 merge(out[:, :, b.q], lse[:, :, b.q], o, lb)
                 ring.tiles += 0 if replaying() else b.tiles  # (counted once per forward)
             _wait(works)
             cur = nxt if nxt is not None else cur
         out = out.to(q.dtype)
         ctx.save_for_backward(q, *own, out, lse)
-        ctx.ring, ctx.ids = ring, ids
+        ctx.ring, ctx.ids, ctx.kernel = ring, ids, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
-        ids = ctx.ids
+        ids, kernel = ctx.ids, ctx.kernel
         local = q.shape[2]
         acc_shape = (2, *k.shape)  # dK and dV of one owner, fp32
         dq = dk = dv = None
@@ -168,12 +196,12 @@ class _RingAttention(torch.autograd.Function):
                     acc_shape, dtype=torch.float32, device=q.device)
             source = (ring.rank - step) % ring.size
             for b in ring.plan(step, local):
-                allowed = _allowed(ids, ring.rank, source, b)
-                if allowed is not None and not bool(allowed.any()):
+                mask = _mask(ring, kernel, ids, local, source, b)
+                if mask is None:
                     continue
-                gq, gk, gv = block_backward(dout[:, :, b.q], q[:, :, b.q], cur[0][:, :, b.kv],
-                                            cur[1][:, :, b.kv], out[:, :, b.q], lse[:, :, b.q],
-                                            b.causal, ring.kernel, allowed)
+                gq, gk, gv = kernel.block_backward(dout[:, :, b.q], q[:, :, b.q],
+                                                   cur[0][:, :, b.kv], cur[1][:, :, b.kv],
+                                                   out[:, :, b.q], lse[:, :, b.q], mask)
                 dq = _accumulate(dq, b.q, gq, q.shape)
                 if grads is None:  # our own block
                     dk, dv = _accumulate(dk, b.kv, gk, k.shape), _accumulate(dv, b.kv, gv, v.shape)
@@ -194,12 +222,14 @@ class _RingAttention(torch.autograd.Function):
             _wait(acc_works)  # our own K/V's gradients, home after cp - 1 hops
             dk += acc_recv[0]
             dv += acc_recv[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                   ids: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Causal attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence's keys
-    and values, which are sharded like the queries over the cp ring; ``ids``: the document ids
-    (B, s/cp) of every cp rank's share (document masking)."""
-    return _RingAttention.apply(q, k, v, ring, ids)
+                   ids: list[torch.Tensor] | None = None,
+                   kernel: AttentionKernel | None = None) -> torch.Tensor:
+    """Attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence's keys and
+    values, which are sharded like the queries over the cp ring, through ``kernel``'s blocks
+    (default: the ring's); ``ids``: the document ids (B, s/cp) of every cp rank's share
+    (document masking)."""
+    return _RingAttention.apply(q, k, v, ring, ids, kernel if kernel is not None else ring.kernel)

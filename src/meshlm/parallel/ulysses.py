@@ -16,16 +16,16 @@ Communication per attention layer and micro-batch (comm log, all-to-all input by
 bytes per activation element, ``t = b s/cp hd a``): forward q ``nh t`` + k ``nkv t`` + v
 ``nkv t`` + output ``nh t``; backward the same four. Memory: the whole sequence of H/cp
 heads for q, k, v and the output: (2 nh + 2 nkv) b s hd / cp elements -- the same as the
-sequence shards of all heads; the local kernel (SDPA) materialises no s x s scores on CPU.
+sequence shards of all heads; the local kernel is the model's (``model.attention``): ``sdpa``
+materialises no s x s scores when plain causal.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..distributed.comm import Comm
-from ..models.llama import document_mask
+from ..models.attention import SDPA, AttentionKernel
 
 AXIS = "cp"
 
@@ -64,15 +64,13 @@ class _Exchange(torch.autograd.Function):
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of (B, nh, s/cp, hd) queries on keys/values sharded like them;
-    ``doc_ids`` (B, s): the whole sequences' document ids (document masking)."""
+                      doc_ids: torch.Tensor | None = None,
+                      kernel: AttentionKernel | None = None) -> torch.Tensor:
+    """Attention of (B, nh, s/cp, hd) queries on keys/values sharded like them, through
+    ``kernel`` (default ``sdpa``) on whole sequences of 1/cp of the heads; ``doc_ids`` (B, s):
+    the whole sequences' document ids (document masking)."""
+    kernel = kernel if kernel is not None else SDPA()
     q, k, v = (_Exchange.apply(t, comm, True) for t in (q, k, v))
-    if doc_ids is not None:  # (whole sequences in order now: the plain document mask)
-        mask = document_mask(doc_ids, doc_ids, True)[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return _Exchange.apply(out, comm, False)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    # (whole sequences in order now: the kernel's own mask, window and documents included)
+    out = kernel(q, k, v, *(() if doc_ids is None else (doc_ids,)))
     return _Exchange.apply(out, comm, False)
