@@ -239,6 +239,7 @@ def build_kernel(name: str, window: int = 0) -> AttentionKernel:
 
 
 # Further kernels live in modules of their own, imported here (registration).
+from . import flex_attention  # noqa: E402, F401  (flex)
 
 __all__ = ["ATTENTION", "SDPA", "AttentionKernel", "EagerAttention", "Mask", "build_kernel",
            "document_mask"]

@@ -105,6 +105,7 @@ register_spec(AttentionSpec(
     materialises_scores=True))
 
 # Further kernels describe themselves in modules of their own, imported here (registration).
+from . import flex_spec  # noqa: E402, F401  (flex)
 
 __all__ = ["SPECS", "AttentionSpec", "register_spec", "spec", "visible_fraction",
            "visible_tile_fraction"]
