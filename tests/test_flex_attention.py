@@ -179,6 +179,34 @@ def test_planner_description_of_flex() -> None:
     assert sdpa.mask_bytes(8, 4096, masked=False) == flex.mask_bytes(8, 4096, False) == 0
 
 
+def test_planner_composes_the_kernels_description(tmp_path: Path) -> None:
+    """The planner reads the kernel's description, whatever the kernel: a model TOML naming
+    flex and a window plans with skipped tiles and no per-layer mask; sdpa under the same mask
+    keeps a (b, s, s) boolean per layer and computes every score."""
+    from meshlm.planner import CATALOGUE, Workload, memory, parse_layout, step_time
+    from meshlm.planner.workload import load_model_spec
+
+    h100 = CATALOGUE["h100-sxm"]
+    lo = parse_layout("tp=1,pp=1,dp=8,zero=1,mbs=2,recompute=none")
+    plans = {}
+    for name, window in (("sdpa", 0), ("sdpa", 1024), ("flex", 1024), ("flex", 0)):
+        path = tmp_path / f"{name}-{window}.toml"
+        path.write_text(f'[model]\npreset = "llama3-8b"\nattention = "{name}"\n'
+                        f"sliding_window = {window}\n")
+        work = Workload(load_model_spec(str(path)), 8192, 64, doc_len=2048.0)
+        plans[name, window] = (memory(work, lo, h100), step_time(work, lo, h100))
+    mem, t = plans["sdpa", 1024]
+    layers = 32
+    assert mem.items["activations"] >= layers * 2 * 8192 * 8192  # a bool per pair, per layer
+    flex_mem, flex_t = plans["flex", 1024]
+    assert mem.items["activations"] - flex_mem.items["activations"] == pytest.approx(
+        layers * 2 * 8192 * 8192, rel=1e-9)
+    assert flex_t.items["compute: attention"] < t.items["compute: attention"] / 4  # 2 of 64 tile columns
+    # documents of 2048 alone: still fewer tiles than the boolean-masked sdpa
+    assert (plans["flex", 0][1].items["compute: attention"]
+            < plans["sdpa", 0][1].items["compute: attention"])
+
+
 # ---------------------------------------------------------------------- layouts
 STEPS = 4
 MASKED = ["--model.n_layers=4", "--model.sliding_window=24", "--data.doc_mask=true"]

@@ -10,10 +10,14 @@ What a description states, for one layer and micro-batch of ``b`` sequences of `
   not plain causal (a sliding window or documents, ``masked``): ``sdpa`` and ``eager`` build a
   (b, s, s) boolean mask (b = 1 without documents), FlexAttention a block mask of
   ``b (s / block)^2`` int32 entries;
-- ``score_fraction(s, window, doc_len)``: the share of the full ``s x s`` score matrix the kernel
-  computes -- the whole causal triangle (one half) for kernels that mask entries but skip nothing,
-  only the tiles the window and documents leave for a block-sparse kernel (FlexAttention skips
-  fully masked ``block x block`` tiles);
+- ``score_fraction(s, window, doc_len, masked)``: the share of the full ``s x s`` score matrix
+  the kernel computes -- the causal triangle (one half) for a fused causal kernel, every score
+  for one given a boolean mask (``sdpa`` with a window or documents leaves the flash path: the
+  masked kernels skip nothing), only the tiles the window and documents leave for a
+  block-sparse kernel (FlexAttention skips fully masked ``block x block`` tiles);
+- ``mask_per_layer``: each layer keeps its own mask for backward (``sdpa`` / ``eager``: the
+  boolean mask is an input of the layer's attention) or one is shared by all (a cached block
+  mask);
 - ``materialises_scores``: the (b, nh, s, s) scores are held for backward (``eager``).
 
 Communication: none. Memory: as stated per kernel.
@@ -35,6 +39,7 @@ class AttentionSpec:
     block: int = 0  # > 0: fully masked (block x block) tiles are skipped
     mask_entry_bytes: float = 1.0  # bytes per mask entry (bool: 1; a block mask: int32 per tile)
     compiled_only_fast: bool = False  # fused only under compilation (flex on CUDA)
+    mask_per_layer: bool = True  # each layer saves its mask for backward
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def mask_bytes(self, b: int, s: int, masked: bool, documents: bool = False) -> float:
@@ -47,10 +52,11 @@ class AttentionSpec:
             return rows * tiles * tiles * 4.0 * 2  # partial and full tile tables, int32
         return rows * s * s * self.mask_entry_bytes
 
-    def score_fraction(self, s: int, window: int = 0, doc_len: float = 0.0) -> float:
+    def score_fraction(self, s: int, window: int = 0, doc_len: float = 0.0,
+                       masked: bool = False) -> float:
         """Share of the s x s scores computed (forward; backward in proportion)."""
         if not self.block:
-            return 0.5  # the causal triangle, masked entries included
+            return 1.0 if masked else 0.5  # a boolean mask: every score; causal: the triangle
         return visible_tile_fraction(s, window, doc_len, self.block)
 
 

@@ -20,4 +20,4 @@ BLOCK = 128  # flex_attention's default tile (torch.nn.attention.flex_attention)
 FLEX = register_spec(AttentionSpec(
     "flex", "torch's FlexAttention with a block mask: fully masked tiles skipped, no "
     "(B, S, S) mask (CPU: torch's eager path forward, meshlm's tiled backward)",
-    block=BLOCK, compiled_only_fast=True))
+    block=BLOCK, compiled_only_fast=True, mask_per_layer=False))

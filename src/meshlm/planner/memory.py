@@ -329,6 +329,8 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
         items["mlp"] = (4 if gated else 2) * f * a / t
         # SDPA's log-sum-exp per head (fp32); eager attention keeps the softmax output
         items["scores"] = (heads * 4 if work.flash else 2 * heads * work.seq_len / lo.cp * a) / t
+        if mask := attention_mask(work, lo):
+            items["attention mask"] = mask / tokens
         if moe:  # the dispatch (models/moe.py), counted: per routed copy the gathered expert
             # input, its sorted-order copy and the expert's output (for the weighted combine);
             # fp32 router probabilities, top-k indices (int64) and weights, the sort's indices
@@ -336,6 +338,18 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
             items["routed copies"] = 3 * k * h * a
             items["routing"] = 4 * c.moe_experts + k * (8 + 4 + 4) + 2 * k * 8 + 12
     return {k: v * tokens for k, v in items.items()}
+
+
+def attention_mask(work: Workload, lo: Layout) -> float:
+    """Bytes of the attention mask one layer keeps for one micro-batch: the kernel's
+    (``models/attention_spec.py``) when attention is more than causal and the kernel keeps one
+    per layer, over the whole sequence (Ulysses) or none (ring attention builds each block's
+    mask in forward and again in backward)."""
+    kernel = work.attention
+    if not work.attention_masked or not kernel.mask_per_layer or (
+            lo.cp > 1 and lo.cp_attention != "ulysses"):
+        return 0.0
+    return kernel.mask_bytes(lo.micro_batch, work.seq_len, True, work.doc_len > 0)
 
 
 def compiled(work: Workload) -> bool:
@@ -361,6 +375,8 @@ def compiled_layer_activations(work: Workload, lo: Layout) -> dict[str, float]:
         "scores": c.n_heads * 4 / t,  # log-sum-exp
         "mlp": (3 if work.model.gated_mlp else 2) * c.ffn_hidden * a / t,
     }
+    if mask := attention_mask(work, lo):
+        items["attention mask"] = mask / tokens
     return {k: v * tokens for k, v in items.items()}
 
 
@@ -406,7 +422,8 @@ def recomputed(items: dict[str, float], work: Workload, lo: Layout, moe: bool = 
     """Bytes one layer keeps for one micro-batch under ``lo.recompute``."""
     if lo.recompute == "none":
         return sum(items.values())
-    selective = sum(v for k, v in items.items() if k != "scores")
+    # (the mask is made inside the recomputed attention core: dropped with the scores)
+    selective = sum(v for k, v in items.items() if k not in ("scores", "attention mask"))
     if lo.recompute == "selective" or (lo.recompute == "op" and moe):
         return selective
     if lo.recompute == "op":

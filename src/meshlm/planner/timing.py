@@ -306,9 +306,11 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     per_linear = [_gemm(tokens, k, n, a, g_rate, rates) for k, n in lin]
     gemm += sum(per_linear)
     # Causal attention over the whole sequence: queries of this rank's s/cp tokens. Flash
-    # kernels skip the masked half; materialised scores are full batched GEMMs.
+    # kernels compute the kernel's share of the scores (models/attention_spec.py: the causal
+    # half; all of them under a boolean mask; the unmasked tiles of a block-sparse kernel);
+    # materialised scores are full batched GEMMs.
     attn_flops = 4 * tokens * work.seq_len * hq / t
-    attn_fwd = (0.5 * attn_flops / rates.attention(c.hd) if work.flash
+    attn_fwd = (work.score_fraction * attn_flops / rates.attention(c.hd) if work.flash
                 else max(attn_flops / o_rate, tokens * work.seq_len * c.n_heads / t * a
                                / rates.bandwidth(tokens * h * a)))
     tensor = tokens * h * a

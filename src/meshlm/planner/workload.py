@@ -21,6 +21,7 @@ from typing import Any
 from ..config import ConfigError
 from ..dtypes import FP8_REST, PRECISIONS
 from ..layout import SHORT_KEYS, Layout
+from ..models.attention_spec import AttentionSpec, spec
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
 
@@ -132,6 +133,28 @@ class Workload:
     # dtype="fp8": what runs outside the decoder-block linears (precision.fp8_rest): bf16
     # autocast, or fp32 (no autocast: 4-byte activations, no weight copies)
     fp8_rest: str = "bf16"
+    # document masking (data.doc_mask): the mean document length in tokens (0: no masking);
+    # the attention kernel and the sliding window are the model's (model.attention, its
+    # description in models/attention_spec.py; model.sliding_window)
+    doc_len: float = 0.0
+
+    @property
+    def attention(self) -> AttentionSpec:
+        """The attention kernel's cost description (``model.attention``)."""
+        return spec(self.model.config.attention)
+
+    @property
+    def attention_masked(self) -> bool:
+        """Attention is more than plain causal: a window shorter than the sequence, or
+        documents."""
+        w = self.model.config.sliding_window
+        return 0 < w < self.seq_len or self.doc_len > 0
+
+    @property
+    def score_fraction(self) -> float:
+        """Share of the s x s attention scores the kernel computes (flash-type kernels)."""
+        return self.attention.score_fraction(self.seq_len, self.model.config.sliding_window,
+                                             self.doc_len, self.attention_masked)
 
     @property
     def tokens_per_step(self) -> int:
@@ -162,6 +185,8 @@ class Workload:
                        f"{', '.join(OPTIMIZER_KERNELS)}")
         if self.fp8_rest not in FP8_REST:
             out.append(f"fp8_rest {self.fp8_rest!r} is not one of {', '.join(FP8_REST)}")
+        if self.doc_len < 0:
+            out.append(f"doc_len={self.doc_len} must be >= 0 (0: no document masking)")
         if self.seq_len < 1 or self.global_batch < 1:
             out.append(f"seq_len={self.seq_len} and global_batch={self.global_batch} must be >= 1")
         return out
