@@ -238,11 +238,32 @@ def test_refused_hf_configs(change: dict[str, object], field: str) -> None:
         model_config_from_hf(base_llama_dict() | change)
 
 
-def test_refused_mixtral_sliding_window_and_exports() -> None:
+@pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex"])
+def test_mixtral_sliding_window_both_ways(tmp_path: Path, kernel: str) -> None:
+    """Mixtral's ``sliding_window`` is ``model.sliding_window``: a window of 4 on 11 tokens
+    gives HF's logits with every attention kernel, and exports as it came."""
+    config = MixtralConfig(**MIXTRAL_KW, sliding_window=4, attn_implementation="eager")
+    hf = hf_save(MixtralForCausalLM, config, tmp_path / "hf")
+    src = HFSource(tmp_path / "hf")
+    cfg = src.model_config()
+    assert cfg.sliding_window == 4
+    model = meshlm_from(src)
+    windowless = build_model(cfg.with_(sliding_window=0))
+    windowless.load_state_dict(model.state_dict())
+    with torch.no_grad():  # (the window cuts here: not the windowless logits)
+        assert rel_err(windowless.eval()(ids(257)), hf(ids(257)).logits) > 1e-3
+    model = build_model(cfg.with_(attention=kernel))
+    model.load_state_dict(meshlm_from(src).state_dict())
+    assert_same_logits(model.eval(), hf, 257)
+    assert hf_config_from_model(cfg)["sliding_window"] == 4
+    with pytest.raises(ValueError, match="sliding_window=4: LlamaForCausalLM"):
+        hf_config_from_model(MESHLM_CFG.with_(sliding_window=4))
+
+
+def test_refused_mixtral_exports() -> None:
     d = MixtralConfig(**MIXTRAL_KW).to_dict() | {"architectures": ["MixtralForCausalLM"]}
     assert model_config_from_hf(d).moe_experts == 4
-    with pytest.raises(ValueError, match="sliding_window"):
-        model_config_from_hf(d | {"sliding_window": 16})
+    assert model_config_from_hf(d | {"sliding_window": 64}).sliding_window == 0  # >= context
     moe = MESHLM_CFG.with_(moe_experts=4)
     with pytest.raises(ValueError, match="moe_shared_experts"):
         hf_config_from_model(moe.with_(moe_shared_experts=1))

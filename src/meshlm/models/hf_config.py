@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` <-> :class:`ModelConfig` for Llama and Mixtral models.
 
 What meshlm cannot express (biases, scaled or partial rotary embeddings, other activations, a
-sliding window) is refused with a ValueError naming the field. No communication; no memory.
+a sliding window on Llama) is refused with a ValueError naming the field; a window shorter than
+the context (``sliding_window``, Mixtral's) is ``model.sliding_window``. No communication; no memory.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def model_config_from_hf(path_or_dict: str | Path | Mapping[str, Any]) -> ModelC
     theta = _rope_theta(d, arch)
     max_pos = int(d.get("max_position_embeddings") or _DEFAULT_MAX_POS[arch])
     window = d.get("sliding_window")
-    if window is not None and int(window) < max_pos:
-        raise ValueError(f"sliding_window={window}: meshlm's attention is fully causal")
+    window = int(window) if window is not None and int(window) < max_pos else 0
+    if window and d.get("use_sliding_window") is False:
+        window = 0  # (a window named but switched off)
     dim, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     head_dim = d.get("head_dim")
     head_dim = int(head_dim) if head_dim is not None and head_dim != dim // heads else 0
@@ -140,6 +142,7 @@ def model_config_from_hf(path_or_dict: str | Path | Mapping[str, Any]) -> ModelC
         max_seq_len=max_pos,
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         init_std=float(d.get("initializer_range", 0.02)),
+        sliding_window=window,
     )
     if arch == MIXTRAL:
         fields.update(
@@ -158,6 +161,9 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.is_moe and cfg.moe_first_dense:
         raise ValueError(f"moe_first_dense={cfg.moe_first_dense}: {MIXTRAL} has an MoE MLP "
                          "in every layer")
+    if cfg.sliding_window and not cfg.is_moe:
+        raise ValueError(f"sliding_window={cfg.sliding_window}: {LLAMA} has no sliding "
+                         "window (MixtralForCausalLM has)")
     if cfg.is_moe and cfg.moe_shared_experts:
         raise ValueError(f"moe_shared_experts={cfg.moe_shared_experts}: {MIXTRAL} has no "
                          "shared experts")
@@ -193,7 +199,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             "router_aux_loss_coef": cfg.moe_aux_loss_coef,
             "router_jitter_noise": 0.0,
             "output_router_logits": False,
-            "sliding_window": None,
+            "sliding_window": cfg.sliding_window or None,
         })
     else:
         out.update({"attention_bias": False, "mlp_bias": False})
