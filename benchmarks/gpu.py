@@ -458,7 +458,7 @@ def cpu_peak() -> float:
     """The MFU denominator of a ``--tiny`` row: this CPU's fp32 matmul rate, for every dtype
     (where bf16 / fp16 matmuls run through a slow fallback, their own rate would put a tiny
     model above 100 %)."""
-    from meshlm.train.peak import measure_matmul_flops
+    from meshlm.matmul_rate import measure_matmul_flops
 
     return measure_matmul_flops(torch.float32, n=256, seconds=0.05)
 

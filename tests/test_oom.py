@@ -15,7 +15,7 @@ import torch
 
 from meshlm.config import load_config
 from meshlm.distributed.phases import PHASES, phase, phase_of
-from meshlm.planner.cli import config_vocab, config_workload
+from meshlm.planner.cli import config_vocab, config_workload, oom_advice
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.levers import levers
 from meshlm.testing import run_cli
@@ -95,9 +95,14 @@ def test_phase_is_carried_by_the_exception_and_the_message_by_the_planner() -> N
                            "evaluation", "checkpoint save", "checkpoint load", "sampling"}
     cfg = load_config(None, ["--model.preset=small", "--train.micro_batch=16",
                              "--train.global_batch=16"])
-    line = describe(cfg, 3, "backward", info.value, torch.device("cpu"))
+    line = describe(cfg, 3, "backward", info.value, torch.device("cpu"), oom_advice)
     assert line.startswith("out of memory on rank 3 during backward: tried to allocate 1.50 "
                            "GiB with ") and "\n" not in line
+    assert "; the planner estimates " in line and "; to fit: " in line, line
+    # without the planner's advice (the trainer never imports the planner): bytes only
+    alone = describe(cfg, 3, "backward", info.value, torch.device("cpu"))
+    assert "planner" not in alone and alone.startswith(
+        "out of memory on rank 3 during backward: tried to allocate 1.50 GiB with "), alone
     # the levers in the order of planner/levers.py: fitting ones by step time, then savings
     found = levers(config_workload(cfg, config_vocab(cfg)), cfg.layout(),
                    get_accelerator("h100-sxm"))

@@ -26,8 +26,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from meshlm.layout import Layout
 from meshlm.models.llama import build_model
 from meshlm.models.presets import get_preset
+from meshlm.parallel.extensions import apply_choices
 from meshlm.parallel.loss import cross_entropy
-from meshlm.parallel.recompute import apply_recompute
 from meshlm.planner.hardware import get_accelerator
 from meshlm.planner.memory import stage_memory
 from meshlm.planner.workload import ModelSpec, Workload
@@ -131,7 +131,7 @@ def _activation_bytes(mode: str, cfg, batch: int, seq: int) -> int:  # noqa: ANN
     """
     torch.manual_seed(0)
     model = build_model(cfg)
-    apply_recompute(model, mode)
+    apply_choices(model, recompute=mode)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     held = 0
     for _ in range(2):

@@ -1,6 +1,6 @@
 """meshlm: readable 5D-parallel LLM training on PyTorch."""
 
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def load_model(path: str, device: str = "cpu"):  # noqa: ANN201 - lazy import keeps CLI start fast

@@ -18,9 +18,9 @@ import sys
 import typing
 from pathlib import Path
 
-from . import __version__
 from .checkpoint.state import CheckpointError
 from .config import ConfigError, load_config, resolve_world, to_toml
+from .version import __version__
 
 
 def _split_overrides(rest: list[str]) -> list[str]:
@@ -122,7 +122,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     if cfg.parallel.auto:
         apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
     resolve_world(cfg, world.world_size if world else None)
-    from .planner.cli import fit_micro_batch
+    from .planner.cli import fit_micro_batch, oom_advice
 
     if world is None and (cfg.world_size > 1 or args.max_restarts) and not args.dry_run:
         from .distributed.forkserver import start_worker_server
@@ -161,7 +161,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         announce_restart(init_worker(cfg.distributed.init_timeout_s).rank)
         ended_well = False
         try:
-            result = train(cfg)
+            result = train(cfg, oom_advice=oom_advice)
             ended_well = True
         finally:
             shutdown_worker(wait_for_peers=ended_well)
@@ -175,12 +175,14 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
         refuse_local_ranks(cfg.world_size)  # (CUDA: one GPU per rank; nothing written yet)
         prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
-        results = launch_local(cfg.world_size, run_worker, cfg, max_restarts=args.max_restarts,
+        results = launch_local(cfg.world_size, run_worker, cfg, oom_advice,
+                               max_restarts=args.max_restarts,
                                timeout_s=cfg.distributed.init_timeout_s,
                                flight_dir=str(Path(cfg.run.dir).expanduser() / "flight"))
         _say_how_to_resume(results[0], argv_rest=rest, config=args.config)
     else:
-        _say_how_to_resume(train(cfg), argv_rest=rest, config=args.config)
+        _say_how_to_resume(train(cfg, oom_advice=oom_advice), argv_rest=rest,
+                           config=args.config)
     return 0
 
 

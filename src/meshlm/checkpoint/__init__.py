@@ -1,7 +1,7 @@
 """Checkpoints: sharded, layout-free training state on disk, and loading a plain model back.
 
-``ShardedCheckpoint`` and ``validate`` (torch, safetensors) are imported on first use; the
-directory rules (``CheckpointError``, ``find_latest``, ...) without torch.
+``ShardedCheckpoint``, ``validate`` and ``latest_valid`` (torch, safetensors) are imported on
+first use; the directory rules (``CheckpointError``, ``find_latest``, ...) without torch.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .state import CheckpointError, find_latest, latest_valid, prune, step_dir
+from .state import CheckpointError, find_latest, prune, step_dir
 
-_LAZY = {"ShardedCheckpoint": ".sharded", "validate": ".sharded"}
+_LAZY = {"ShardedCheckpoint": ".sharded", "latest_valid": ".sharded", "validate": ".sharded"}
 
 
 def __getattr__(name: str) -> Any:

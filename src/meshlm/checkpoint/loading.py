@@ -19,8 +19,8 @@ from ..models.config import ModelConfig
 from ..models.hf_config import is_hf_folder
 from ..models.llama import Transformer, build_model
 from ..parallel import materialize
-from .sharded import INDEX, ShardedCheckpoint, check_model
-from .state import CheckpointError, latest_valid
+from .sharded import INDEX, ShardedCheckpoint, check_model, latest_valid
+from .state import CheckpointError
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -66,7 +66,7 @@ from ..distributed.mesh import Mesh
 from ..distributed.source import local_pieces, read_local
 from ..distributed.spec import ShardSpec, first_copy
 from ..parallel.engine import STATE_TENSORS, Engine
-from .state import CheckpointError, prune, remove_partial, step_dir
+from .state import CheckpointError, checkpoints, prune, remove_partial, step_dir
 
 FORMAT = "meshlm-sharded/1"
 INDEX, TRAINER = "index.json", "trainer.json"
@@ -442,6 +442,21 @@ def validate(directory: Path) -> dict[str, Any]:
                 raise CheckpointError(f"checkpoint {directory}: {kind} of {name} is not fully "
                                       "stored (a missing or edited shard)")
     return index
+
+
+def latest_valid(root: Path, log: Callable[[str], None] = print) -> Path | None:
+    """The newest checkpoint under ``root`` that passes validation; each damaged one skipped
+    is reported in one line (``log``)."""
+    found = checkpoints(root)
+    for i, path in enumerate(reversed(found)):
+        try:
+            validate(path)
+        except CheckpointError as e:
+            older = found[-2 - i].name if i + 1 < len(found) else None
+            log(f"{e}; " + (f"falling back to {older}" if older else "no older checkpoint"))
+            continue
+        return path
+    return None
 
 
 def check_model(ckpt: ShardedCheckpoint, expected: dict[str, tuple[int, ...]]) -> None:

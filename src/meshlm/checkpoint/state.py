@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 _STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -37,23 +36,6 @@ def find_latest(root: Path) -> Path | None:
     """The checkpoint with the highest step under ``root`` (None if there is none)."""
     found = checkpoints(root)
     return found[-1] if found else None
-
-
-def latest_valid(root: Path, log: Callable[[str], None] = print) -> Path | None:
-    """The newest checkpoint under ``root`` that passes validation; each damaged one skipped
-    is reported in one line (``log``)."""
-    from .sharded import validate
-
-    found = checkpoints(root)
-    for i, path in enumerate(reversed(found)):
-        try:
-            validate(path)
-        except CheckpointError as e:
-            older = found[-2 - i].name if i + 1 < len(found) else None
-            log(f"{e}; " + (f"falling back to {older}" if older else "no older checkpoint"))
-            continue
-        return path
-    return None
 
 
 def prune(root: Path, keep: int) -> list[Path]:

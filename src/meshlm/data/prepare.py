@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
 from ..config import ConfigError
+from ..version import __version__
 from .sources import (
     Source,
     Unit,

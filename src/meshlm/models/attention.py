@@ -238,8 +238,8 @@ def build_kernel(name: str, window: int = 0) -> AttentionKernel:
     return ATTENTION[name](window)
 
 
-# Further kernels live in modules of their own, imported here (registration).
-from . import flex_attention  # noqa: E402, F401  (flex)
+# Further kernels live in modules of their own, registered when ``models/llama.py`` (which
+# builds the kernels) imports them.
 
 __all__ = ["ATTENTION", "SDPA", "AttentionKernel", "EagerAttention", "Mask", "build_kernel",
            "document_mask"]

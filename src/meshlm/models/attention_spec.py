@@ -110,8 +110,8 @@ register_spec(AttentionSpec(
     "eager", "softmax(q k^T) v written out: (B, nh, S, S) scores materialised (a reference)",
     materialises_scores=True))
 
-# Further kernels describe themselves in modules of their own, imported here (registration).
-from . import flex_spec  # noqa: E402, F401  (flex)
+# Further kernels describe themselves in modules of their own, registered when
+# ``models/config.py`` (which every models module loads first) imports them.
 
 __all__ = ["SPECS", "AttentionSpec", "register_spec", "spec", "visible_fraction",
            "visible_tile_fraction"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from . import flex_spec  # noqa: F401  (registers flex's description)
 from .attention_spec import SPECS
 
 MOE_BALANCE = ("aux", "seq_aux", "bias")  # load-balancing methods (models/moe.py)

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import flex_attention  # noqa: F401  (registers the flex kernel)
 from .attention import SDPA, EagerAttention, build_kernel, document_mask  # noqa: F401  (re-exported)
 from .config import ModelConfig
 from .moe import MoE, SwiGLU

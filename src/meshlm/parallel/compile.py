@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.llama import Block, Transformer
+from ..models.llama import Block
 from ..models.moe import MoE
 
 
@@ -147,15 +147,6 @@ def run_ffn(block: Block) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile every decoder block this rank holds, and the final norm + head, together with
-    the model's other choices (``extensions.apply_choices``: a MoE feed-forward and a
-    context-parallel attention kernel stay eager; recomputation wraps the compiled block)."""
-    from .extensions import apply_choices
-
-    apply_choices(model, compiled=True)
-
-
 def compile_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The plain (whole-logits, tp = 1) loss compiled; other losses are returned as they are:
@@ -178,5 +169,5 @@ def compile_stats() -> dict[str, float]:
             "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
 
 
-__all__ = ["GradOnly", "Uncompiled", "apply_compile", "compile_fn", "eager_call", "run_ffn", "compile_loss", "compile_stats",
-           "configure_cache"]
+__all__ = ["GradOnly", "Uncompiled", "compile_fn", "compile_loss", "compile_stats",
+           "configure_cache", "eager_call", "run_ffn"]

@@ -44,7 +44,6 @@ from torch.utils.checkpoint import (
 )
 
 from ..layout import RECOMPUTE as MODES
-from ..models.llama import Transformer
 from ..models.replay import replay
 from .registry import RECOMPUTE
 
@@ -149,13 +148,3 @@ RECOMPUTE.register("selective", Recompute("selective", kernel=True))
 RECOMPUTE.register("op", Recompute("op", layer=True, policy=_op_policy, moe="selective"))
 RECOMPUTE.register("full", Recompute("full", layer=True))
 assert RECOMPUTE.names() == MODES, (RECOMPUTE.names(), MODES)
-
-
-def apply_recompute(model: Transformer, mode: str) -> None:
-    """Recompute every decoder layer this rank holds in ``mode`` (see module docstring),
-    together with the model's other choices (``extensions.apply_choices``)."""
-    if mode not in RECOMPUTE:
-        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}")
-    from .extensions import apply_choices
-
-    apply_choices(model, recompute=mode)

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ..distributed.spawn import run_world
+from ..matmul_rate import measure_matmul_flops
 from .hardware import CpuProfile, calibration_path
 
 SIZES = (64 * 1024, 2**20, 16 * 2**20)  # bytes of the full buffer
@@ -142,8 +143,6 @@ def _median(fn: Callable[[], object], seconds: float = 0.4, min_reps: int = 5) -
 
 def matmul_peak(dtype: torch.dtype, n: int = 1024) -> float:
     """The trainer's CPU peak (``train/peak.py``): best rate of an n^3 matmul."""
-    from ..train.peak import measure_matmul_flops
-
     return measure_matmul_flops(dtype, n)
 
 

@@ -7,7 +7,8 @@ and for the trainer's config.
 of that one layout (``dp_shard=N`` in it: hybrid sharding, ZeRO over shard groups of N dp
 ranks replicated dp / N times). ``meshlm plan --calibrate`` measures this machine and stores
 the ``cpu`` entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``,
-:func:`config_memory` the memory lines of ``meshlm train --dry-run``.
+:func:`config_memory` the memory lines of ``meshlm train --dry-run``, :func:`oom_advice` the
+planner's part of a rank's out-of-memory line.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from ..config import Config, ConfigError, training_problems
 from ..layout import Layout
 from .hardware import GIB, Accelerator, get_accelerator
+from .levers import levers_text, size_text
 from .memory import MemoryBreakdown, memory
 from .search import MAX_WORLD, Plan, evaluate, search, world_problem
 from .workload import (
@@ -315,6 +317,21 @@ def config_memory(cfg: Config) -> list[str]:
         f"{_size(m.total)} of {_size(m.capacity)} -- " + ("fits" if m.fits else "does NOT fit"),
         *([checkpoint_host_line(m, hw.is_cpu)] if cfg.checkpoint.async_save else []),
     ]
+
+
+def oom_advice(cfg: Config) -> tuple[str, str]:
+    """(the planner's estimate of ``cfg``'s layout, the levers that would fit it) on this
+    machine, for the out-of-memory line of a rank (``train/oom.py``); ("", "") when the device
+    is not in the planner's catalogue."""
+    try:
+        hw = hardware_here("out-of-memory report")
+        work, lo = config_workload(cfg, config_vocab(cfg)), cfg.layout()
+        m = memory(work, lo, hw)
+        return (f"the planner estimates {size_text(m.total)} per rank for layout "
+                f"{lo.describe()} (peak at the {m.peak_phase}) of {size_text(m.capacity)}",
+                levers_text(work, lo, hw))
+    except (ConfigError, ValueError, OSError):
+        return "", ""
 
 
 def checkpoint_host_line(m: MemoryBreakdown, cpu: bool) -> str:

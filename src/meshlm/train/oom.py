@@ -1,15 +1,16 @@
 """Out of memory, anywhere, is one line.
 
 The trainer marks the phase it is in (``distributed/phases.py``: construction, checkpoint
-load, forward, backward, optimizer step, evaluation, checkpoint save, sampling). When torch runs out of
-memory -- ``torch.OutOfMemoryError`` from the CUDA caching allocator, or a CUDA library's
-"out of memory" -- :func:`train` turns it into :class:`OutOfMemory`, whose one line names the
-phase, the rank, the bytes asked for, in use and available, the planner's estimate for this
-layout, and the levers that would fit it in the order the planner ranks them
-(``planner/levers.py``). The rank stops with it; its launcher (meshlm's own, torchrun's) stops
-the others, and ``meshlm`` prints the line and exits 1. A checkpoint is written to a
-temporary folder and renamed only when complete, so a save that runs out of memory leaves the
-last complete checkpoint the latest: the run directory still resumes.
+load, forward, backward, optimizer step, evaluation, checkpoint save, sampling). When torch runs
+out of memory -- ``torch.OutOfMemoryError`` from the CUDA caching allocator, or a CUDA
+library's "out of memory" -- :func:`train` turns it into :class:`OutOfMemory`, whose one line
+names the phase, the rank, the bytes asked for, in use and available, and the advice its caller
+passed in: ``meshlm train`` passes the planner's (``planner.cli.oom_advice``: its estimate for
+this layout and the levers that would fit it, in the order the planner ranks them). The rank
+stops with it; its launcher (meshlm's own, torchrun's) stops the others, and ``meshlm`` prints
+the line and exits 1. A checkpoint is written to a temporary folder and renamed only when
+complete, so a save that runs out of memory leaves the last complete checkpoint the latest: the
+run directory still resumes.
 
 No communication, no memory.
 """
@@ -19,12 +20,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Callable
 
 import torch
 
 from ..config import Config
 
 GIB = 2**30
+
+# (the planner's estimate of a config's layout, the levers that would fit it), each "" when
+# the planner has no answer for this machine
+Advice = Callable[[Config], tuple[str, str]]
 
 
 class OutOfMemory(RuntimeError):
@@ -64,31 +70,12 @@ def memory_state(device: torch.device) -> tuple[float, float]:
     return used, available
 
 
-def estimate_text(cfg: Config) -> tuple[str, str]:
-    """(the planner's estimate of this layout, its levers) for this machine, or ("", "")
-    when the device is not in the planner's catalogue."""
-    from ..config import ConfigError
-    from ..planner.cli import config_vocab, config_workload, hardware_here
-    from ..planner.levers import levers_text, size_text
-    from ..planner.memory import memory
-
-    try:
-        hw = hardware_here("out-of-memory report")
-        work, lo = config_workload(cfg, config_vocab(cfg)), cfg.layout()
-        m = memory(work, lo, hw)
-        return (f"the planner estimates {size_text(m.total)} per rank for layout "
-                f"{lo.describe()} (peak at the {m.peak_phase}) of {size_text(m.capacity)}",
-                levers_text(work, lo, hw))
-    except (ConfigError, ValueError, OSError):
-        return "", ""
-
-
-def describe(cfg: Config, rank: int, where: str, exc: BaseException,
-             device: torch.device) -> str:
+def describe(cfg: Config, rank: int, where: str, exc: BaseException, device: torch.device,
+             advice: Advice | None = None) -> str:
     """The one line (see module docstring)."""
     asked = asked_bytes(exc)
     used, available = memory_state(device)
-    estimate, levers = estimate_text(cfg)
+    estimate, levers = advice(cfg) if advice is not None else ("", "")
     parts = [f"out of memory on rank {rank} during {where}: "
              + (f"tried to allocate {asked / GIB:.2f} GiB with " if asked else "")
              + f"{used / GIB:.2f} GiB in use and {available / GIB:.2f} GiB available"]

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from ..matmul_rate import measure_matmul_flops
+
 # Dense (no sparsity) datasheet peaks in FLOP/s; fp32 entries are TF32 tensor-core rates.
 GPU_PEAK: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
@@ -29,21 +31,6 @@ GPU_PEAK: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 1100e12},
     "MI300X": {"bf16": 1307e12, "fp16": 1307e12, "fp32": 654e12},
 }
-
-
-def measure_matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
-    """Best observed FLOP/s of an (n x n) @ (n x n) matmul on CPU in ``dtype``."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    a @ b  # warm-up: thread pool and kernels
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * n**3 / dt)
-    return best
 
 
 # bf16 below this fraction of fp32's matmul rate earns the warning: native bf16 (AVX512-BF16,

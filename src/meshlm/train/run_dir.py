@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from .. import __version__
 from ..checkpoint import latest_valid
 from ..config import Config, ConfigError, _unwritable_dir, load_config, to_toml
 from ..data.tokenizer import Tokenizer
 from ..distributed.comm import Comm
+from ..version import __version__
 
 Log = Callable[[str], None]
 

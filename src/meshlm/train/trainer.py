@@ -31,7 +31,7 @@ from ..distributed.mesh import Mesh
 from ..distributed.phases import phase, phase_of
 from ..generate import generate_text
 from .metrics import PhasePeaks
-from .oom import OutOfMemory, is_oom
+from .oom import Advice, OutOfMemory, is_oom
 from .oom import describe as describe_oom
 from .parts.batches import Batches, load_data
 from .parts.checkpointer import Checkpointer
@@ -268,13 +268,17 @@ def prepare_launch(cfg: Config, log: Log = print) -> None:
     build_data(cfg.data, log=log)  # cached now, so workers only read it
 
 
-def run_worker(cfg: Config) -> TrainResult:
+def run_worker(cfg: Config, oom_advice: Advice | None = None) -> TrainResult:
     """Entry point of a locally launched worker (the process group is already initialised)."""
-    return train(cfg)
+    return train(cfg, oom_advice=oom_advice)
 
 
-def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
-    """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0."""
+def train(cfg: Config, log: Log = print, progress: bool = True,
+          oom_advice: Advice | None = None) -> TrainResult:
+    """Train with ``cfg``; prints a sample at the end when ``run.sample_tokens`` > 0.
+
+    ``oom_advice``: what an out-of-memory line adds after the bytes (``train/oom.py``;
+    ``meshlm train`` passes the planner's estimate and levers)."""
     set_process_policies(cfg.run)  # malloc, threads
     try:
         with phase("construction"):
@@ -285,7 +289,8 @@ def train(cfg: Config, log: Log = print, progress: bool = True) -> TrainResult:
             raise
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         # (the planner's arithmetic runs on this process's CPU; the device is full)
-        raise OutOfMemory(describe_oom(cfg, rank, phase_of(exc), exc, build_device())) from None
+        raise OutOfMemory(describe_oom(cfg, rank, phase_of(exc), exc, build_device(),
+                                       oom_advice)) from None
 
 
 def _fit(trainer: Trainer, cfg: Config) -> TrainResult:

@@ -27,11 +27,12 @@ from ...checkpoint.sharded import (
     ShardedCheckpoint,
     check_model,
     island_prefix,
+    latest_valid,
     load_into,
     restore_rng,
     save_checkpoint,
 )
-from ...checkpoint.state import CheckpointError, latest_valid
+from ...checkpoint.state import CheckpointError
 from ...config import CheckpointSection, RunSection
 from ...distributed.comm import Comm
 from ...distributed.phases import phase
