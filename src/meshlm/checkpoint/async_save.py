@@ -34,9 +34,13 @@ flight (:meth:`AsyncSaver.wait`), as does a rollback to the latest checkpoint.
 
 Memory: the host copy is each rank's shards -- 12 bytes per parameter it writes (fp32 weight
 + two moments; 20 on island 0 of DiLoCo) -- kept between saves and reused (the planner's
-``checkpoint host copy``). On CUDA the buffers are pinned and the copy runs on a side stream
-that the training stream waits for (GPU-only path, untested on the CPU machines the tests run
-on); on CPU they are ordinary tensors.
+``checkpoint host copy``). On CUDA (GPU-only path) the buffers are pinned and the copy runs on
+a side stream, after the step that wrote the shards; the training stream goes on with the next
+forward and backward (which only read the weights) and waits for the copy's event -- on the
+device, not on the host -- only before the next optimizer step, which overwrites the weights
+and moments (a one-shot step pre-hook of the engine's optimizer). With DiLoCo islands, whose
+outer step also writes them outside the optimizer, it waits at once. The host waits for the
+event on the writer thread only. On CPU the buffers are ordinary tensors, copied at the save.
 
 Fault injection (tests): ``MESHLM_FAULT_KILL_IN_SAVE=k`` kills the highest rank on the writer
 thread after its file of checkpoint k (as in a synchronous save);
@@ -85,17 +89,34 @@ def slow_if_asked(step: int) -> None:
         time.sleep(float(seconds))
 
 
+class CopyFence:
+    """GPU-only: makes the compute stream wait for ``event`` the first time it is called (an
+    optimizer step pre-hook), and does nothing after."""
+
+    def __init__(self, streams: Any, event: Any) -> None:
+        self.streams, self.event = streams, event
+        self.pending = True
+
+    def __call__(self, *_: Any) -> None:
+        if self.pending:
+            self.pending = False
+            self.streams.current_stream().wait_event(self.event)
+
+
 class HostCopy:
     """Host buffers a rank's pieces are copied into, kept from one save to the next.
 
     ``pinned``: page-locked buffers and a side stream (CUDA, GPU-only path); else ordinary CPU
-    tensors copied in place."""
+    tensors copied in place. ``streams``: the stream API of the side-stream path (default
+    ``torch.cuda`` when pinned; tests give a stand-in to drive it on CPU)."""
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, streams: Any = None) -> None:
         self.pinned = pinned
         self.buffers: dict[str, torch.Tensor] = {}
-        self.stream = torch.cuda.Stream() if pinned else None
+        self.streams = streams if streams is not None else (torch.cuda if pinned else None)
+        self.stream = self.streams.Stream() if self.streams is not None else None
         self.done: Any = None  # the CUDA event the copies end with (GPU-only path)
+        self._fence: tuple[CopyFence, Any] | None = None  # (fence, its hook's handle)
 
     @property
     def nbytes(self) -> int:
@@ -108,27 +129,45 @@ class HostCopy:
             self.buffers[key] = buf
         return buf
 
-    def take(self, contents: RankContents) -> RankContents:
+    def take(self, contents: RankContents,
+             optimizer: torch.optim.Optimizer | None = None) -> RankContents:
         """``contents`` with every piece copied (as float32) into this rank's host buffers;
-        the RNG states, already fresh CPU tensors, as they are."""
+        the RNG states, already fresh CPU tensors, as they are. GPU-only path: the copies are
+        queued on the side stream; ``optimizer``'s next step -- the next write of what they
+        read -- makes the compute stream wait for them (None: it waits at once)."""
         pieces = {k for k in contents.tensors if not is_rng_key(k)}
         for key in set(self.buffers) - pieces:
             del self.buffers[key]
-        if self.stream is not None:  # GPU-only path: the copies overlap the next compute
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+        if self.stream is not None:  # GPU-only: the copies overlap the next compute
+            streams = self.streams
+            self.stream.wait_stream(streams.current_stream())  # (the pieces are written)
+            with streams.stream(self.stream):
                 copied = {k: self._buffer(k, t).copy_(t, non_blocking=True)
                           for k, t in contents.tensors.items() if k in pieces}
             for k in pieces:  # (a temporary source is not reused before its copy ran)
                 if contents.tensors[k].is_cuda:
                     contents.tensors[k].record_stream(self.stream)
             self.done = self.stream.record_event()
-            torch.cuda.current_stream().wait_stream(self.stream)  # (no update before the copy)
+            self._wait_before(optimizer)
         else:
             copied = {k: self._buffer(k, t).copy_(t) for k, t in contents.tensors.items()
                       if k in pieces}
         rest = {k: t for k, t in contents.tensors.items() if k not in pieces}
         return RankContents({**rest, **copied}, contents.meta)
+
+    def _wait_before(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """GPU-only: the compute stream waits for the copies' event (on the device) before
+        ``optimizer``'s next step overwrites the weights and moments they read: a
+        :class:`CopyFence` as its step pre-hook (replacing the last save's: the new event comes
+        after the earlier copies on the side stream). None: the wait is queued now."""
+        if self._fence is not None:
+            self._fence[1].remove()
+            self._fence = None
+        fence = CopyFence(self.streams, self.done)
+        if optimizer is None:
+            fence()
+            return
+        self._fence = (fence, optimizer.register_step_pre_hook(fence))
 
     def ready(self) -> None:
         """Block until the copies are in host memory (the writer thread, before writing)."""
@@ -165,7 +204,9 @@ class AsyncSaver:
         self.wait()
         rank = self.mesh.rank
         begin_checkpoint(root, step, rank)
-        contents = self.host.take(rank_contents(engine, self.mesh, outer))
+        # (DiLoCo's outer step writes the weights outside the optimizer: wait at once there)
+        contents = self.host.take(rank_contents(engine, self.mesh, outer),
+                                  getattr(engine, "optimizer", None) if outer is None else None)
         state = {**trainer_state, "step": step, "adam_step": engine.adam_step()}
         self.in_flight = step
         self._thread = threading.Thread(

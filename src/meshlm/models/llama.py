@@ -23,7 +23,9 @@ Document masking (``data.doc_mask``): inside ``with model.packed(doc_ids):`` -- 
 (B, S) the document index of every position of the packed sequences -- attention stays inside
 each document and rotary positions restart at each document's first token. The ids travel to
 every layer and kernel as an argument (so recomputation and compiled blocks see the ids of the
-micro-batch they run), never as state read later.
+micro-batch they run), never as state read later. Copied to the device, they keep the host
+tensor they came from (:func:`host_copy`): what is decided from them on the host (ring
+attention's skipped blocks) never waits for the device.
 
 Initial weights depend only on (seed, model config): every parameter is drawn from its own
 generator seeded by (seed, parameter name), so any layout can materialise exactly the tensor
@@ -99,6 +101,26 @@ def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     start[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
     first = torch.where(start, ar, torch.zeros_like(ar)).cummax(dim=-1).values
     return ar - first
+
+
+HOST_COPY = "host_copy"  # the attribute of device document ids naming their host tensor
+
+
+def with_host_copy(doc_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``doc_ids`` on ``device``, remembering the host tensor they came from (when they came
+    from one, as the data pipeline's do): see :func:`host_copy`."""
+    out = doc_ids.to(device)
+    if doc_ids.device.type == "cpu":
+        # (an alias, not the tensor itself: when ``out`` is ``doc_ids`` no cycle is made)
+        setattr(out, HOST_COPY, doc_ids.detach())
+    return out
+
+
+def host_copy(doc_ids: torch.Tensor) -> torch.Tensor | None:
+    """The host tensor device document ids were copied from (None: unknown), so that
+    decisions taken on the host -- which ring-attention blocks documents mask entirely --
+    read them without waiting for the device."""
+    return getattr(doc_ids, HOST_COPY, None)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -229,7 +251,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Context parallelism sets this: (tokens held, device) -> their global positions, or
-        # None when the tokens are the whole sequence (positions 0 ... n - 1).
+        # None when the tokens are the whole sequence (positions 0 ... n - 1). It refuses
+        # positions beyond max_seq_len itself, on the host (reading them here would wait for
+        # the device).
         self.positions: Callable[[int, torch.device], torch.Tensor | None] | None = None
         # What the LM head's input passes first (tensor parallelism: copy to the tp region or
         # the sequence-parallel all-gather); identity by default.
@@ -267,7 +291,8 @@ class Transformer(nn.Module):
         """Forwards inside this block mask attention at the document boundaries of ``doc_ids``
         ((B, S): the document of every position of the whole sequences; None: no masking)."""
         saved = self.doc_ids
-        self.doc_ids = None if doc_ids is None else doc_ids.to(self.rope_cos.device)
+        self.doc_ids = (None if doc_ids is None
+                        else with_host_copy(doc_ids, self.rope_cos.device))
         try:
             yield
         finally:
@@ -291,10 +316,6 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence length {seq_len} exceeds max_seq_len "
                                  f"{self.cfg.max_seq_len}")
             return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        if int(pos[-1]) >= self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {int(pos[-1]) + 1} (context-parallel share at "
-                             f"positions up to {int(pos[-1])}) exceeds max_seq_len "
-                             f"{self.cfg.max_seq_len}")
         return self.rope_cos[pos], self.rope_sin[pos]
 
     def run_layers(self, h: torch.Tensor, seq_len: int, layer_ids: list[int] | None = None

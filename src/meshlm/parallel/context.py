@@ -20,7 +20,8 @@ all-to-all (Ulysses) backward. Mixture-of-Experts layers add their routing count
 load-balancing loss is the whole sequence's (``expert.attach_count_reducers``).
 
 Communication: see the two attention modules. Memory: activations / cp; the rotary
-tables of the positions in use.
+tables of the positions in use; with document masking, which ring blocks the last micro-batch's
+documents leave something in (one flag per block, decided on the host: no device read).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import torch
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..distributed.host_sync import host_array
 from ..layout import CP_MODES
 from ..models.attention import ATTENTION, SDPA, AttentionKernel, EagerAttention, build_kernel
-from ..models.llama import Transformer
-from .ring_attention import Ring, block_plan, ring_attention, share_positions
+from ..models.llama import Transformer, host_copy
+from .ring_attention import Ring, Seen, block_plan, ring_attention, share_positions
 from .ulysses import ulysses_attention
 
 AXIS = "cp"
@@ -73,15 +75,18 @@ class ContextParallel:
     / ``math`` for ``sdpa``'s / ``eager``'s block paths); the model's kernel is given by
     :class:`ContextParallelAttention`."""
 
-    def __init__(self, comm: Comm, mode: str, kernel: str | AttentionKernel | None = None
-                 ) -> None:
+    def __init__(self, comm: Comm, mode: str, kernel: str | AttentionKernel | None = None,
+                 max_len: int = 0) -> None:
         check_mode(mode)
         self.comm, self.mode = comm, mode
+        self.max_len = max_len  # the model's max_seq_len: no position reaches it (0: unchecked)
         self.size, self.rank = comm.size(AXIS), comm.rank(AXIS)
         self.kernel = _default_kernel(kernel)
         self.ring = Ring(comm, mode == "zigzag", self.kernel)
         self.enabled = True
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
+        # the ring's documents_seen of the last document ids: (their host tensor, key, table)
+        self._seen: tuple[torch.Tensor, tuple[int, int], Seen] | None = None
 
     # -- shares ------------------------------------------------------------------------------
     def positions(self, seq_len: int) -> np.ndarray:
@@ -96,6 +101,10 @@ class ContextParallel:
         key = (local_len, str(device))
         if key not in self._positions:
             pos = self.positions(local_len * self.size)
+            if self.max_len and int(pos[-1]) >= self.max_len:  # (checked here, on the host)
+                raise ValueError(f"sequence length {int(pos[-1]) + 1} (context-parallel share "
+                                 f"at positions up to {int(pos[-1])}) exceeds max_seq_len "
+                                 f"{self.max_len}")
             self._positions[key] = torch.from_numpy(pos).to(device)
         return self._positions[key]
 
@@ -127,12 +136,25 @@ class ContextParallel:
             return kernel(q, k, v, *(() if doc_ids is None else (doc_ids,)))
         if self.mode == "ulysses":
             return ulysses_attention(q, k, v, self.comm, doc_ids, kernel)
-        ids = None
+        ids, seen = None, None
         if doc_ids is not None:
             s = doc_ids.shape[1]
             ids = [doc_ids[:, torch.from_numpy(share_positions(s, self.size, r, self.mode))
                            .to(doc_ids.device)] for r in range(self.size)]
-        return ring_attention(q, k, v, self.ring, ids, kernel)
+            seen = self._documents_seen(doc_ids, q.shape[2], kernel.window)
+        return ring_attention(q, k, v, self.ring, ids, kernel, seen)
+
+    def _documents_seen(self, doc_ids: torch.Tensor, local: int, window: int) -> Seen | None:
+        """Which ring blocks documents leave something to compute in (``Ring.documents_seen``),
+        from the host copy of ``doc_ids`` -- no device read; once per micro-batch (every layer
+        reuses it). None when the ids have no host copy."""
+        host = host_copy(doc_ids)
+        if host is None:
+            return None
+        key = (local, window)
+        if self._seen is None or self._seen[0] is not host or self._seen[1] != key:
+            self._seen = (host, key, self.ring.documents_seen(host_array(host), local, window))
+        return self._seen[2]
 
     def tiles(self) -> int:
         """c x c attention tiles (c = s / (2 cp)) this rank's ring forwards computed so far."""
@@ -166,7 +188,7 @@ def apply_context_parallel(model: Transformer, comm: Comm, mode: str,
     """Make ``model`` run on this rank's share of each sequence (see module docstring): its
     positions. Its attention context, ``mode``, is one of the choices applied together by
     ``extensions.apply_choices`` (with this helper as ``cp``), around the model's kernel."""
-    cp = ContextParallel(comm, mode, kernel)
+    cp = ContextParallel(comm, mode, kernel, max_len=model.cfg.max_seq_len)
     model.positions = cp.local_positions
     return cp
 

@@ -41,6 +41,7 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from multiprocessing.util import Finalize
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -284,41 +285,52 @@ class SyncCopies:
         """The step ends: later device work sees the updated weights."""
 
 
+# GPU-only: the staging copies of a CUDA run
 class StreamCopies(SyncCopies):
-    """GPU-only path (untested on the CPU machines meshlm's tests run on): the copies run on
-    a side stream of their own, so they overlap the host's AdamW on the other slot; the host
-    waits on one event per slot, the compute stream on the side stream once per step.
+    """GPU-only path (driven on CPU by tests through a stand-in ``streams`` API; default
+    ``torch.cuda``): the copies run on a side stream of their own, so they overlap the host's
+    AdamW on the other slot; the host waits on one event per slot, the compute stream on the
+    side stream once per step.
 
     Order on the side stream (FIFO): D2H(i + 1) is issued before the host steps chunk i, and
     H2D(i - 1) before D2H(i + 1), which reuses its slot, so no copy into a slot overtakes the
-    copy out of it. The staging slots are pinned (true asynchronous copies)."""
+    copy out of it. The staging slots are pinned (true asynchronous copies).
 
-    def __init__(self, device: torch.device) -> None:
+    The sources of a slot's device -> host copies are held until the host has waited for that
+    slot's event: a gradient that is not contiguous is copied flat on the compute stream
+    (``OffloadedAdamW._grad``) and read on the side stream, and freed any earlier its memory
+    could be handed to the compute stream's next allocation while the copy still reads it."""
+
+    def __init__(self, device: torch.device, streams: Any = None) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.ready = [torch.cuda.Event(), torch.cuda.Event()]
+        self.streams = streams if streams is not None else torch.cuda
+        self.stream = self.streams.Stream(device)
+        self.ready = [self.streams.Event(), self.streams.Event()]
+        self.sources: list[list[torch.Tensor]] = [[], []]  # per slot, until its event
 
     def begin(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradients written
+        self.stream.wait_stream(self.streams.current_stream(self.device))  # gradients written
 
     def to_host(self, slot: int, pairs: Pairs) -> None:
         # (a gradient that is not contiguous was just copied flat on the compute stream)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        self.stream.wait_stream(self.streams.current_stream(self.device))
+        with self.streams.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             self.ready[slot].record(self.stream)
+        self.sources[slot] = [src for _, src in pairs]
 
     def wait(self, slot: int) -> None:
         self.ready[slot].synchronize()
+        self.sources[slot] = []  # (copied: their memory may be reused)
 
     def to_device(self, slot: int, pairs: Pairs) -> None:
-        with torch.cuda.stream(self.stream):
+        with self.streams.stream(self.stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
     def end(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)  # weights written
+        self.streams.current_stream(self.device).wait_stream(self.stream)  # weights written
 
 
 @dataclass(frozen=True)
@@ -365,6 +377,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.state = OffloadedState(self)  # type: ignore[assignment]
         self.chunk = chunk
         self.staging: torch.Tensor | None = None  # two slots, made at the first staged step
+        # GPU-only: copies on a side stream (a CPU run copies when asked)
         self.copies: SyncCopies = StreamCopies(self.device) if self.cuda else SyncCopies()
 
     @classmethod

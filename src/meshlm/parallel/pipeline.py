@@ -15,9 +15,11 @@ are widened back to fp32 -- the residual stream's dtype -- on arrival. Actions d
 a table (op -> method) built once per executor. A
 compute action waits for the group holding its input; groups holding only sends are waited at
 the end of the step. Timings (the timeline, the measured bubble) come from CUDA events on GPU
--- the kernels' times, not their launches' -- and from the host clock on CPU. Zero-bubble ``I``/``W`` passes: ``I``
-runs autograd for the stage input and the non-matmul weights only while each linear layer's
-input and output gradient are captured; ``W`` then forms the linear weight gradients
+-- the kernels' times, not their launches' -- and from the host clock on CPU. The host waits
+for the device once per step, after the last action: the last stage's loss sum (summed on the
+device) and, on GPU, the timeline's last event. Zero-bubble ``I``/``W`` passes: ``I`` runs
+autograd for the stage input and the non-matmul weights only while each linear layer's input
+and output gradient are captured; ``W`` then forms the linear weight gradients
 ``dy^T x`` directly. Eager, module hooks capture them. With compiled blocks (``train.compile``),
 whose backward exposes no output gradient to a hook, the stage's linears become split linears
 (``split_linear.py``): custom ops whose backward -- run by ``I`` inside the block's compiled
@@ -216,12 +218,16 @@ class PipelineExecutor:
 
     # -- the step -----------------------------------------------------------------------------
     def run(self, micro: list[tuple[torch.Tensor, ...]], seq_len: int) -> float:
-        """Forward + backward of every micro-batch; returns the sum of the last stage's losses."""
+        """Forward + backward of every micro-batch; returns the sum of the last stage's losses
+        (0 on the other stages), read from the device once, at the end of the step."""
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.recvd: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}
         self.to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         self.sends: list = []
-        self.micro, self.seq_len, self.loss_sum = micro, seq_len, 0.0
+        self.micro, self.seq_len = micro, seq_len
+        # the last stage's losses, summed on the device and read once, after the step: in
+        # float64, as Python would add the floats (a read per micro-batch would wait for it)
+        self.loss_sum: torch.Tensor | None = None
         self.peak_live, live = 0, 0
         clock = _Clock(self.device)
         spans: list[tuple[Action, int, int]] = []
@@ -251,7 +257,7 @@ class PipelineExecutor:
         self.timeline = [{"op": a.op, "mb": a.mb, "stage": a.stage, "start": at[s], "end": at[e]}
                          for a, s, e in spans]
         self.step_time = at[end]
-        return self.loss_sum
+        return float(self.loss_sum) if self.loss_sum is not None else 0.0
 
     def bubble(self) -> float:
         """Measured idle fraction of this rank in the last step."""
@@ -313,7 +319,8 @@ class PipelineExecutor:
             out, aux = self.pipe.forward(a.stage, x, self.seq_len)
             if a.stage == self.pipe.n_stages - 1:
                 loss = self.loss_fn(out, targets.to(self.device))
-                self.loss_sum += float(loss.detach())
+                loss64 = loss.detach().double()
+                self.loss_sum = loss64 if self.loss_sum is None else self.loss_sum + loss64
                 out = loss / self.m
         self._capture = None
         slot.out, slot.aux = out, (aux / self.m if aux is not None else None)

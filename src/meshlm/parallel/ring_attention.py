@@ -30,8 +30,11 @@ and ``block_backward``), each given the :class:`~meshlm.models.attention.Mask` o
 their global positions (so a sliding window cuts blocks exactly as in one process) and, with
 document masking, their document ids (every rank's share, computed locally from the batch: no
 communication). A block where no query may see any key is skipped, forward and backward: by
-position on the host (the window passes most foreign blocks by), and by documents (short
-documents skip most foreign blocks).
+position (the window passes most foreign blocks by), and by documents (short documents skip
+most foreign blocks). Both are decided on the host, so the ring never waits for the device:
+positions are known there, and the ids' host copy (the data pipeline's tensor,
+``models.llama.host_copy``) gives :meth:`Ring.documents_seen`, once per micro-batch (ids
+without a host copy are read from the device instead: one wait per block).
 
 Memory per rank: three K/V blocks (own, current, next) and the fp32 output and
 log-sum-exp of its s/cp queries; backward adds fp32 dq, dK/dV and three accumulators (the
@@ -54,6 +57,7 @@ from ..models.replay import replaying
 
 AXIS = "cp"
 ALL = slice(None)
+Seen = dict[tuple[int, int], bool]  # Ring.documents_seen: (source rank, block) -> documents meet
 
 
 @dataclass
@@ -76,6 +80,27 @@ def block_plan(rank: int, source: int, local: int, zigzag: bool) -> list[Block]:
     if source < rank:  # its second chunk lies after both of ours: only its first chunk
         return [Block(ALL, slice(0, half), False, 2)]
     return [Block(slice(half, None), ALL, False, 2)]  # only our second chunk sees it
+
+
+def documents_meet(ids: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, window: int) -> bool:
+    """Whether some query sees some key by documents: in some row, the same document id, the
+    key at or before the query and, with a ``window``, fewer than ``window`` positions before
+    it -- ``Mask.dense(...).any()``, on the host. ``ids``: (B, S) document ids of the whole
+    sequences; ``q_pos`` / ``k_pos``: the rows' positions (columns of ``ids``)."""
+    if not len(q_pos) or not len(k_pos):
+        return False
+    s = ids.shape[1]
+    docs = ids.astype(np.int64) - int(ids.min())
+    # every (row, document, position) as one integer, ordered by row, then document, position
+    rows = np.arange(ids.shape[0], dtype=np.int64)[:, None] * ((int(docs.max()) + 1) * s)
+    keys = np.sort((rows + docs[:, k_pos] * s + k_pos).ravel())
+    q = q_pos.astype(np.int64)
+    first = np.maximum(q - window + 1, 0) if window else np.zeros_like(q)
+    doc_start = rows + docs[:, q_pos] * s
+    # keys of the query's document at positions [first, q]
+    seen = (np.searchsorted(keys, doc_start + q, side="right")
+            > np.searchsorted(keys, doc_start + first, side="left"))
+    return bool(seen.any())
 
 
 def share_positions(seq_len: int, cp: int, rank: int, mode: str) -> np.ndarray:
@@ -112,20 +137,39 @@ class Ring:
     def plan(self, step: int, local: int) -> list[Block]:
         return block_plan(self.rank, (self.rank - step) % self.size, local, self.zigzag)
 
+    def documents_seen(self, ids: np.ndarray, local: int, window: int) -> Seen:
+        """(source rank, index in its plan) -> whether documents let some query of that block
+        see some key (:func:`documents_meet`), for every block this rank computes; ``ids``: the
+        (B, S) document ids of the whole sequences, on the host."""
+        mine = self.positions(local, self.rank)
+        seen: Seen = {}
+        for source in range(self.size):
+            theirs = self.positions(local, source)
+            for i, b in enumerate(block_plan(self.rank, source, local, self.zigzag)):
+                seen[(source, i)] = documents_meet(ids, mine[b.q], theirs[b.kv], window)
+        return seen
+
 
 def _mask(ring: Ring, kernel: AttentionKernel, ids: list[torch.Tensor] | None, local: int,
-          source: int, b: Block) -> Mask | None:
+          source: int, b: Block, seen: bool | None) -> Mask | None:
     """The mask of block ``b`` (its rows' positions, window and documents); None when no
-    query of it may see any key (the block is skipped)."""
+    query of it may see any key (the block is skipped). ``seen``: whether documents let some
+    query see some key (None: unknown on the host)."""
     mask = Mask(ring.positions(local, ring.rank)[b.q], ring.positions(local, source)[b.kv],
                 kernel.window,
                 None if ids is None else ids[ring.rank][:, b.q],
                 None if ids is None else ids[source][:, b.kv])
     if mask.empty():
         return None
-    if ids is not None and not bool(mask.dense(ids[0].device).any()):
-        return None  # (no query of this block sees a key of it: documents)
-    return mask
+    if ids is None:
+        return mask
+    if seen is None:  # (ids without a host copy: read from the device, a host synchronisation)
+        seen = bool(mask.dense(ids[0].device).any())
+    return mask if seen else None  # (skipped: no query of this block sees a key of it)
+
+
+def _seen(seen: Seen | None, source: int, i: int) -> bool | None:
+    return None if seen is None else seen[(source, i)]
 
 
 def _wait(works: list) -> None:
@@ -147,8 +191,8 @@ def _accumulate(total: torch.Tensor | None, rows: slice, value: torch.Tensor,
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
-                ring: Ring, ids: list[torch.Tensor] | None, kernel: AttentionKernel
-                ) -> torch.Tensor:
+                ring: Ring, ids: list[torch.Tensor] | None, kernel: AttentionKernel,
+                seen: Seen | None) -> torch.Tensor:
         local = q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -159,8 +203,8 @@ class _RingAttention(torch.autograd.Function):
                 nxt = (torch.empty_like(cur[0]), torch.empty_like(cur[1]))
                 works = ring.exchange(cur, nxt)
             source = (ring.rank - step) % ring.size
-            for b in ring.plan(step, local):
-                mask = _mask(ring, kernel, ids, local, source, b)
+            for i, b in enumerate(ring.plan(step, local)):
+                mask = _mask(ring, kernel, ids, local, source, b, _seen(seen, source, i))
                 if mask is None:
                     continue  # (no query of this block sees a key of it)
                 o, lb = kernel.block(q[:, :, b.q], cur[0][:, :, b.kv], cur[1][:, :, b.kv], mask)
@@ -170,14 +214,14 @@ class _RingAttention(torch.autograd.Function):
             cur = nxt if nxt is not None else cur
         out = out.to(q.dtype)
         ctx.save_for_backward(q, *own, out, lse)
-        ctx.ring, ctx.ids, ctx.kernel = ring, ids, kernel
+        ctx.ring, ctx.ids, ctx.kernel, ctx.seen = ring, ids, kernel, seen
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
-        ids, kernel = ctx.ids, ctx.kernel
+        ids, kernel, seen = ctx.ids, ctx.kernel, ctx.seen
         local = q.shape[2]
         acc_shape = (2, *k.shape)  # dK and dV of one owner, fp32
         dq = dk = dv = None
@@ -195,8 +239,8 @@ class _RingAttention(torch.autograd.Function):
                 grads = free.pop().zero_() if free else torch.zeros(
                     acc_shape, dtype=torch.float32, device=q.device)
             source = (ring.rank - step) % ring.size
-            for b in ring.plan(step, local):
-                mask = _mask(ring, kernel, ids, local, source, b)
+            for i, b in enumerate(ring.plan(step, local)):
+                mask = _mask(ring, kernel, ids, local, source, b, _seen(seen, source, i))
                 if mask is None:
                     continue
                 gq, gk, gv = kernel.block_backward(dout[:, :, b.q], q[:, :, b.q],
@@ -222,14 +266,17 @@ class _RingAttention(torch.autograd.Function):
             _wait(acc_works)  # our own K/V's gradients, home after cp - 1 hops
             dk += acc_recv[0]
             dv += acc_recv[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
                    ids: list[torch.Tensor] | None = None,
-                   kernel: AttentionKernel | None = None) -> torch.Tensor:
+                   kernel: AttentionKernel | None = None,
+                   seen: Seen | None = None) -> torch.Tensor:
     """Attention of this rank's (B, nh, s/cp, hd) queries on the whole sequence's keys and
     values, which are sharded like the queries over the cp ring, through ``kernel``'s blocks
     (default: the ring's); ``ids``: the document ids (B, s/cp) of every cp rank's share
-    (document masking)."""
-    return _RingAttention.apply(q, k, v, ring, ids, kernel if kernel is not None else ring.kernel)
+    (document masking); ``seen``: :meth:`Ring.documents_seen` of those ids with the kernel's
+    window (None: each block asks the device)."""
+    return _RingAttention.apply(q, k, v, ring, ids, kernel if kernel is not None else ring.kernel,
+                                seen)
