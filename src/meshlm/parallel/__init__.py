@@ -19,26 +19,32 @@ for initial values (drawn whole, then cut).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ..config import ParallelSection, TrainSection
-from ..distributed.comm import Comm
-from ..distributed.source import TensorSource, assign, read_local
-from ..distributed.spec import attach_specs, spec_of
-from ..models.llama import Transformer
-from .context import ContextParallel, apply_context_parallel
-from .data import DDPEngine
-from .engine import Engine, LocalEngine
-from .expert import apply_expert_parallel, attach_count_reducers
-from .extensions import apply_choices
-from .offload import offload_states
-from .pipeline import PipelineModel
-from .tensor import TensorParallel, apply_tensor_parallel
-from .zero import ZeroEngine
-from .zero3 import Zero3Engine
+    from ..config import ParallelSection, TrainSection
+    from ..distributed.comm import Comm
+    from ..distributed.source import TensorSource
+    from ..models.llama import Transformer
+    from .context import ContextParallel
+    from .engine import Engine
+    from .pipeline import PipelineModel
+    from .tensor import TensorParallel
+
+# Exported on first use: importing the package (or a torch-free sibling such as the cost
+# descriptions the planner reads, ``*_cost.py``) does not import torch.
+_LAZY = {"ContextParallel": ".context", "Engine": ".engine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -54,6 +60,9 @@ class Parallelized:
 def materialize(model: Transformer, source: TensorSource | None, device: torch.device) -> None:
     """Give every meta parameter its values -- this rank's slice, read from ``source`` -- and
     build the model's non-persistent buffers on ``device``."""
+    from ..distributed.source import assign, read_local
+    from ..distributed.spec import spec_of
+
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in seen or not p.is_meta:
@@ -81,6 +90,18 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     ``fp8``: the decoder blocks' linears become float8 linears (``float8.py``) with the recipe
     ``fp8_recipe``.
     """
+    from ..distributed.spec import attach_specs
+    from .context import apply_context_parallel
+    from .data import DDPEngine
+    from .engine import LocalEngine
+    from .expert import apply_expert_parallel, attach_count_reducers
+    from .extensions import apply_choices
+    from .offload import offload_states
+    from .pipeline import PipelineModel
+    from .tensor import apply_tensor_parallel
+    from .zero import ZeroEngine
+    from .zero3 import Zero3Engine
+
     attach_specs(model, comm.mesh)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
     cp = (apply_context_parallel(model, comm, parallel.cp_attention)

@@ -1,19 +1,14 @@
 """Per-GPU memory of a layout: model states, activations, communication buffers.
 
-**States** (Rajbhandari et al. 2020, "ZeRO", sec. 3 and fig. 1). With Ψ parameters on a rank
-and N = dp x cp data-parallel ranks sharing them, bytes per parameter of weights / gradients /
-optimizer states are ``(w, g, o)``: ``(2, 2, 12)`` for the paper's mixed precision (K = 12:
-fp32 master weights, momentum, variance) or ``(4, 4, 8)`` for meshlm's fp32 weights and
-gradients with AdamW moments (``parallel/data.py``: 16Ψ). Stage 0 holds ``(w + g + o) Ψ``;
-stage 1 ``(w + g) Ψ + o Ψ / N``; stage 2 ``w Ψ + (g + o) Ψ / N``; stage 3 ``(w + g + o) Ψ / N``.
-Ψ on a rank is the layers of its pipeline stage, with attention and MLP weights split over tp
-(norms replicated), the vocabulary padded to a multiple of tp, routed experts split over ep
-and sharded over dp x cp / ep (Megatron-Core's expert data parallelism). Under hybrid sharding
-(HSDP, ``parallel.dp_shard`` < dp) ZeRO shards over one shard group, N = dp_shard x cp ranks
-(experts over dp_shard x cp / ep), and the dp / dp_shard groups hold the same shards
-(:func:`shard_ranks`). With
-``offload`` = ``cpu`` or ``disk`` (ZeRO-Offload / ZeRO-Infinity, ``parallel/offload.py``) the
-optimizer states leave the device: 0 device bytes, reported apart (``MemoryBreakdown.host``).
+**States**: bytes per parameter of weights / gradients / optimizer states are ``(w, g, o)``:
+``(2, 2, 12)`` for the ZeRO paper's mixed precision (K = 12: fp32 master weights, momentum,
+variance) or ``(4, 4, 8)`` for meshlm's fp32 weights and gradients with AdamW moments
+(``parallel/data.py``: 16Ψ); which of them a rank holds whole and which 1 / N of is the ZeRO
+stage's (``parallel/zero_cost.py``, N: :func:`shard_ranks`). Ψ on a rank is the layers of its
+pipeline stage, with attention and MLP weights split over tp (norms replicated), the
+vocabulary padded to a multiple of tp, routed experts split over ep. With
+``offload`` = ``cpu`` or ``disk`` (``parallel/offload_cost.py``) the optimizer states leave
+the device: 0 device bytes, reported apart (``MemoryBreakdown.host``).
 The shards a rank writes at a checkpoint (12 bytes per parameter it owns: fp32 weight and two
 moments) are the host copy an asynchronous save keeps (``checkpoint.async``), reported apart as
 ``MemoryBreakdown.checkpoint_host``.
@@ -22,12 +17,12 @@ moments) are the host copy an asynchronous save keeps (``checkpoint.async``), re
 Recomputation in Large Transformer Models", sec. 4). Profile ``megatron`` is the paper's GPT
 block at 16-bit (eq. 1 and table 2): ``s b h (34 + 5 a s / h)`` bytes without parallelism;
 with tensor parallelism ``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence parallelism
-``s b h (34 + 5 a s / h) / t``; selective recomputation drops the ``5 a s / h`` attention-score
-term; full recomputation keeps ``2 s b h`` (``/ t`` with sp) per layer. Op-level selective
-recomputation (torchtitan's ``selective_ac_option="op"``) keeps the layer input, every other
-matmul output in forward order (the 1st, 3rd, ...: q, v, then w1 and w2 of SwiGLU or fc1 of
-a GELU MLP) and the attention output with its log-sum-exp; everything else is recomputed (MoE
-layers: counted as selective). The same items are written for grouped-query attention
+``s b h (34 + 5 a s / h) / t``. What recomputation keeps of them is the mode's
+(``parallel/recompute_cost.py``): selective drops the ``5 a s / h`` attention-score term;
+full keeps the layer input, ``2 s b h`` (``/ t`` with sp); op-level keeps the layer input,
+every other matmul output in forward order (the 1st, 3rd, ...: q, v, then w1 and w2 of SwiGLU
+or fc1 of a GELU MLP) and the attention output with its log-sum-exp (:func:`op_saved`). The
+same items are written for grouped-query attention
 (K, V of ``kv`` features), a SwiGLU MLP (4 tensors of width f instead of GELU's 2) and flash
 attention (no scores; output plus an fp32 log-sum-exp per head). Profile ``meshlm`` counts what meshlm's block saves (measured with
 ``saved_tensors_hooks``): per token ``6h`` fp32 values in the two RMSNorms (input, normalised
@@ -43,10 +38,8 @@ the head, the router and the routed experts have 16-bit weight copies; the float
 transient of the largest decoder linear (:func:`fp8_linear_peak`: :data:`FP8_CAST` bytes per
 element cast, beside the float8 copy of the other operand), counted in backward.
 
-**Pipeline**: rank r holds the activations of ``min(p - r, m)`` micro-batches under 1F1B
-(Narayanan et al. 2021), ``m`` under AFAB (GPipe), ``p (1 + (p - 1) / (p v))`` on the first
-rank under interleaving with v virtual stages (Korthikanti et al. 2022, sec. 4.2.3), and the
-same as 1F1B under ZB-H1 (Qi et al. 2023).
+**Pipeline**: the micro-batches whose activations rank r holds at its peak are the schedule's
+(``parallel/schedule_cost.py``: ``min(p - r, m)`` under 1F1B, ``m`` under AFAB, ...).
 
 **Eager norms on a GPU**: meshlm's ``F.rms_norm`` runs torch's fused CUDA kernel, which keeps
 1/rms (4 bytes per token) instead of the normalised input; on a CPU torch runs the formula op by
@@ -78,10 +71,9 @@ allocated at the peak (measured: 6.34 GiB reserved-unallocated beside 132.62 GiB
 activations -- the loss's backward (8 more bytes per logit: fp32 gradients of the
 log-probabilities and logits, counted on ``F.cross_entropy``; none for a fused loss that
 writes the gradient in place) or, with full recomputation, one layer's rebuilt activations,
-whichever is larger. **Buffers**: ZeRO-2's two transient gradient buckets,
-ZeRO-3's gathered parameters and gradients of two layers plus the root unit
-(``parallel/zero3.py``; with the ``megatron`` profile DeepSpeed's live-parameter cap), and
-the accelerator's reserved runtime memory.
+whichever is larger. **Buffers**: the ZeRO stage's (``parallel/zero_cost.py``: buckets,
+gathered layers; with the ``megatron`` profile DeepSpeed's live-parameter cap), and the
+accelerator's reserved runtime memory.
 """
 
 from __future__ import annotations
@@ -93,13 +85,18 @@ from dataclasses import dataclass, field
 
 from ..layout import Layout, partition_layers
 from ..models.config import ModelConfig
+from ..parallel.context_cost import CONTEXT
+from ..parallel.offload_cost import OFFLOAD
+from ..parallel.recompute_cost import RECOMPUTE
+from ..parallel.schedule_cost import SCHEDULES
+from ..parallel.tensor_cost import TENSOR
+from ..parallel.zero_cost import ZERO
 from .hardware import Accelerator
 from .workload import Workload
 
 STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
 # bytes per activation value by dtype (an fp8 workload's activations: its ``rest_dtype``'s)
 ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb default (DDP, ZeRO-1/2)
 # bytes per logit live in the loss's backward beyond the saved 4: counted on F.cross_entropy,
 # fp32 and under bf16 autocast alike (meshlm's vocab-parallel loss is assumed the same)
 LOSS_WORKING = 8
@@ -110,7 +107,6 @@ FP8_CAST = 4 + 4 + 1
 # fp32 moments; with DiLoCo islands, island 0 also writes the outer weights and momentum
 CHECKPOINT_BYTES = 12
 CHECKPOINT_OUTER_BYTES = 8
-MAX_LIVE_PARAMS = 1e9  # DeepSpeed ZeRO-3 stage3_max_live_parameters default (DeepSpeed docs)
 # the CUDA caching allocator's reserved-but-unallocated memory at the peak, per byte allocated
 # (meshlm's llama3-8b run on one H200: 6.34 GiB beside 132.62 GiB, 4.8 %)
 ALLOCATOR_RESERVE = 0.05
@@ -263,19 +259,10 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
 
 
 def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
-    """Weights, gradients and optimizer states of one rank (ZeRO paper, fig. 1)."""
-    w, g, o = STATE_BYTES[work.states]
+    """Weights, gradients and optimizer states of one rank, as its ZeRO stage holds them."""
     n_dense = shard_ranks(lo)
-    n_expert = max(1, n_dense // lo.ep)
-
-    def sharded(count: float, n: int, bytes_per: int, stage_min: int) -> float:
-        return count * bytes_per / (n if lo.zero >= stage_min else 1)
-
-    out = {}
-    for name, per, stage_min in (("params", w, 3), ("grads", g, 2), ("optim", o, 1)):
-        out[name] = (sharded(p.dense, n_dense, per, stage_min)
-                     + sharded(p.expert, n_expert, per, stage_min))
-    return out
+    return ZERO[lo.zero].states(p.dense, p.expert, n_dense, max(1, n_dense // lo.ep),
+                                STATE_BYTES[work.states])
 
 
 def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
@@ -284,8 +271,9 @@ def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
     the stage's parameters with ZeRO, all of them without -- times :data:`CHECKPOINT_BYTES`
     (+ :data:`CHECKPOINT_OUTER_BYTES` on island 0 of DiLoCo). ``checkpoint.async`` keeps a
     host copy of them."""
-    n_dense = shard_ranks(lo) if lo.zero >= 1 else 1
-    n_expert = max(1, n_dense // lo.ep) if lo.zero >= 1 else 1
+    zero = ZERO[lo.zero]
+    n_dense = zero.owners(shard_ranks(lo))
+    n_expert = zero.owners(max(1, shard_ranks(lo) // lo.ep))
     per = CHECKPOINT_BYTES + (CHECKPOINT_OUTER_BYTES if lo.islands > 1 else 0)
     return per * (p.dense / n_dense + p.expert / n_expert)
 
@@ -306,7 +294,7 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
         c.ffn_hidden)
     gated = work.model.gated_mlp or moe
     a = ACT_BYTES[work.rest_dtype]
-    out_t = t if lo.sp else 1  # tensors outside the tp regions are split only with sp
+    out_t = TENSOR[lo.sp].outside(t)  # tensors outside the tp regions (split only with sp)
     items: dict[str, float] = {}
     if work.profile == "megatron":
         items["norm inputs"] = 2 * h * 2 / out_t
@@ -343,11 +331,11 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
 def attention_mask(work: Workload, lo: Layout) -> float:
     """Bytes of the attention mask one layer keeps for one micro-batch: the kernel's
     (``models/attention_spec.py``) when attention is more than causal and the kernel keeps one
-    per layer, over the whole sequence (Ulysses) or none (ring attention builds each block's
-    mask in forward and again in backward)."""
+    per layer, over the whole sequence; with cp, only where the mode keeps one
+    (``parallel/context_cost.py``)."""
     kernel = work.attention
     if not work.attention_masked or not kernel.mask_per_layer or (
-            lo.cp > 1 and lo.cp_attention != "ulysses"):
+            lo.cp > 1 and not CONTEXT[lo.cp_attention].keeps_mask):
         return 0.0
     return kernel.mask_bytes(lo.micro_batch, work.seq_len, True, work.doc_len > 0)
 
@@ -365,7 +353,7 @@ def compiled_layer_activations(work: Workload, lo: Layout) -> dict[str, float]:
     tokens = lo.micro_batch * work.seq_len / lo.cp
     h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
     a = ACT_BYTES[work.rest_dtype]
-    out_t = t if lo.sp else 1
+    out_t = TENSOR[lo.sp].outside(t)
     items = {
         "residual": h * 4 / out_t,  # fp32, after the attention half
         "norm rstd": 2 * 4 / out_t,
@@ -386,13 +374,13 @@ def saved_layer(work: Workload, lo: Layout, hw: Accelerator, moe: bool = False
     tensors, or the eager ones (MoE feed-forwards stay eager). Eager on a GPU, ``F.rms_norm``
     is torch's fused kernel, which saves 1/rms beside its input instead of the normalised
     input (``Workload.fused_norm`` overrides the choice by device)."""
-    if compiled(work) and not moe and lo.recompute in ("none", "full"):
+    if compiled(work) and not moe and RECOMPUTE[lo.recompute].whole_layer:
         return compiled_layer_activations(work, lo)
     items = layer_activations(work, lo, moe)
     fused_norm = not hw.is_cpu if work.fused_norm is None else work.fused_norm
     if work.profile == "meshlm" and fused_norm:
         tokens = lo.micro_batch * work.seq_len / lo.cp
-        items["norm normalised"] = 2 * 4 / (lo.tp if lo.sp else 1) * tokens
+        items["norm normalised"] = 2 * 4 / TENSOR[lo.sp].outside(lo.tp) * tokens
     return items
 
 
@@ -414,23 +402,17 @@ def op_saved(work: Workload, lo: Layout) -> float:
     r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
     kept = sum(matmul_outputs(work, lo)[0::2]) * a  # the 1st, 3rd, ... matmul outputs
     kept += c.n_heads * c.hd / lo.tp * a + c.n_heads * 4 / lo.tp  # attention out + lse
-    return (kept + c.dim * r / (lo.tp if lo.sp else 1)) * tokens
+    return (kept + c.dim * r / TENSOR[lo.sp].outside(lo.tp)) * tokens
 
 
 def recomputed(items: dict[str, float], work: Workload, lo: Layout, moe: bool = False
                ) -> float:
-    """Bytes one layer keeps for one micro-batch under ``lo.recompute``."""
-    if lo.recompute == "none":
-        return sum(items.values())
-    # (the mask is made inside the recomputed attention core: dropped with the scores)
-    selective = sum(v for k, v in items.items() if k not in ("scores", "attention mask"))
-    if lo.recompute == "selective" or (lo.recompute == "op" and moe):
-        return selective
-    if lo.recompute == "op":
-        return min(op_saved(work, lo), selective)
+    """Bytes one layer keeps for one micro-batch under ``lo.recompute`` (its description,
+    ``parallel/recompute_cost.py``)."""
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    r = 2 if work.profile == "megatron" else 4
-    return work.model.config.dim * r * tokens / (lo.tp if lo.sp else 1)  # the layer input
+    r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
+    layer_input = work.model.config.dim * r * tokens / TENSOR[lo.sp].outside(lo.tp)
+    return RECOMPUTE[lo.recompute].kept(items, moe, op_saved(work, lo), layer_input)
 
 
 def block_linears(work: Workload, lo: Layout, moe: bool) -> list[tuple[float, float]]:
@@ -476,26 +458,17 @@ def fp8_casts(work: Workload, lo: Layout, stage: int) -> float:
 
 def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
     """Micro-batches (in units of the rank's whole layer share) pipeline rank ``stage`` holds
-    at its peak: ``min(m, p - r)`` under 1F1B and ZB-H1, ``m`` under AFAB; interleaving runs
-    ``2 (p - r - 1) + (v - 1) p`` warm-up chunk forwards (Megatron's schedule, as meshlm's
-    ``parallel/schedules.py``) -- ``p (1 + (p - 1) / (p v))`` on the first rank (Korthikanti
-    et al. 2022, sec. 4.2.3) -- and all of them when m == p (Megatron-Core's rule)."""
+    at its peak: one without a pipeline, else the schedule's (``parallel/schedule_cost.py``)."""
     if lo.pp == 1:
         return 1.0
-    if lo.pp_schedule == "afab":
-        return float(m)
-    if lo.pp_schedule == "interleaved":
-        v = lo.pp_virtual
-        chunks = m * v if m == lo.pp else min(m * v, 2 * (lo.pp - stage - 1) + (v - 1) * lo.pp + 1)
-        return chunks / v
-    return float(min(m, lo.pp - stage))
+    return SCHEDULES[lo.pp_schedule].in_flight(lo.pp, lo.pp_virtual, m, stage)
 
 
 def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> float:
     """Embedding (first stage) and final norm, head input and logits (last stage)."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    out_t = lo.tp if lo.sp else 1
+    out_t = TENSOR[lo.sp].outside(lo.tp)
     a = ACT_BYTES[work.rest_dtype]
     total = 8.0 * tokens if first else 0.0  # token ids (int64)
     if work.profile == "megatron" and first:
@@ -535,9 +508,10 @@ def step_temporaries(work: Workload, lo: Layout, p: StageParams, stage: int) -> 
     when the moments are offloaded, or fused), or -- before it, not beside it -- clipping by a
     sharded global norm (each gradient tensor squared in fp64: 16 bytes per element of the
     largest; torch's own clipping on whole gradients takes per-tensor norms)."""
-    owned = p.total / (shard_ranks(lo) if lo.zero >= 1 else 1)
-    adam = OPTIMIZER_TEMP[work.optimizer] * owned if lo.offload == "none" else 0.0
-    sharded_norm = lo.tp > 1 or lo.pp > 1 or lo.ep > 1 or (lo.zero >= 1 and lo.dp * lo.cp > 1)
+    zero = ZERO[lo.zero]
+    owned = p.total / zero.owners(shard_ranks(lo))
+    adam = OPTIMIZER_TEMP[work.optimizer] * owned if not OFFLOAD[lo.offload].off_device else 0.0
+    sharded_norm = lo.tp > 1 or lo.pp > 1 or lo.ep > 1 or (zero.shards and lo.dp * lo.cp > 1)
     clip = 16 * largest_tensor(work, lo, stage) if sharded_norm else 0.0
     return max(adam, clip)
 
@@ -546,7 +520,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     p = stage_params(work, lo, stage)
     items = state_bytes(work, lo, p)
     host = {}
-    if lo.offload != "none":  # moments in host memory or a file (parallel/offload.py)
+    if OFFLOAD[lo.offload].off_device:  # moments in host memory or a file
         host["optim"] = items["optim"]
         items["optim"] = 0.0
     m = lo.micro_batches(work.global_batch)
@@ -574,18 +548,13 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     elif stage == lo.pp - 1 and work.loss == "chunked":  # one chunk's logits, twice in fp32
         loss = LOSS_WORKING * min(tokens, work.loss_chunk) * v_local
     # the float8 casts of one linear: beside a fully recomputed layer's rebuilt activations
-    rebuilt = working if lo.recompute == "full" else 0.0
+    recompute = RECOMPUTE[lo.recompute]
+    rebuilt = working if recompute.input_only else 0.0
     items["transient"] = max(loss, rebuilt + fp8_casts(work, lo, stage))
-    buffers = 0.0
     w, g, _ = STATE_BYTES[work.states]
-    if lo.zero == 2:
-        buffers += 2 * min(BUCKET_BYTES, p.total * g)
-    if lo.zero == 3 and work.profile == "meshlm":
-        buffers += (2 * p.layer_unit + p.root_unit) * w + 2 * p.layer_unit * g
-    elif lo.zero == 3:  # DeepSpeed keeps at most 1e9 gathered parameters live (its default
-        live = min(p.layer_unit, MAX_LIVE_PARAMS)  # stage3_max_live_parameters); one prefetched
-        buffers += 2 * live * w + live * g
-    items["buffers"] = buffers
+    # the ``megatron`` profile's ZeRO-3 is DeepSpeed's (its live-parameter cap)
+    items["buffers"] = ZERO[lo.zero].buffers(p.total, p.layer_unit, p.root_unit, w, g,
+                                             deepspeed=work.profile != "meshlm")
     # autocast's copies of the weights in the compute dtype: cached through the forward and
     # kept for backward by the matmuls (full recomputation rebuilds them layer by layer)
     # (fp8: the decoder-block linears cast their fp32 weights to float8 transiently and save
@@ -599,13 +568,14 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     # gradients alive through the forward and backward: kept between micro-batches or steps
     # by accumulation, buckets, shards or a pipeline; one process with one micro-batch frees
     # them each step, and they fill up during a fully recomputed backward beside it
-    freed = lo.zero == 0 and lo.dp * lo.cp == 1 and lo.pp == 1 and lo.islands == 1 and m == 1
+    freed = (not ZERO[lo.zero].shards and lo.dp * lo.cp == 1 and lo.pp == 1 and lo.islands == 1
+             and m == 1)
     phases = {k: list(v) for k, v in PHASES.items()}
-    if not freed or lo.recompute == "full":
+    if not freed or recompute.input_only:
         phases["backward"].append("grads")
     if not freed:
         phases["forward"].append("grads")
-    if lo.recompute == "full":
+    if recompute.input_only:
         phases["backward"].remove("weight copies")
     out = MemoryBreakdown(items, stage, hw.memory, host,
                           {k: (*v, "reserved") for k, v in phases.items()},

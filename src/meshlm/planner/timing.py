@@ -38,9 +38,9 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   TorchDispatchMode on meshlm's block) x the dispatch cost; serial on CPU, hidden behind
   running kernels on a GPU (a layer then takes at least its kernels' launch time).
 
-Full recomputation adds one forward of every layer, selective recomputation (Korthikanti et
-al. 2022) one forward of attention only, op-level selective recomputation (torchtitan) the
-forwards of every other matmul and of the memory-bound ops. On CPU, ranks beyond the cores
+Recomputation adds what the mode redoes (``parallel/recompute_cost.py``: full one forward of
+every layer, selective one forward of attention only, op-level the forwards of every other
+matmul and of the memory-bound ops). On CPU, ranks beyond the cores
 time-share them: the compute of each stretches by ranks / cores, and a pipeline rank's idle
 bubble is used by others. A power-capped GPU computes at ``(cap / TDP) ** 0.58`` of its rate
 (``hardware.POWER_EXPONENT``).
@@ -54,24 +54,19 @@ size <= GPUs per node) uses NVLink, otherwise the network. Ring collectives over
 all-reduce across nodes may use NCCL's tree (``2 log2 n`` steps). Overlap, as meshlm's engines
 do it:
 
-- DDP / ZeRO-1 gradient reduction runs beside the last micro-batch's backward (bucketed;
-  Li et al. 2020) -- exposed: what exceeds that backward; ZeRO-2 does it every micro-batch;
-  with pipelining it runs after the flush (meshlm and Megatron): exposed;
-- ZeRO-1/2 parameter all-gather after the optimizer step: exposed;
+- the ZeRO stage's messages and what hides them are its description's
+  (``parallel/zero_cost.py``: bucketed beside the last backward, beside each backward, after
+  the optimizer step, ZeRO-3's prefetched gathers); with pipelining gradients are reduced
+  after the flush (meshlm and Megatron): exposed;
 - hybrid sharding (``dp_shard`` < dp): ZeRO's reduce-scatters and all-gathers run within the
   shard group (dp_shard x cp ranks, ``tp`` apart: inside a node when tp x dp_shard x cp <= GPUs
-  per node), and once per step each rank all-reduces its gradient shard (1 / (dp_shard x cp)
-  of the stage's gradients; experts 1 / edp_shard) with the ``dp_rep`` ranks holding the same
-  shard (``tp x cp x dp_shard`` apart, typically across nodes): each bucket's as the last
-  micro-batch's reduction of it completes (``parallel/grad_reduce.py``), so beside the last
-  backward like DDP's buckets, on the other link (with pipelining: after the flush, exposed);
-- ZeRO-3 gathers prefetched one layer ahead and reduce-scatters in flight: forward gathers hide
-  behind the forward, backward gathers and reduce-scatters behind the backward, the first
-  layer's gather never;
+  per node), and the replicas' all-reduce of each gradient shard (experts: over edp_shard)
+  runs between ranks ``tp x cp x dp_shard`` apart, typically across nodes, on the other link;
 - DiLoCo islands (``islands`` > 1): each rank's owned shard all-reduced across islands once
   every ``inner_steps`` steps, in the cross-island dtype -- exposed, its time divided by H;
-- tensor/sequence parallel collectives and pipeline sends are on the critical path: exposed
-  (with ``tp_overlap`` -- async TP, published runs only -- they hide behind the GEMMs);
+- tensor/sequence parallel collectives (``parallel/tensor_cost.py``) and pipeline sends are
+  on the critical path: exposed (with ``tp_overlap`` -- async TP, published runs only -- they
+  hide behind the GEMMs);
   pipeline sends carry fp32 activations (meshlm's executor) or, for other frameworks
   (``Workload.p2p_dtype``), the compute dtype, split over tp with Megatron's scatter/gather
   (``p2p_split``: 1/tp per rank plus an all-gather over tp on the receiving stage);
@@ -79,19 +74,16 @@ do it:
   (``Workload.fp32_grad_reduce``: Megatron bf16, nanotron, torchtitan); a separate fp32
   accumulation pass (``grad_accum_pass``, nanotron) costs ``ACCUM_BYTES`` per parameter and
   micro-batch over memory bandwidth;
-- ring attention (cp, ``zigzag``/``ring``) passes K/V beside the attention of the previous
-  block: exposed what exceeds the attention compute; per layer and micro-batch ``cp - 1`` sends
-  of one rank's K/V forward, ``cp - 1`` of K/V and ``cp - 1`` of the fp32 dK/dV backward, each
-  with its receive (``parallel/ring_attention.py``); ``ulysses``: four all-to-alls forward (q,
-  k, v, output) and four backward, exposed (``parallel/ulysses.py``); with cp, weight gradients
-  are reduced over dp x cp (comm-log axis ``dp_cp``); expert all-to-alls: exposed;
+- context parallelism's messages and what hides them are its mode's
+  (``parallel/context_cost.py``: ring attention beside the attention compute, Ulysses'
+  all-to-alls exposed); with cp, weight gradients are reduced over dp x cp (comm-log axis
+  ``dp_cp``); expert all-to-alls: exposed;
 - on CPU (gloo) nothing overlaps: the transport uses the same cores.
 
-**Bubble**: ``(p - 1) / v`` micro-batch times for AFAB, 1F1B and interleaved 1F1B with v
-virtual stages (Narayanan et al. 2021), ``(p - 1) / 3`` for ZB-H1 with equal forward, input-
-and weight-gradient times (Qi et al. 2023) -- the fractions meshlm's ``schedules.simulate``
-gives; with unequal stages (embedding, head and loss on the ends) the slowest stage sets the
-pace and the bubble is the other stages' times. **Optimizer**: clipping and AdamW move
+**Bubble**: the schedule's share of the other stages' micro-batch times
+(``parallel/schedule_cost.py``: ``(p - 1) / v`` for AFAB, 1F1B and interleaved 1F1B,
+``(p - 1) / 3`` for ZB-H1); with unequal stages (embedding, head and loss on the ends) the
+slowest stage sets the pace and the bubble is the other stages' times. **Optimizer**: clipping and AdamW move
 ``ADAMW_BYTES[work.optimizer]`` per parameter a rank owns (torch's fused or foreach kernels;
 CPU: measured per parameter). With fp32 states and 16-bit matmuls (meshlm) autocast's weight
 casts and the fp32 gradient accumulation add ``CAST_BYTES`` per parameter and micro-batch.
@@ -107,6 +99,13 @@ from dataclasses import dataclass, field, replace
 
 from ..layout import Layout
 from ..models.config import ModelConfig
+from ..parallel.context_cost import CONTEXT
+from ..parallel.cost import Collective
+from ..parallel.offload_cost import OFFLOAD
+from ..parallel.recompute_cost import RECOMPUTE
+from ..parallel.schedule_cost import SCHEDULES
+from ..parallel.tensor_cost import TENSOR
+from ..parallel.zero_cost import BUCKET_BYTES, ZERO
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
     ACT_BYTES,
@@ -316,7 +315,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     tensor = tokens * h * a
     # tensor parallelism copies each region's output before its all-reduce, forward and
     # backward (parallel/tensor_comm.py): 4 activation copies (read + write) per layer
-    copies = 4 * 2 * tensor / (lo.tp if lo.sp else 1) if t > 1 else 0.0
+    copies = 4 * 2 * tensor / TENSOR[lo.sp].outside(lo.tp) if t > 1 else 0.0
     if work.kernels == "fused":
         f_width = (c.expert_hidden * c.moe_topk if moe else c.ffn_hidden) / t
         # the norms and residual adds run on the residual stream: fp32 where the weights are
@@ -324,7 +323,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         # ``meshlm`` profile saves them so), else the compute dtype
         r = 4 if work.states == "fp32" else a
         resid = FUSED_ELEMENTS["h"] - FUSED_ROTARY_H
-        per_token = (resid * h * r / (t if lo.sp else 1)
+        per_token = (resid * h * r / TENSOR[lo.sp].outside(t)
                      + (FUSED_ROTARY_H * hq / t + FUSED_ELEMENTS["kv"] * kv / t
                         + FUSED_ELEMENTS["f_gated" if work.model.gated_mlp else "f_plain"]
                         * f_width) * a)
@@ -336,13 +335,9 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         bw = rates.bandwidth(tensor) * rates.eager_scale
     elem = (traffic + copies) / bw
     out = {"gemm": gemm, "attention": 3 * attn_fwd, "memory-bound": elem}
-    if lo.recompute == "full":
-        out["recompute"] = gemm / 3 + attn_fwd + elem / 3
-    elif lo.recompute == "selective" or (lo.recompute == "op" and moe):
-        out["recompute"] = attn_fwd
-    elif lo.recompute == "op":  # the 2nd, 4th, ... matmuls' forwards and the elementwise ops
-        # (materialised scores are not kept either: their forward is redone too)
-        out["recompute"] = sum(per_linear[1::2]) / 3 + elem / 3 + (0 if work.flash else attn_fwd)
+    redo = RECOMPUTE[lo.recompute].compute(gemm, per_linear, attn_fwd, elem, moe, work.flash)
+    if redo is not None:
+        out["recompute"] = redo
     if rates.serial_ops:
         ops = OPS_PER_LAYER + (moe_ops(c, lo) if moe else 0)
         out["op overhead"] = ops * rates.op_overhead
@@ -396,7 +391,8 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     tokens = lo.micro_batch * work.seq_len / lo.cp
     # ZeRO's group: dp x cp, or one shard group (dp_shard x cp) whose replicas then reduce
     # each gradient shard across ``dp_rep`` (hybrid sharding; the mesh's axis names)
-    hybrid = lo.hybrid and lo.zero >= 1
+    zero = ZERO[lo.zero]
+    hybrid = lo.hybrid and zero.shards
     n_dp = shard_ranks(lo) if hybrid else lo.dp * lo.cp
     dp_axis = "dp_cp" if lo.cp > 1 else "dp"  # the trainer reduces over dp x cp together
     if hybrid:
@@ -409,58 +405,33 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     if expert:
         groups.append(("edp_shard" if hybrid else "edp", n_edp, expert, expert))
     for axis, n, params, layer_params in groups:
-        grads, weights = params * (4 if work.fp32_grad_reduce else g), params * w
-        if hybrid and lo.dp_rep > 1:  # this rank's gradient shard, across the replicas
-            ev.append(CommEvent("dp", "all_reduce", "dp_rep", grads / n, 1, lo.dp_rep,
-                                lo.tp * n_dp, "last_backward"))
-        if n == 1:
-            continue
-
-        def dp(op: str, nbytes: float, calls: float, overlap: str, axis: str = axis,
-               n: int = n) -> None:
-            # an expert's copies: every ep-th rank
-            stride = lo.tp * (lo.ep if axis.startswith("edp") else 1)
-            ev.append(CommEvent("dp", op, axis, nbytes, calls, n, stride, overlap))
-
-        if lo.zero == 0:
-            dp("all_reduce", grads, 1, "last_backward")
-        elif lo.zero in (1, 2):
-            dp("reduce_scatter", grads, 1 if lo.zero == 1 else m,
-               "last_backward" if lo.zero == 1 else "each_backward")
-            dp("all_gather", weights, 1, "exposed")
-        else:
-            root = p.root_unit if axis == dp_axis else 0.0
-            dp("all_gather", (2 * layer_params + root) * w, m, "zero3")
-            dp("reduce_scatter", grads, m, "zero3")
-    if lo.dp * lo.cp > 1 and (lo.zero or lo.ep > 1):  # some gradients differ over dp: norm
+        grads = params * (4 if work.fp32_grad_reduce else g)
+        root = p.root_unit if axis == dp_axis else 0.0
+        replicas = lo.dp_rep if hybrid else 1
+        for col in zero.collectives(grads, params, layer_params, root, w, m, n, replicas):
+            if col.over == "replica":  # the ranks holding the same shard
+                ev.append(CommEvent("dp", col.op, "dp_rep", col.nbytes, col.calls, lo.dp_rep,
+                                    lo.tp * n_dp, col.overlap))
+            else:  # an expert's copies: every ep-th rank
+                stride = lo.tp * (lo.ep if axis.startswith("edp") else 1)
+                ev.append(CommEvent("dp", col.op, axis, col.nbytes, col.calls, n, stride,
+                                    col.overlap))
+    if lo.dp * lo.cp > 1 and (zero.shards or lo.ep > 1):  # some gradients differ over dp: norm
         # summed over dp x cp, hybrid sharding too (distributed/spec.py's ``norm_axes``)
         ev.append(CommEvent("dp", "all_reduce", "dp_cp" if lo.cp > 1 else "dp", 8, 1,
                             lo.dp * lo.cp, lo.tp, "exposed"))  # clip
-    if lo.tp > 1:
+    if lo.tp > 1:  # tensor / sequence parallelism's (parallel/tensor_cost.py)
         act = tokens * c.dim * (4 if work.rest_dtype == "fp32" else a)
-
-        def tp(op: str, nbytes: float, calls: float) -> None:
-            ev.append(CommEvent("tp", op, "tp", nbytes, calls * m, lo.tp, 1,
-                                "gemm" if lo.tp_overlap else "exposed"))
-
-        layers = p.layers
-        first, last = stage == 0, stage == lo.pp - 1
-        redo = 1.5 if lo.recompute == "full" else 1.0  # recomputed forwards communicate again
-        if lo.sp:
-            # per layer: each region gathers its input and reduce-scatters its output,
-            # forward and (conjugate) backward; the norm weights' gradients are summed.
-            tp("all_gather", act, 4 * layers * redo + (1 if last else 0) + (1 if first else 0))
-            tp("reduce_scatter", act, 4 * layers * redo + (1 if last else 0) + (1 if first else 0))
-            tp("all_reduce", c.dim * 4, 2 * layers + (1 if last else 0))
-        else:
-            tp("all_reduce", act, 4 * layers * redo + (1 if first else 0) + (1 if last else 0))
-        if last:
-            tp("all_reduce", tokens * 4, 3)  # vocab-parallel cross-entropy: max, target, sum
-        ev.append(CommEvent("tp", "all_reduce", "tp", 8, 1, lo.tp, 1, "exposed"))  # clipping
+        cols = TENSOR[lo.sp].collectives(act, c.dim * 4, tokens, p.layers, stage == 0,
+                                         stage == lo.pp - 1, RECOMPUTE[lo.recompute].forwards,
+                                         m, "gemm" if lo.tp_overlap else "exposed")
+        ev += [CommEvent("tp", col.op, "tp", col.nbytes, col.calls, lo.tp, 1, col.overlap)
+               for col in cols]
     if lo.pp > 1:
         # meshlm's executor moves fp32 activations forward and their gradients backward at
         # every stage boundary, one micro-batch at a time (parallel/pipeline.py).
-        split = lo.sp or (work.p2p_split and lo.tp > 1)
+        seq_split = TENSOR[lo.sp].split_sends
+        split = seq_split or (work.p2p_split and lo.tp > 1)
         act = tokens * c.dim * (4 if work.p2p_dtype == "fp32" else a) / (lo.tp if split else 1)
         last = lo.pp * lo.pp_virtual - 1
         chunks = [k * lo.pp + stage for k in range(lo.pp_virtual)]
@@ -469,7 +440,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         stride = lo.tp * lo.cp * lo.dp
         ev.append(CommEvent("pp", "send", "pp", act, sends * m, 2, stride, "exposed"))
         ev.append(CommEvent("pp", "recv", "pp", act, recvs * m, 2, stride, "free"))
-        if split and not lo.sp:  # scatter/gather: the received pieces gathered over tp
+        if split and not seq_split:  # scatter/gather: the received pieces gathered over tp
             ev.append(CommEvent("tp", "all_gather", "tp", act * lo.tp, recvs * m, lo.tp, 1,
                                 "exposed"))
         ev.append(CommEvent("pp", "all_reduce", "pp", 8, 1, lo.pp, stride, "exposed"))  # clip
@@ -487,7 +458,7 @@ def island_event(work: Workload, lo: Layout, params: float) -> CommEvent:
     them) with the ranks owning the same elements in the other islands, in ``island_dtype``
     (streaming fragments split a round's bytes over staggered steps: the same mean per step).
     Islands are the outermost axis: the group's members are ``inner_size`` ranks apart."""
-    owned = params / (shard_ranks(lo) if lo.zero >= 1 else 1)
+    owned = params / ZERO[lo.zero].owners(shard_ranks(lo))
     return CommEvent("islands", "all_reduce", "island", owned * ACT_BYTES[work.island_dtype],
                      1 / work.inner_steps, lo.islands, lo.inner_size, "exposed")
 
@@ -501,7 +472,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     if not moe:
         return []
     a = ACT_BYTES[work.rest_dtype]
-    fwd = 2 if lo.recompute == "full" else 1
+    fwd = RECOMPUTE[lo.recompute].forwards
     ev = []
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
         routed = tokens * c.moe_topk * c.dim * a
@@ -523,24 +494,17 @@ def cp_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
               ) -> list[CommEvent]:
     """Context parallelism's messages of one step (``tokens``: one micro-batch's on a rank)."""
     c = work.model.config
-    a = ACT_BYTES[work.rest_dtype]
-    ids = stage_layers(c.n_layers, lo, stage)
-    layers = len(ids)
-    fwd = 2 if lo.recompute == "full" else 1  # a recomputed forward passes its K/V again
-    ev = []
-    if lo.cp_attention == "ulysses":
-        for heads in (c.n_heads, c.n_kv_heads):  # q and output; k and v
-            nbytes = tokens * heads * c.hd / lo.tp * a
-            ev.append(CommEvent("cp", "all_to_all", "cp", nbytes, 2 * (fwd + 1) * layers * m,
-                                lo.cp, lo.tp, "exposed"))
-    else:
-        kv = 2 * tokens * c.n_kv_heads * c.hd / lo.tp  # elements of one rank's K and V
-        for op, overlap in (("send", "attention"), ("recv", "free")):
-            ev.append(CommEvent("cp", op, "cp", kv * a, (fwd + 1) * (lo.cp - 1) * layers * m,
-                                2, lo.tp, overlap))
-            ev.append(CommEvent("cp", op, "cp", kv * 4, (lo.cp - 1) * layers * m, 2, lo.tp,
-                                overlap))  # the fp32 dK/dV accumulators
-    return ev
+    layers = len(stage_layers(c.n_layers, lo, stage))
+    cols = CONTEXT[lo.cp_attention].collectives(
+        tokens, c.n_heads, c.n_kv_heads, c.hd, lo.tp, ACT_BYTES[work.rest_dtype], lo.cp,
+        RECOMPUTE[lo.recompute].forwards, layers, m)
+    return [CommEvent("cp", col.op, "cp", col.nbytes, col.calls, point_to_point(col, lo.cp),
+                      lo.tp, col.overlap) for col in cols]
+
+
+def point_to_point(col: Collective, n: int) -> int:
+    """Ranks a message of a group of ``n`` spans: a send and its receive are between two."""
+    return 2 if col.op in ("send", "recv") else n
 
 
 def comm_volumes(work: Workload, lo: Layout, stage: int = 0) -> dict[str, float]:
@@ -593,7 +557,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         times = {st: sum(v.values()) for st, v in per_stage.items()}
         middle = times[busiest]
         others = sum(times.values()) + (lo.pp - len(times)) * middle - t_mb
-        bubble = others / (3 if lo.pp_schedule == "zb" else lo.pp_virtual)
+        bubble = SCHEDULES[lo.pp_schedule].bubble(others, lo.pp_virtual)
     # A time-shared core runs the other ranks while one waits in the bubble: the bubble only
     # costs what exceeds the extra time the sharing already added.
     out.items["pipeline bubble"] = max(0.0, bubble - (oversub - 1) * m * t_mb)
@@ -614,7 +578,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         out.items[f"comm: {name}"] = v
 
     p = stage_params(work, lo, slow)
-    owned = p.total / (shard_ranks(lo) if lo.zero >= 1 else 1)
+    owned = p.total / ZERO[lo.zero].owners(shard_ranks(lo))
     tensors = 2 * p.layers * 9 + 3  # parameter tensors per rank (foreach chunks)
     if rates.adam is not None:  # measured per parameter (CPU): foreach, and fused if measured
         per_param = (rates.adam_fused if work.optimizer == "fused" and rates.adam_fused
@@ -626,7 +590,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     if not rates.serial_ops and work.states == "fp32" and work.dtype != "fp32":
         # autocast's weight casts and the fp32 gradient's accumulation (CAST_BYTES); a full
         # recomputation casts the weights again. (CPU: inside the calibrated rates.)
-        fwd_casts = 2 if lo.recompute == "full" else 1
+        fwd_casts = RECOMPUTE[lo.recompute].forwards
         per_param = (m * (fwd_casts * CAST_BYTES["forward"] + CAST_BYTES["backward"])
                      + (m - 1) * CAST_BYTES["accumulate"])
         out.items["weight casts"] = per_param * p.total / rates.bandwidth(4 * p.total / tensors)
@@ -635,7 +599,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
                                               / rates.bandwidth(4 * p.total / tensors))
     offload = offload_time(lo, hw, rates, owned, work.optimizer)
     if offload:
-        if lo.offload == "cpu":  # AdamW runs on the host instead (counted in the offload term)
+        if OFFLOAD[lo.offload].host_step:  # AdamW on the host (counted in the offload term)
             out.items["optimizer"] = 0.0
         out.items["optimizer offload"] = offload * (oversub if hw.cpu is not None else 1)
     out.step = sum(out.items.values())
@@ -653,21 +617,16 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
 
 def offload_time(lo: Layout, hw: Accelerator, rates: Rates, owned: float,
                  adamw: str = "fused") -> float:
-    """Seconds per step that optimizer-state offload (``parallel/offload.py``) adds, exposed:
-
-    - ``disk``: both moments (8 bytes per owned parameter) paged in and written back, 16 bytes
-      per owned parameter through the page cache, at the rate of fresh (page-faulting) buffers;
-    - ``cpu`` on a GPU (ZeRO-Offload): weights + gradients to the host and weights back, 12
-      bytes per owned parameter over the host link (:data:`HOST_LINK`), and AdamW on the host
-      at :data:`HOST_ADAM` seconds per parameter of the ``adamw`` kernels, in series
-      (meshlm's chunks wait for their copies); on a CPU run ``cpu`` is ``none`` (the moments
-      are already in host memory).
-    """
-    if lo.offload == "disk":
-        return 16 * owned / rates.bandwidth(max(rates.mem_bw))
-    if lo.offload == "cpu" and hw.cpu is None:
+    """Seconds per step that optimizer-state offload adds, exposed: the mode's traffic
+    (``parallel/offload_cost.py``) through the page cache at the rate of fresh (page-faulting)
+    buffers, or on a GPU over the host link (:data:`HOST_LINK`) followed by AdamW on the host
+    at :data:`HOST_ADAM` seconds per parameter of the ``adamw`` kernels, in series."""
+    off = OFFLOAD[lo.offload]
+    if off.page_bytes:
+        return off.page_bytes * owned / rates.bandwidth(max(rates.mem_bw))
+    if off.host_step and hw.cpu is None:  # a CPU run's moments are in host memory already
         link = HOST_LINK["gen4" if hw.name.startswith("a100") else "gen5"]
-        return 12 * owned / link + HOST_ADAM[adamw] * owned
+        return off.link_bytes * owned / link + HOST_ADAM[adamw] * owned
     return 0.0
 
 
@@ -694,7 +653,7 @@ def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
             add(e.name, e.seconds)  # with pipelining gradients are reduced after the flush
         elif e.overlap == "last_backward":
             # buckets reduce while backward continues; the last bucket waits at the end
-            tail = per_call / max(1, math.ceil(e.nbytes / (25 * 2**20)))
+            tail = per_call / max(1, math.ceil(e.nbytes / BUCKET_BYTES))
             add(e.name, max(tail, e.seconds - win["last_bwd"]))
         elif e.overlap == "each_backward":
             add(e.name, e.seconds - win["bwd"])
