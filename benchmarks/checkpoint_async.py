@@ -74,7 +74,7 @@ def run_mode(model: str, steps: int, every: int, mode: str, run_dir: Path) -> di
     trainer = Trainer(config(model, dist.get_world_size(), steps, mode, run_dir),
                       log=lambda _m: None, progress=False)
     ckpt = trainer.checkpointer
-    out: dict[str, Any] = {"params": trainer.model_cfg.num_params(), "step_s": [],
+    out: dict[str, Any] = {"params": trainer.model_part.model_cfg.num_params(), "step_s": [],
                            "stall_s": [], "own_s": [], "saved_steps": [], "writer_s": []}
     dist.barrier()
     t_loop = time.perf_counter()

@@ -170,7 +170,7 @@ def main() -> None:
             trainer.train_step(step)
     if args.chunked_attention:  # the instances' core, set before its first (tracing) call
         chunked = trainer_of("chunked", True)
-        for block in chunked.model.layers.values():
+        for block in chunked.model_part.model.layers.values():
             block.attention.core = types.MethodType(chunked_core, block.attention)
         for step in (1, 2, 3):
             chunked.train_step(step)
@@ -207,7 +207,7 @@ def main() -> None:
     result = {"config": vars(args), "threads": torch.get_num_threads(), "rows": rows,
               "ceiling": ceiling}
     if args.gemm:
-        gemm = gemm_rows(sides["eager"].model_cfg, args.batch * args.seq)
+        gemm = gemm_rows(sides["eager"].model_part.model_cfg, args.batch * args.seq)
         print("| linear (fwd + bwd) | n x k | eager GFLOP/s | compiled | max-autotune |")
         print("|---|---|---:|---:|---:|")
         for r in gemm:

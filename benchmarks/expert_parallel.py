@@ -93,7 +93,7 @@ def body(args: list[str], steps: int) -> dict[str, Any]:
             times.append(dt)
             a2a.append(spent[0])
     Comm.all_to_all = plain
-    state = trainer.engine.state_bytes()
+    state = trainer.model_part.engine.state_bytes()
     return {"step_s": times, "a2a_s": a2a, "growth": peak() - base,
             "state_bytes": sum(state.values()), "params_bytes": state["params"],
             "comm": log.bytes_by_op()}

@@ -572,11 +572,11 @@ class RowRun:
         from meshlm.train.trainer import Trainer
 
         trainer = Trainer(cfg, log=lambda m: print(m, flush=True), progress=False)
-        self.res.update(params=trainer.model_cfg.num_params(),
-                        vocab=trainer.model_cfg.vocab_size,
-                        tokens_per_step=trainer.tokens_per_step,
-                        flops_per_token=trainer.flops_per_token, peak_flops=trainer.peak,
-                        peak_flops_source=trainer.peak_source if self.cuda else CPU_PEAK_SOURCE)
+        model_cfg, recorder = trainer.model_part.model_cfg, trainer.recorder
+        self.res.update(params=model_cfg.num_params(), vocab=model_cfg.vocab_size,
+                        tokens_per_step=trainer.batches.tokens_per_step,
+                        flops_per_token=recorder.flops_per_token, peak_flops=recorder.peak,
+                        peak_flops_source=recorder.peak_source if self.cuda else CPU_PEAK_SOURCE)
         writer = MetricsWriter(trainer.run_dir)
         step = 0
 

@@ -235,7 +235,7 @@ def worker(preset: str, lo_dict: dict, extra: list[str], run_dir: str, steps: in
 
     def one_step(step: int) -> None:  # the trainer's step, and DiLoCo's outer step when due
         loss, _ = trainer.train_step(step)
-        if trainer.diloco is not None:
+        if trainer.islands.diloco is not None:
             trainer.outer_sync(step, loss)
 
     times = []
@@ -247,17 +247,17 @@ def worker(preset: str, lo_dict: dict, extra: list[str], run_dir: str, steps: in
     # bytes divided by H (the planner's per-step average)
     window = cfg.diloco.inner_steps if lo.islands > 1 else 1
     trainer.comm.log.reset()
-    saved = SavedBytes(trainer.model)
+    saved = SavedBytes(trainer.model_part.model)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         for step in range(WARMUP + steps + 1, WARMUP + steps + 1 + window):
             one_step(step)
     comm = {k: v / window for k, v in trainer.comm.log.bytes_by_op().items()}
-    states = trainer.engine.state_bytes()
+    states = trainer.model_part.engine.state_bytes()
     # DiLoCo: the mean (a synchronisation every H steps is part of the cost); else the median
     pick = statistics.mean if lo.islands > 1 else statistics.median
     return {"step_time_s": pick(times[WARMUP:]), "states": states,
             "activations": saved.peak, "comm": comm, "pp_rank": trainer.mesh.local_rank("pp"),
-            "model": trainer.model_cfg.to_dict(), "inner_steps": cfg.diloco.inner_steps}
+            "model": trainer.model_part.model_cfg.to_dict(), "inner_steps": cfg.diloco.inner_steps}
 
 
 def measure(name: str, preset: str, lo: Layout, extra: list[str], steps: int, rounds: int

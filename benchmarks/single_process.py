@@ -97,7 +97,7 @@ def main() -> None:
     compiled, cwriter = trainer_of("compiled", ["--train.compile=true"])
     trainer, writer = trainer_of("eager", [])
     cfg = trainer.cfg
-    plain_model = build_model(trainer.model_cfg, cfg.train.seed)
+    plain_model = build_model(trainer.model_part.model_cfg, cfg.train.seed)
     tokens, dtype = trainer.data.train_tokens, DTYPES[args.dtype]
 
     # Warm-up every side (allocator, thread pool, autograd caches; compilation).
@@ -119,7 +119,7 @@ def main() -> None:
 
     peak, source = peak_flops(torch.device("cpu"), args.dtype)
     tokens_per_step = args.batch * args.seq
-    fpt = trainer.model_cfg.flops_per_token(args.seq)
+    fpt = trainer.model_part.model_cfg.flops_per_token(args.seq)
     rows = []
     for name, times in (("plain PyTorch loop", plain_t), ("meshlm trainer", mesh_t),
                         ("meshlm compiled", comp_t)):
@@ -129,7 +129,7 @@ def main() -> None:
                      "mfu": tps * fpt / peak, "steps": len(times)})
     ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     speedup = rows[2]["tokens_per_s"] / rows[1]["tokens_per_s"]
-    print(f"model {args.preset} ({trainer.model_cfg.num_params() / 1e6:.2f} M params), batch "
+    print(f"model {args.preset} ({trainer.model_part.model_cfg.num_params() / 1e6:.2f} M params), batch "
           f"{args.batch} x {args.seq}, {args.dtype}, {torch.get_num_threads()} thread(s), "
           f"peak {peak / 1e9:.0f} GFLOP/s ({source})")
     print(f"| {'implementation':<20} | {'step time (s)':>13} | {'tokens/s':>9} | {'MFU':>6} |")

@@ -75,8 +75,6 @@ def resume_elsewhere(base: list[str], src: Path, runs: list[tuple[str, list[str]
     the elements this rank read from the checkpoint."""
     import torch.distributed as dist
 
-    from meshlm.train.sampling import full_logits
-
     out = {}
     for name, layout in runs:
         run_dir = src.parent / f"{src.name}-{name}"
@@ -99,9 +97,9 @@ def resume_elsewhere(base: list[str], src: Path, runs: list[tuple[str, list[str]
         finally:
             ShardedCheckpoint.read = original
         with torch.no_grad():
-            logits = full_logits(trainer.model, trainer.tp, trainer.pipeline, fixed_batch())
-        held = sum(o.hi - o.lo for o in trainer.engine.owned())
-        fused = [bool(g.get("fused")) for g in trainer.engine.optimizer.param_groups]
+            logits = trainer.logits(fixed_batch())
+        held = sum(o.hi - o.lo for o in trainer.model_part.engine.owned())
+        fused = [bool(g.get("fused")) for g in trainer.model_part.engine.optimizer.param_groups]
         out[name] = {"logits": logits, "losses": trainer.fit().losses, "read": sum(reads),
                      "owned": held, "fused": fused}
     return out
@@ -196,10 +194,10 @@ def test_foreach_checkpoint_resumes_under_fused_adamw(corpus_dir: Path, cache_di
     cut_copy(src, cut, HALF)
     trainer = Trainer(load_config(None, base + [f"--run.dir={cut}", "--run.resume=true"]),
                       log=_quiet, progress=False)
-    opt = trainer.engine.optimizer
+    opt = trainer.model_part.engine.optimizer
     assert all(g["fused"] for g in opt.param_groups)
     with ShardedCheckpoint(cut / "checkpoints" / f"step_{HALF:07d}") as ckpt:
-        for o in trainer.engine.owned():
+        for o in trainer.model_part.engine.owned():
             state = opt.state[o.key]
             assert state["step"].dtype == torch.float32 and float(state["step"]) == HALF
             assert state["step"].device == o.key.device

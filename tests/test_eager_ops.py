@@ -167,14 +167,14 @@ def small_args(corpus_dir: Path, cache_dir: Path, tmp_path: Path) -> list[str]:
 
 def test_meshlm_step_dispatches_no_more_ops_than_a_plain_loop(small_args: list[str]) -> None:
     events, trainer = meshlm_events(small_args)
-    cfg = trainer.model_cfg
+    cfg = trainer.model_part.model_cfg
     small = get_preset("small")
     shape = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_hidden", "tie_embeddings")
     assert [getattr(cfg, f) for f in shape] == [getattr(small, f) for f in shape]
     plain = op_counts(plain_events(cfg))
     mesh = op_counts(events)
     # the counted step is whole: the optimizer stepped inside it (its ops are counted)
-    assert events.count(OPTIMIZER_STEP) == 1 and trainer.engine.adam_step() == 3
+    assert events.count(OPTIMIZER_STEP) == 1 and trainer.model_part.engine.adam_step() == 3
     n_mesh, n_plain = sum(mesh.values()), sum(plain.values())
     extra = sorted(((k, mesh[k] - plain[k]) for k in mesh if mesh[k] > plain[k]),
                    key=lambda kv: -kv[1])

@@ -487,7 +487,7 @@ def comm_bodies(base: list[str], run: list[str]) -> dict[str, int]:
     trainer = Trainer(load_config(None, base + run), log=lambda _m: None, progress=False,
                       comm_log=log)
     # expert and dense shards alike step with torch's fused AdamW (train.adamw_impl=auto)
-    assert all(g["fused"] for g in trainer.engine.optimizer.param_groups), run
+    assert all(g["fused"] for g in trainer.model_part.engine.optimizer.param_groups), run
     log.reset()
     trainer.train_step(1)
     return log.bytes_by_op()

@@ -220,9 +220,9 @@ def test_disk_offload_matches_in_memory_one_process(corpus_dir: Path, cache_dir:
     trainer = Trainer(load_config(None, base + ["--parallel.offload=disk",
                                                 f"--run.dir={tmp_path / 'disk'}"]),
                       log=lambda _m: None, progress=False)
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    n_params = sum(p.numel() for p in trainer.model_part.model.parameters())
     assert (tmp_path / "disk" / "offload" / "rank_00000.adam").stat().st_size == 8 * n_params
-    assert trainer.engine.optimizer.fused  # the host step: torch's fused CPU AdamW
+    assert trainer.model_part.engine.optimizer.fused  # the host step: torch's fused CPU AdamW
     disk = trainer.fit().losses
     del trainer
     check_same(tmp_path / "disk", disk, tmp_path / "none", none)

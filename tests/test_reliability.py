@@ -206,7 +206,7 @@ def _policy_run(base: list[str], extra: list[str], env: dict[str, str]) -> dict:
         except NonFiniteError as e:
             error = str(e)
         return {"error": error, "step": trainer.step,
-                "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+                "weights": {n: p.detach().clone() for n, p in trainer.model_part.model.named_parameters()}}
     finally:
         for k in env:
             os.environ.pop(k, None)

@@ -126,15 +126,15 @@ def replicas_and_activations(base: list[str], run_dir: str) -> dict:
                                     "--train.micro_batch=8", f"--run.dir={run_dir}"])
     trainer = Trainer(cfg, log=lambda _m: None, progress=False)
     trainer.fit()
-    norms = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+    norms = {n: p.detach().clone() for n, p in trainer.model_part.model.named_parameters()
              if n.endswith("norm.weight")}
     acts = {}
     for sp in (False, True):
         c = load_config(None, base + ["--parallel.tp=2", f"--parallel.sp={str(sp).lower()}",
                                       "--train.micro_batch=8", f"--run.dir={run_dir}-{sp}"])
         t = Trainer(c, log=lambda _m: None, progress=False)
-        inputs, _ = t.sampler.rank_micro_batches(1, 0, 1, 8)[0]
-        params = {p.data_ptr() for p in t.model.parameters()}
+        inputs, _ = t.batches.sampler.rank_micro_batches(1, 0, 1, 8)[0]
+        params = {p.data_ptr() for p in t.model_part.model.parameters()}
         seen: dict[int, int] = {}
 
         def pack(x: torch.Tensor, seen=seen, params=params) -> torch.Tensor:  # noqa: ANN001
@@ -144,7 +144,7 @@ def replicas_and_activations(base: list[str], run_dir: str) -> dict:
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out = t.model(inputs)
+            out = t.model_part.model(inputs)
         del out
         acts[sp] = sum(seen.values())
     return {"norms": norms, "acts": acts}

@@ -3,26 +3,33 @@
 Every part of a :class:`Trainer` keeps the config section it was built from and never the
 whole config; a plain run and a pipelined run take the same ``train_step`` and ``evaluate``
 (micro-batches -> runner.forward_backward -> optimizer update -> loss reduce) and differ only
-in the runner; the metrics record is the recorder's fields plus its contributors'.
+in the runner; the metrics record is the recorder's fields plus its contributors'; the
+checkpointer saves and restores named stateful parts it knows nothing of.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import meshlm.train.parts.checkpointer as checkpointer_module
+from meshlm.checkpoint.sharded import ShardedCheckpoint
 from meshlm.config import load_config
 from meshlm.testing import run_world
+from meshlm.train.parts import Stateful
 from meshlm.train.pipelined import PipelineRunner
 from meshlm.train.steps import MicroBatchRunner
 from meshlm.train.trainer import Trainer
 
 
-def _trainer(args: list[str]) -> Trainer:
-    return Trainer(load_config(None, args), log=lambda _m: None, progress=False)
+def _trainer(args: list[str], states: Mapping[str, Stateful] | None = None) -> Trainer:
+    return Trainer(load_config(None, args), log=lambda _m: None, progress=False, states=states)
 
 
 def test_every_part_is_built_from_its_own_section(tiny_args: list[str]) -> None:
@@ -62,7 +69,7 @@ def _one_step(args: list[str]) -> dict[str, Any]:
     val = trainer.evaluate()
     return {"runner": type(trainer.runner).__name__, "step": step_calls,
             "eval": sorted(set(calls)), "loss": loss, "grad_norm": grad_norm, "val": val,
-            "pipeline": trainer.pipeline is trainer.runner}
+            "pipeline": trainer.model_part.pipe is not None}
 
 
 def test_plain_and_pipelined_runs_take_the_same_step(tiny_args: list[str], tmp_path: Path
@@ -95,3 +102,87 @@ def test_record_merges_the_contributors_in_order(tiny_args: list[str]) -> None:
     assert keys.index("comm_bytes") < keys.index("extra") < keys.index("step_time_per_rank")
     # a dense fp32 run without pp or cp: no contributor but the test's adds a field
     assert "loss_scale" not in rec and "pp_bubble" not in rec and "cp_attention" not in rec
+
+
+# ------------------------------------------------------------------ stateful parts
+def _imported(path: Path, package: str) -> set[str]:
+    """Every module (and ``module.name``) that the file of a module of ``package`` imports."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            anchor = parts[:len(parts) - node.level + 1] if node.level else []
+            base = ".".join([*anchor, *([node.module] if node.module else [])])
+            out |= {base, *(f"{base}.{a.name}" for a in node.names)}
+    return out
+
+
+def test_the_checkpointer_imports_no_part() -> None:
+    path = Path(checkpointer_module.__file__)
+    parts = {f"meshlm.train.parts.{p.stem}" for p in path.parent.glob("*.py")
+             if p.stem not in ("__init__", path.stem)}
+    assert len(parts) >= 8
+    imported = _imported(path, "meshlm.train.parts")
+    assert "meshlm.train.parts.Stateful" in imported  # (the resolution works)
+    assert not imported & parts
+
+
+class Counter:
+    """A part added from outside: its run state is one number, counted per step."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counter": {"count": self.count}}
+
+    def load_state_dict(self, state: Mapping[str, Any], ckpt: ShardedCheckpoint) -> None:
+        self.count = int(state["counter"]["count"])
+
+
+def _counted_fit(trainer: Trainer, counter: Counter) -> None:
+    step = trainer.train_step
+
+    def counted(k: int) -> tuple[float, float | None]:
+        counter.count += 1
+        return step(k)
+
+    trainer.train_step = counted  # type: ignore[method-assign]
+    trainer.fit()
+
+
+def test_a_registered_stateful_part_is_saved_and_restored(tiny_args: list[str],
+                                                          tmp_path: Path) -> None:
+    args = tiny_args + ["--train.eval_every=0"]
+    first = Counter()
+    assert isinstance(first, Stateful)
+    _counted_fit(_trainer(args + ["--train.steps=2"], {"counter": first}), first)
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_0000002" / "trainer.json")
+                       .read_text())
+    assert saved["counter"] == {"count": 2}
+    # the format's keys are those it always had, plus the new part's
+    assert set(saved) == {"sampler", "model", "tokens_seen", "layout", "scaler", "step",
+                          "adam_step", "counter"}
+    assert saved["step"] == 2 and saved["tokens_seen"] == 2 * 8 * 32
+
+    second = Counter()
+    trainer = _trainer(args + ["--train.steps=4", "--run.resume=true"], {"counter": second})
+    assert trainer.step == 2 and second.count == 2  # restored with the rest of the run
+    _counted_fit(trainer, second)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000004" / "trainer.json"
+    assert json.loads(ckpt.read_text())["counter"] == {"count": 4}
+
+    class Clash:  # a part claiming a key another part owns is refused, by name
+        def state_dict(self) -> dict[str, Any]:
+            return {"sampler": {}}
+
+        def load_state_dict(self, state: Mapping[str, Any], ckpt: ShardedCheckpoint) -> None:
+            pass
+
+    trainer.checkpointer.states["clash"] = Clash()
+    with pytest.raises(ValueError, match="'sampler'.*'clash'.*'batches'"):
+        trainer.checkpointer.state_dict()
+    with pytest.raises(ValueError, match="trainer's own"):
+        _trainer(args, {"model": Counter()})

@@ -16,7 +16,7 @@ gradient reduction, one all-reduce of the loss over dp x cp, the recorder's of t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from ..generate import generate_text
 from .metrics import PhasePeaks
 from .oom import Advice, OutOfMemory, is_oom
 from .oom import describe as describe_oom
+from .parts import Stateful
 from .parts.batches import Batches, load_data
 from .parts.checkpointer import Checkpointer
 from .parts.context import ContextShare
@@ -80,10 +81,22 @@ def _quiet(_msg: str) -> None:
 
 
 class Trainer:
-    """Runs the steps of one rank; rank 0 also logs, writes metrics and checkpoints."""
+    """Runs the steps of one rank; rank 0 also logs, writes metrics and checkpoints.
+
+    Its parts are its attributes (``model_part``, ``batches``, ``optimizer``, ``runner``...);
+    ``states``: more named stateful parts (see ``train/parts``) that the checkpointer saves and
+    restores after the trainer's own, under their names."""
+
+    # its own stateful parts' names, in the order a checkpoint restores them (batches first: a
+    # checkpoint of other data settings, or of weights only, is refused before a tensor is read)
+    STATES = ("batches", "optimizer", "model", "islands")
 
     def __init__(self, cfg: Config, log: Log = print, progress: bool = True,
-                 comm_log: CommLog | None = None) -> None:
+                 comm_log: CommLog | None = None,
+                 states: Mapping[str, Stateful] | None = None) -> None:
+        clash = sorted(set(self.STATES) & set(states or {}))
+        if clash:
+            raise ValueError(f"stateful part names {clash} are the trainer's own")
         self.cfg = cfg
         self.device = build_device()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
@@ -121,26 +134,19 @@ class Trainer:
         self.islands = Islands(cfg.diloco, m.engine, self.comm, m.model_cfg.n_layers,
                                cfg.train.steps)
         self.batches = Batches(cfg.data, cfg.train, self.data, self.mesh, self.context.positions)
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, cfg.run, lambda: to_toml(cfg), self.run_dir, m, self.batches,
-            self.optimizer, self.islands, self.comm, self.memory, self.log)
+        own: dict[str, Stateful] = dict(zip(self.STATES, (self.batches, self.optimizer, m,
+                                                           self.islands), strict=True))
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run, lambda: to_toml(cfg),
+                                         self.run_dir, {**own, **(states or {})}, self.comm,
+                                         self.memory, self.log)
         self.parts = (self.watch, self.model_part, self.faults, self.optimizer, self.context,
                       self.recorder, self.islands, self.batches, self.checkpointer)
-        # the parts' objects under the trainer's names (tests, benchmarks, sampling)
-        self.model_cfg, self.model, self.engine, self.tp = m.model_cfg, m.model, m.engine, m.tp
-        self.pipe, self.cp, self.loss_fn, self.param_shapes = m.pipe, m.cp, m.loss_fn, m.param_shapes
-        self.precision, self.flight, self.diloco = (self.optimizer.precision, self.watch.flight,
-                                                    self.islands.diloco)
-        self.pipeline = self.runner if m.pipe is not None else None  # (a PipelineRunner)
-        self.sampler, self.val = self.batches.sampler, self.batches.val
-        self.tokens_per_step, self.flops_per_token = (self.batches.tokens_per_step,
-                                                      self.recorder.flops_per_token)
         self.step = self.checkpointer.resume() or 0
         self.recorder.measure_peak(cfg.precision.dtype, cfg.precision.fp8_rest)
-        self.peak, self.peak_source = self.recorder.peak, self.recorder.peak_source
         if self.main:
             write_run_files(self.run_dir, cfg, self.data.tokenizer,
-                            {"peak_flops": self.peak, "peak_flops_source": self.peak_source,
+                            {"peak_flops": self.recorder.peak,
+                             "peak_flops_source": self.recorder.peak_source,
                              "layout": self.mesh.describe()})
         self.recorder.log_startup(cfg, m.model_cfg, [*self.context.startup_lines(),
                                                      *self.islands.startup_lines(),
@@ -165,15 +171,16 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted mean loss over the fixed validation batches (every rank runs all;
         under context parallelism each on its share of every sequence)."""
-        self.model.eval()
+        model = self.model_part.model
+        model.eval()
         total, count = 0.0, 0
-        for batch, doc_ids in self.val:
+        for batch, doc_ids in self.batches.val:
             batch = batch.to(self.device)
             inputs, targets = self.context.shard(batch[:, :-1]), self.context.shard(batch[:, 1:])
             total += self.runner.eval_loss(inputs, targets, doc_ids) * batch.shape[0]
             count += batch.shape[0]
-        self.engine.end_evaluation()
-        self.model.train()
+        self.model_part.engine.end_evaluation()
+        model.train()
         return self.context.mean_of_shares(total) / count
 
     def record(self, step: int, loss: float, grad_norm: float | None, dt: float,
@@ -197,7 +204,7 @@ class Trainer:
         start = step = self.step
         out = self.recorder
         out.open(self.cfg.run, self.cfg.profile.steps, start, self.show_progress,
-                 self.model.layers)
+                 self.model_part.model.layers)
         try:
             with self.stop:
                 while step < steps:
@@ -246,20 +253,26 @@ class Trainer:
         batch of ``step`` from now on (every rank, as they agreed on the non-finite step)."""
         what = self.faults.nonfinite
         self.step, done = self.checkpointer.rollback(step, what)
+        bad = self.batches.skip_batch_of(step)  # (joins the skip list the load restored)
         result.rewind(self.step)
         self.recorder.rewind(self.step)
-        self.log(f"step {step}: {what}; {done} (train.on_nonfinite=rollback, "
-                 f"{self.faults.policy.rollbacks} so far)")
+        self.log(f"step {step}: {what}; {done}; batch {bad} is skipped from now on "
+                 f"(train.on_nonfinite=rollback, {self.faults.policy.rollbacks} so far)")
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, S, V) whole-vocabulary logits of ``ids``, whatever the layout (collective; see
+        ``train/sampling.py``)."""
+        m = self.model_part
+        return full_logits(m.model, m.tp, self.runner if m.pipe is not None else None, ids)
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """Every rank samples (sharded weights are gathered collectively); all agree. Under
         context parallelism every cp rank runs the whole context alone (weights are whole)."""
+        model = self.model_part.model
         # (logits_out: a chunked loss makes forwards stop at the head)
-        with phase("sampling"), self.model.logits_out(), self.context.whole_context():
-            return generate_text(self.model, self.data.tokenizer, prompt, max_new_tokens,
-                                 seed=self.cfg.train.seed,
-                                 forward=lambda ids: full_logits(self.model, self.tp,
-                                                                 self.pipeline, ids))
+        with phase("sampling"), model.logits_out(), self.context.whole_context():
+            return generate_text(model, self.data.tokenizer, prompt, max_new_tokens,
+                                 seed=self.cfg.train.seed, forward=self.logits)
 
 
 def prepare_launch(cfg: Config, log: Log = print) -> None:
@@ -303,7 +316,8 @@ def _fit(trainer: Trainer, cfg: Config) -> TrainResult:
         raise failure from exc
     finally:
         trainer.watch.close()
-    trainer.recorder.log_end(result.val_losses, trainer.step, trainer.model_cfg.is_moe)
+    trainer.recorder.log_end(result.val_losses, trainer.step,
+                              trainer.model_part.model_cfg.is_moe)
     if cfg.run.sample_tokens and not result.stopped_by:
         result.sample = trainer.sample(cfg.run.sample_prompt, cfg.run.sample_tokens)
         trainer.log("sample:\n" + result.sample)

@@ -6,17 +6,21 @@ hands this rank its share: data-parallel ranks of every island split the batch (
 ranks read shares k dp ... (k + 1) dp - 1 of dp * islands), context-parallel ranks read their
 positions of each sequence. A mixture (``data.mix``) draws every batch from its sources by
 weight; under ``data.doc_mask`` every micro-batch and validation batch carries the document ids
-of its whole sequences. No communication after start-up; memory: the memory-mapped token
-arrays and one step's micro-batches.
+of its whole sequences. Checkpoints hold the sampler's position and skip list (``sampler``) and
+the tokens trained on (``tokens_seen``). No communication after start-up; memory: the
+memory-mapped token arrays and one step's micro-batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
+from ...checkpoint.sharded import ShardedCheckpoint
+from ...checkpoint.state import CheckpointError
 from ...config import DataSection, TrainSection, skip_batches
 from ...data import DataBundle, build_data
 from ...data.sampler import Source, StepSampler, val_set
@@ -77,3 +81,22 @@ class Batches:
         """This rank's (inputs, targets[, document ids]) micro-batches of ``step``."""
         return self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size,
                                                self.train.micro_batch, self.positions)
+
+    def skip_batch_of(self, step: int) -> int:
+        """Never train on the batch of ``step`` again (``train.on_nonfinite=rollback``);
+        returns its number."""
+        bad = self.sampler.batch_of(step)
+        self.sampler.skip_batches([bad])
+        return bad
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``sampler`` and ``tokens_seen`` (of the steps drawn so far)."""
+        drawn = max(self.sampler.next_step - 1, 0)
+        return {"sampler": self.sampler.state_dict(), "tokens_seen": drawn * self.tokens_per_step}
+
+    def load_state_dict(self, state: Mapping[str, Any], ckpt: ShardedCheckpoint) -> None:
+        """Continue from the checkpoint's sampler (the data settings must be the run's)."""
+        if not state.get("sampler"):
+            raise CheckpointError(f"{ckpt.directory / 'trainer.json'}: no sampler state (a "
+                                  "weights-only checkpoint: use it as model.init_from)")
+        self.sampler.load_state_dict(dict(state["sampler"]))

@@ -1,49 +1,42 @@
-"""The checkpoint part: save, load, resume and roll back this rank's shards and the run's state.
+"""The checkpoint part: save, load, resume and roll back the run's named stateful parts.
 
-Every rank writes and reads only the slices it owns (checkpoint/sharded.py): weights and
-optimizer moments, DiLoCo's outer state with islands, and with them ``trainer.json`` (step,
-sampler, model shape, layout, loss scale, MoE selection biases) and this rank's RNG states.
-With ``checkpoint.async`` the shards are copied to host memory at the save and written by a
-background thread while training goes on (checkpoint/async_save.py); a graceful stop, the end
-of training and a rollback wait for the save in flight (:meth:`Checkpointer.wait`).
+The checkpointer is given ``{name: part}`` (:class:`~meshlm.train.parts.Stateful`) and knows
+none of them: a save gathers every part's entries of ``trainer.json`` (with the step and the
+layout) and the tensors the parts give (:class:`~meshlm.train.parts.Shards`: the engine's
+weights and moments, DiLoCo's outer state); every rank writes only the slices it owns, with its
+RNG states (checkpoint/sharded.py). A load hands every part, in order, the checkpoint to
+restore itself from, then restores this rank's RNG states. With ``checkpoint.async`` the shards
+are copied to host memory at the save and written by a background thread while training goes
+on (checkpoint/async_save.py); a graceful stop, the end of training and a rollback wait for the
+save in flight (:meth:`Checkpointer.wait`).
 
 Communication: the checkpoint's agreement collectives (async: on the writer's own gloo group),
-one tiny all-reduce over pp of the MoE biases (bias balancing only) and one all-gather of each
-rank's peak memory per save or load (async: at the first save, one more of each rank's host
-copy); memory: one slice in flight at a time (async: the rank's shards in host memory).
+the parts' own in ``state_dict`` (MoE biases over pp, DiLoCo's round loss over islands) and one
+all-gather of each rank's peak memory per save or load (async: at the first save, one more of
+each rank's host copy); memory: one slice in flight at a time (async: the rank's shards in host
+memory).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ...checkpoint.async_save import AsyncSaver
-from ...checkpoint.sharded import (
-    ShardedCheckpoint,
-    check_model,
-    island_prefix,
-    latest_valid,
-    load_into,
-    restore_rng,
-    save_checkpoint,
-)
+from ...checkpoint.sharded import ShardedCheckpoint, latest_valid, restore_rng, save_checkpoint
 from ...checkpoint.state import CheckpointError
 from ...config import CheckpointSection, RunSection
 from ...distributed.comm import Comm
 from ...distributed.phases import phase
-from ...parallel.expert import moe_layers
+from ...parallel.engine import Engine
 from ..metrics import PhasePeaks
 from ..nonfinite import NonFiniteError
 from ..profiling import region
-from .batches import Batches
-from .islands import Islands
-from .model import ModelPart
-from .optimizer import OptimizerUpdate
+from . import Shards, Stateful
 
 Log = Callable[[str], None]
 
@@ -59,43 +52,65 @@ class Checkpointer:
     SECTION = "checkpoint"
 
     def __init__(self, section: CheckpointSection, run: RunSection,
-                 config_toml: Callable[[], str], run_dir: Path, model: ModelPart,
-                 batches: Batches, optimizer: OptimizerUpdate, islands: Islands, comm: Comm,
-                 memory: PhasePeaks, log: Log) -> None:
+                 config_toml: Callable[[], str], run_dir: Path, states: Mapping[str, Stateful],
+                 comm: Comm, memory: PhasePeaks, log: Log) -> None:
         self.section, self.run, self.config_toml = section, run, config_toml
         self.root, self.run_dir = run_dir / "checkpoints", run_dir
-        self.model, self.batches, self.optimizer, self.islands = model, batches, optimizer, islands
+        self.states = dict(states)  # saved in this order, and restored in it
         self.comm, self.mesh, self.memory, self.log = comm, comm.mesh, memory, log
-        self.tokens_per_step = batches.tokens_per_step
         self.saver = (AsyncSaver(self.mesh, comm.collective_timeout_s() if self.mesh.distributed
                                  else 0.0) if section.async_save else None)
         self.stall_s = 0.0  # the step loop's time in the last save (async: copy + waits)
         self.host_bytes_per_rank: list[int] = []  # async: each rank's host copy
+
+    def state_dict(self) -> dict[str, Any]:
+        """``trainer.json`` but the step: the layout and every part's entries (collective:
+        every rank asks the parts in the same order). Two parts never share a key."""
+        state: dict[str, Any] = {"layout": self.mesh.describe()}
+        owner = dict.fromkeys([*state, "step", "adam_step"], "the checkpointer")  # (the save's)
+        for name, part in self.states.items():
+            for key, value in part.state_dict().items():
+                if key in owner:
+                    raise ValueError(f"trainer.json key {key!r}: given by part {name!r} and by "
+                                     f"{owner[key]}")
+                owner[key], state[key] = f"part {name!r}", value
+        return state
+
+    def shards(self) -> Shards:
+        """The tensors the parts give: one engine, and the outer kinds of its owned ranges."""
+        engine: Engine | None = None
+        outer: dict[int, dict[str, torch.Tensor]] | None = None
+        for name, part in self.states.items():
+            given = getattr(part, "shards", None)
+            mine: Shards = given() if given is not None else Shards()
+            if mine.engine is not None:
+                if engine is not None:
+                    raise ValueError(f"part {name!r} gives a second engine to checkpoint")
+                engine = mine.engine
+            if mine.outer is not None:  # (None: no outer state at all, as the format reads it)
+                outer = {} if outer is None else outer
+                for i, kinds in mine.outer.items():
+                    outer[i] = {**outer.get(i, {}), **kinds}
+        if engine is None:
+            raise ValueError(f"no part of {sorted(self.states)} gives the engine to checkpoint")
+        return Shards(engine, outer)
 
     def save(self, step: int) -> Path:
         """Every rank writes the shards it owns (no gather); see ``checkpoint.sharded``. With
         ``checkpoint.async`` the writing goes on after this returns (see :meth:`wait`)."""
         t0 = time.perf_counter()
         with region("meshlm.checkpoint_save"):
-            mc = self.model.model_cfg
-            state = {"sampler": self.batches.sampler.state_dict(), "model": asdict(mc),
-                     **self.islands.state(),
-                     "tokens_seen": step * self.tokens_per_step,
-                     "layout": self.mesh.describe(),
-                     "scaler": self.optimizer.precision.state_dict(),
-                     **({"moe_bias": self.expert_biases()} if mc.moe_balance == "bias"
-                        and mc.is_moe else {})}
+            state, shards = self.state_dict(), self.shards()
             files: dict[str, Path | str] = {"config.toml": self.config_toml(),
                                             "tokenizer.json": self.run_dir / "tokenizer.json"}
             with phase("checkpoint save"):
                 if self.saver is not None:
-                    directory = self.saver.save(self.root, step, self.model.engine, state,
-                                                files, self.section.keep,
-                                                self.islands.outer_pieces())
+                    directory = self.saver.save(self.root, step, shards.engine, state, files,
+                                                self.section.keep, shards.outer)
                 else:
                     directory = save_checkpoint(
-                        self.root, step, self.model.engine, self.comm, state, files,
-                        keep=self.section.keep, outer=self.islands.outer_pieces())
+                        self.root, step, shards.engine, self.comm, state, files,
+                        keep=self.section.keep, outer=shards.outer)
             self.stall_s = time.perf_counter() - t0
             self.memory.measure("save", self.comm)
             if self.saver is not None and not self.host_bytes_per_rank:
@@ -128,34 +143,12 @@ class Checkpointer:
                  f"{max(sizes) / 2**20:,.0f} MiB (ranks: "
                  f"{', '.join(f'{b / 2**20:,.0f}' for b in sizes)} MiB), kept between saves")
 
-    def expert_biases(self) -> list[list[float]]:
-        """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
-        layers summed over pp (one tiny all-reduce), so every rank has them all."""
-        mc = self.model.model_cfg
-        table = torch.zeros(mc.n_layers, mc.moe_experts, dtype=torch.float64,
-                            device=self.model.device)
-        for i, moe in moe_layers(self.model.model).items():
-            table[i] = moe.expert_bias.double()
-        self.comm.all_reduce(table, "pp", purpose="state")
-        return table.cpu().tolist()
-
     def load(self, directory: Path) -> int:
-        """This rank's slices of weights and moments, sampler, scaler and RNG states; returns
-        the checkpoint's step."""
-        engine, device = self.model.engine, self.model.device
+        """Every part restores itself from the checkpoint, in order (this rank's slices of its
+        tensors), then this rank's RNG states; returns the checkpoint's step."""
         with phase("checkpoint load"), ShardedCheckpoint(directory) as ckpt:
-            if not ckpt.trainer.get("sampler"):
-                raise CheckpointError(f"{directory / 'trainer.json'}: no sampler state (a "
-                                      "weights-only checkpoint: use it as model.init_from)")
-            check_model(ckpt, self.model.param_shapes)
-            if not load_into(ckpt, engine, device, prefix=island_prefix(self.mesh)):
-                self.log(f"checkpoint {directory.name} holds no {' / '.join(engine.state_kinds())}"
-                         f" for this run (another optimizer, or DiLoCo islands): the optimizer "
-                         "state starts fresh")
-            self.islands.load(ckpt, device)
-            self.batches.sampler.load_state_dict(ckpt.trainer["sampler"])
-            self.optimizer.precision.load_state_dict(ckpt.trainer.get("scaler", {}))
-            self.model.model.set_expert_biases(ckpt.trainer.get("moe_bias"))
+            for part in self.states.values():
+                part.load_state_dict(ckpt.trainer, ckpt)
             rng = ckpt.rng(self.mesh.rank)
             if rng is not None:
                 restore_rng(*rng)
@@ -175,18 +168,14 @@ class Checkpointer:
         return step
 
     def rollback(self, step: int, what: str) -> tuple[int, str]:
-        """``train.on_nonfinite=rollback``: reload the latest complete checkpoint and skip the
-        batch of ``step`` from now on (every rank, as they agreed on the non-finite step).
-        Returns the checkpoint's step and what was done, in words."""
+        """``train.on_nonfinite=rollback``: reload the latest complete checkpoint (every rank,
+        as they agreed on the non-finite ``step``; ``what``: what was found there). Returns the
+        checkpoint's step and what was done, in words."""
         self.wait()  # (a save in flight is the latest once complete)
         directory = latest_valid(self.root, log=_quiet)
         if directory is None:
             raise NonFiniteError(
                 f"step {step}: {what}; train.on_nonfinite=rollback has no checkpoint "
                 "to return to (none saved yet: set train.checkpoint_every)")
-        sampler = self.batches.sampler
-        bad, skip = sampler.batch_of(step), list(sampler.skip)
         back = self.load(directory)
-        sampler.skip_batches([*skip, bad])
-        return back, (f"rolled back to step {back} ({directory.name}); batch {bad} is skipped "
-                      "from now on")
+        return back, f"rolled back to step {back} ({directory.name})"

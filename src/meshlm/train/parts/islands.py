@@ -3,16 +3,16 @@
 Each island trains alone for ``diloco.inner_steps`` steps, then the islands average their
 pseudo-gradients and take an outer Nesterov step (parallel/diloco.py), fragment by fragment
 under Streaming DiLoCo; a stop request waits for the next synchronisation, where every island
-agrees on it. With one island the part does nothing. Communication: the cross-island
-all-reduce of each fragment when it is due; memory: the outer weights and momentum of this
-rank's owned shards (islands only).
+agrees on it. With one island the part does nothing. Checkpoints hold its outer weights and
+momentum (written by island 0) and its round counters (``diloco``). Communication: the
+cross-island all-reduce of each fragment when it is due, one of a float per checkpoint; memory:
+the outer weights and momentum of this rank's owned shards (islands only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from ...checkpoint.sharded import ShardedCheckpoint
 from ...config import DilocoSection
@@ -21,6 +21,7 @@ from ...distributed.source import read_local
 from ...parallel.diloco import Diloco
 from ...parallel.engine import Engine
 from ..profiling import region
+from . import Shards
 
 
 class Islands:
@@ -50,20 +51,24 @@ class Islands:
         rec["comm_bytes"] = self.comm.log.bytes_by_op()  # the step's, with the synchronisation
         return rec, stop
 
-    def state(self) -> dict[str, Any]:
-        """The checkpoint's ``diloco`` entry (nothing with one island)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``diloco`` entry (nothing with one island; collective over the
+        islands)."""
         return {"diloco": self.diloco.state_dict()} if self.diloco is not None else {}
 
-    def outer_pieces(self) -> dict[int, dict[str, torch.Tensor]] | None:
-        return self.diloco.outer_pieces() if self.diloco is not None else None
+    def shards(self) -> Shards:
+        """The outer weights and momentum of each owned range (islands only)."""
+        return Shards(outer=self.diloco.outer_pieces() if self.diloco is not None else None)
 
-    def load(self, ckpt: ShardedCheckpoint, device: torch.device) -> None:
-        """The outer weights and momentum of a checkpoint (islands only)."""
+    def load_state_dict(self, state: Mapping[str, Any], ckpt: ShardedCheckpoint) -> None:
+        """The outer weights, momentum and counters of a checkpoint (islands only; after the
+        model's weights, which a checkpoint without islands makes the reference)."""
         if self.diloco is not None:
+            device = self.comm.mesh.device()
             self.diloco.load(lambda kind, o: (read_local(ckpt.source(kind), o.spec, o.lo,
                                                          o.hi, device)
                                               if ckpt.holds(kind) else None),
-                             ckpt.trainer.get("diloco"))
+                             state.get("diloco"))
 
     def startup_lines(self) -> list[str]:
         if self.diloco is not None:

@@ -5,19 +5,22 @@ expert, pipeline, data parallelism and the optimizer states' place), then each r
 materialises only its own shards -- initial values from (seed, name), or the slices of
 ``model.init_from`` (a Hugging Face folder or a meshlm checkpoint). Communication at
 construction: parallelize's (none for the values themselves) and one all-gather of each rank's
-peak memory; per step, :class:`Routing`'s all-reduces of the MoE layers' loads (MoE only).
-Memory: this rank's shards of weights, gradients and optimizer states.
+peak memory; per step, :class:`Routing`'s all-reduces of the MoE layers' loads (MoE only);
+per checkpoint, one tiny all-reduce over pp of the MoE selection biases (bias balancing only).
+Checkpoints hold its weights and moments (the engine's owned ranges), the model's shape and the
+MoE selection biases. Memory: this rank's shards of weights, gradients and optimizer states.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...checkpoint.sharded import ShardedCheckpoint, check_model
+from ...checkpoint.sharded import ShardedCheckpoint, check_model, island_prefix, load_into
 from ...checkpoint.state import CheckpointError
 from ...config import ModelSection, ParallelSection, PrecisionSection, TrainSection
 from ...distributed.comm import Comm
@@ -27,11 +30,12 @@ from ...models.llama import Transformer, build_model
 from ...parallel import parallelize
 from ...parallel.compile import compile_loss, configure_cache
 from ...parallel.engine import Engine
-from ...parallel.expert import router_step
+from ...parallel.expert import moe_layers, router_step
 from ...parallel.loss import build_loss
 from ...parallel.tensor import TensorParallel
 from ...precision import DTYPES
 from ..metrics import PhasePeaks
+from . import Shards
 
 Log = Callable[[str], None]
 
@@ -106,6 +110,36 @@ class ModelPart:
             self.run_dir / "offload")
         self.log(f"parallel.offload=disk: AdamW moments in {folder}/rank_*.adam")
         return folder / f"rank_{self.comm.mesh.rank:05d}.adam"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``model`` (the shape) and, under bias balancing, ``moe_bias``
+        (collective over pp)."""
+        mc = self.model_cfg
+        return {"model": asdict(mc), **({"moe_bias": self.expert_biases()}
+                                        if mc.moe_balance == "bias" and mc.is_moe else {})}
+
+    def shards(self) -> Shards:
+        return Shards(engine=self.engine)
+
+    def load_state_dict(self, state: Mapping[str, Any], ckpt: ShardedCheckpoint) -> None:
+        """This rank's slices of the weights and (when stored for this run) the optimizer
+        moments -- an island's own under DiLoCo -- and the MoE selection biases."""
+        check_model(ckpt, self.param_shapes)
+        if not load_into(ckpt, self.engine, self.device, prefix=island_prefix(self.comm.mesh)):
+            self.log(f"checkpoint {ckpt.directory.name} holds no "
+                     f"{' / '.join(self.engine.state_kinds())} for this run (another optimizer, "
+                     "or DiLoCo islands): the optimizer state starts fresh")
+        self.model.set_expert_biases(state.get("moe_bias"))
+
+    def expert_biases(self) -> list[list[float]]:
+        """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
+        layers summed over pp (one tiny all-reduce), so every rank has them all."""
+        mc = self.model_cfg
+        table = torch.zeros(mc.n_layers, mc.moe_experts, dtype=torch.float64, device=self.device)
+        for i, moe in moe_layers(self.model).items():
+            table[i] = moe.expert_bias.double()
+        self.comm.all_reduce(table, "pp", purpose="state")
+        return table.cpu().tolist()
 
     def startup_lines(self) -> list[str]:
         """The experts line of the start-up log (MoE only)."""

@@ -4,14 +4,17 @@ The engine reduces the gradients (``finish_grads``), fp16 unscales them and chec
 overflow on any rank of the island (a skipped step), the engine clips them by the global norm,
 the non-finite check runs (train/parts/faults.py), then the engine's optimizer step at the
 scheduled learning rate, and the gradients are cleared; MoE layers then update their routing.
-Communication: the engine's reduction and norm, one all-reduce of a flag (fp16) and one of two
-flags over the island; memory: the engine's (gradients, optimizer states).
+Checkpoints hold the fp16 loss scaler's state (``scaler``; the moments are the model part's
+engine's). Communication: the engine's reduction and norm, one all-reduce of a flag (fp16) and
+one of two flags over the island; memory: the engine's (gradients, optimizer states).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from ...checkpoint.sharded import ShardedCheckpoint
 from ...config import PrecisionSection, TrainSection
 from ...distributed.comm import Comm
 from ...distributed.phases import phase
@@ -69,3 +72,10 @@ class OptimizerUpdate:
             return {}
         return {"loss_scale": scaler.scale, "skipped": self.skipped,
                 "skipped_steps": scaler.skipped}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``scaler`` (empty without fp16's loss scaler)."""
+        return {"scaler": self.precision.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any], ckpt: ShardedCheckpoint) -> None:
+        self.precision.load_state_dict(dict(state.get("scaler") or {}))
