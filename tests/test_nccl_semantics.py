@@ -1,10 +1,15 @@
 """NCCL-semantics mode: gloo behaving as NCCL does, so a CPU run fails where a GPU run would.
 
 One spawned world of 2 checks the process-group layer itself (one handle per group, a send
-that completes only when matched, groups in order, tensor checks) against plain gloo; a second
-runs the pipeline executor with interleaved tables that place each receive right before its
-compute, which deadlock in NCCL-semantics mode as they would on GPUs, while Megatron-Core's
-grouping trains (the same losses as on plain gloo). The stall monitor and the launcher's verdict are checked without processes.
+that completes only when matched, groups in order, tensor checks) against plain gloo; another
+commits, one after another, each violation gloo runs silently and NCCL hangs on or corrupts (a
+group and a collective in different orders on one communicator, a send buffer written before
+the wait, a pair's messages received in swapped order, a receive longer than its message, direct
+torch.distributed calls) and checks each rank's error; a third runs the pipeline executor with
+interleaved tables that place each receive right before its compute, which deadlock in
+NCCL-semantics mode as they would on GPUs, while Megatron-Core's grouping trains (the same losses
+as on plain gloo). The device-index check, the stall monitor and the launcher's verdict are
+checked without processes.
 """
 
 from __future__ import annotations
@@ -107,6 +112,119 @@ def test_send_send_deadlock_surfaces_as_on_nccl() -> None:
     assert run_world(2, _deadlock_body, False) == ["completed"] * 2
     with pytest.raises(RuntimeError, match=r"died \(exit code -6\)"):  # SIGABRT: the watchdog
         run_world(2, _deadlock_body, True)
+
+
+def _violations_body() -> dict[str, str]:
+    """Each violation NCCL hangs on or corrupts silently (gloo runs them all), committed on
+    purpose in NCCL-semantics mode; what each rank saw ("passed" or the error)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ[nccl_semantics.ENV] = "1"
+    comm = _comm(timeout_s=60.0)
+    r, peer = comm.rank("pp"), 1 - comm.rank("pp")
+    out: dict[str, str] = {}
+
+    def attempt(name: str, fn) -> None:  # noqa: ANN001
+        try:
+            fn()
+            out[name] = "passed"
+        except nccl_semantics.NcclSemanticsError as e:
+            out[name] = str(e)
+
+    def exchange(first: str = "p2p") -> str:
+        """A group and an all-reduce on the pp communicator (pp-only: the default group)."""
+        sent, got, total = torch.full((3,), 1.0 + r), torch.empty(3), torch.full((2,), 1.0 + r)
+        if first == "p2p":
+            h = comm.batch_p2p([("send", sent, peer), ("recv", got, peer)], "pp")
+            comm.all_reduce(total, "pp")
+        else:
+            comm.all_reduce(total, "pp")
+            h = comm.batch_p2p([("send", sent, peer), ("recv", got, peer)], "pp")
+        h.wait()
+        return f"{got.tolist()} {total.tolist()}"
+
+    out["legitimate"] = exchange()
+    # a. rank 0: group, then all-reduce; rank 1: all-reduce, then group (NCCL: a deadlock)
+    attempt("order", lambda: exchange("p2p" if r == 0 else "all_reduce"))
+
+    def changed_send() -> None:  # b. rank 0 writes its send buffer before the wait
+        if r == 0:
+            t = torch.zeros(5)
+            h = comm.batch_p2p([("send", t, 1)], "pp")
+            t.add_(1.0)
+            h.wait()
+        else:
+            comm.batch_p2p([("recv", torch.empty(5), 0)], "pp").wait()
+
+    def swapped(send: list, recv: list) -> None:  # noqa: ANN001 (c. rank 1 receives in
+        comm.batch_p2p(send if r == 0 else recv, "pp").wait()  # another order, gloo matches)
+
+    attempt("changed_send", changed_send)
+    attempt("swapped_shapes", lambda: swapped(
+        [("send", torch.zeros(2, 3), 1), ("send", torch.ones(3, 2), 1)],
+        [("recv", torch.empty(3, 2), 0), ("recv", torch.empty(2, 3), 0)]))
+    attempt("swapped_labels", lambda: swapped(
+        [("send", torch.zeros(4), 1, 1), ("send", torch.ones(4), 1, 2)],
+        [("recv", torch.empty(4), 0, 2), ("recv", torch.empty(4), 0, 1)]))
+    attempt("longer_receive", lambda: swapped([("send", torch.ones(4), 1)],
+                                              [("recv", torch.empty(6), 0)]))
+
+    def direct() -> None:  # e. around Comm
+        dist.all_reduce(torch.ones(2))
+
+    def direct_p2p() -> None:
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), peer)])
+
+    attempt("direct", direct)
+    attempt("direct_p2p", direct_p2p)
+    out["after"] = exchange()  # (every violation left both ranks in step)
+    comm.close()
+    return out
+
+
+def test_violations_gloo_forgives_raise_in_nccl_semantics_mode() -> None:
+    """a-e in one world of 2: each raises a clear error on the ranks that can see it."""
+    res = run_world(2, _violations_body)
+    for r, seen in enumerate(res):
+        other = 1 - r
+        assert seen["legitimate"] == seen["after"] == f"{[2.0 - r] * 3} {[3.0] * 2}", seen
+        # a. named on both ranks, with both orders
+        order = seen["order"]
+        assert "out of order with that communicator's collectives" in order, order
+        last = ["p2p, all_reduce, p2p", "p2p, all_reduce, all_reduce, p2p"]
+        assert (f"rank {r} issued it after {1 + r} collectives there (its last operations "
+                f"there: {last[r]}), rank {other} after {1 + other} ({last[other]})") in order
+        # c. a swap of equal sizes (gloo: the data swapped), a longer receive (gloo: accepted)
+        assert ("rank 1's receive #3 from rank 0 on pp is float32 [3, 2], but rank 0's send #3 "
+                "is float32 [2, 3]") in seen["swapped_shapes"], seen["swapped_shapes"]
+        assert ("rank 1's receive #5 from rank 0 on pp is float32 [4], label 2, but rank 0's "
+                "send #5 is float32 [4], label 1") in seen["swapped_labels"]
+        assert "is float32 [6], but rank 0's send #7 is float32 [4]" in seen["longer_receive"]
+        # e. before any communication
+        assert seen["direct"].startswith("torch.distributed.all_reduce called from "), seen
+        assert ":direct:" in seen["direct"] and "not through meshlm" in seen["direct"]
+        assert seen["direct_p2p"].startswith("torch.distributed.batch_isend_irecv called from")
+    # b. on the rank that wrote its buffer
+    assert res[0]["changed_send"].startswith(
+        "send #2 to rank 1 on pp (float32 [5]) changed between posting and the wait"), res[0]
+    assert res[1]["changed_send"] == "passed"
+
+
+def test_tensor_on_another_ranks_device_is_refused() -> None:
+    """d. On a device with an index the index must be the rank's (a CPU tensor has none, so the
+    tensor is a fake one on cuda:0: no GPU needed)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        t = torch.empty(4, device="cuda:0")
+    with pytest.raises(ValueError, match=r"all_reduce: tensor on cuda:0, but this rank's device "
+                                         r"is cuda:1"):
+        nccl_semantics.check_tensor(t, torch.device("cuda", 1), "all_reduce")
+    nccl_semantics.check_tensor(t, torch.device("cuda", 0), "all_reduce")
+    with pytest.raises(ValueError, match="meta tensor of shape"):
+        nccl_semantics.check_tensor(torch.empty(2, device="meta"), torch.device("cpu"), "send")
 
 
 def _pipeline_body(base: list[str], run: list[str], ungrouped: bool) -> dict[int, float]:

@@ -33,7 +33,7 @@ import torch
 import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 
-from . import nccl_semantics
+from . import nccl_p2p, nccl_semantics
 from .flight import FlightRecorder
 from .mesh import Mesh
 from .stall import StallMonitor
@@ -123,6 +123,8 @@ class _Tracked:
         try:
             for w in self.works:
                 w.wait()
+        except nccl_semantics.NcclSemanticsError:
+            raise
         except Exception as exc:
             if self.comm.nccl_rules:
                 nccl_semantics.watchdog_abort("a collective", exc)
@@ -138,6 +140,8 @@ class _Tracked:
 
 
 Handle = dist.Work | _Done | _Tracked
+# a point-to-point operation: ("send" | "recv", tensor, peer index on the axis[, label])
+P2PSpec = tuple[str, torch.Tensor, int] | tuple[str, torch.Tensor, int, int]
 
 
 class Comm:
@@ -154,7 +158,9 @@ class Comm:
         self.flight: FlightRecorder | None = None
         self.monitor: StallMonitor | None = None
         self.nccl_rules = nccl_semantics.enabled() and mesh.distributed
-        self._stream: nccl_semantics.P2PStream | None = None
+        if self.nccl_rules:
+            nccl_semantics.install_guard()
+        self._stream: nccl_p2p.P2PStream | None = None
         # seconds this rank's host spent blocked in collectives (synchronous calls and waits on
         # handles) since the trainer last set it to 0: the "waiting" of straggler detection
         self.wait_s = 0.0
@@ -182,8 +188,10 @@ class Comm:
         record; with a stall monitor always asynchronously, the monitor keeping the handle."""
         slot, seq = self._enter(op, axis, nbytes, async_op)
         monitor = self.monitor if slot >= 0 else None
+        if self.nccl_rules:
+            nccl_p2p.LEDGER.collective(self.mesh.group(axis), op)
         t0 = time.perf_counter()
-        with _label(op, axis):
+        with _label(op, axis), nccl_semantics.THROUGH_COMM:
             work = call(async_op or monitor is not None or self.nccl_rules)
         if work is None:  # (an operation without an asynchronous form)
             self.wait_s += time.perf_counter() - t0
@@ -271,29 +279,30 @@ class Comm:
             t, red, group=self.mesh.group(axis), async_op=a))
         return [float(x) for x in t.tolist()]
 
-    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int]], axis: str) -> Handle:
-        """Post ("send" | "recv", tensor, peer index on ``axis``) ops as one group; its one
-        handle (NCCL's semantics on every backend: wait for the group, not an operation).
-        Every tensor must stay alive and untouched until the handle has been waited."""
+    def batch_p2p(self, ops: list[P2PSpec], axis: str) -> Handle:
+        """Post ("send" | "recv", tensor, peer index on ``axis``[, label]) ops as one group; its
+        one handle (NCCL's semantics on every backend: wait for the group, not an operation).
+        Every tensor must stay alive and untouched until the handle has been waited. A label
+        (an int >= 0 naming the message, the same on both sides) lets NCCL-semantics mode tell
+        a receive that matched another message of the same shape."""
         group = self.mesh.group(axis)
-        entered, p2p, plain = [], [], []
-        for kind, t, peer in ops:
+        entered, plain = [], []
+        for kind, t, peer, *label in ops:
             self.log.add(kind, axis, t)
             self._check(kind, t)
             slot, seq = self._enter(kind, axis, _nbytes(t), True)
             if slot >= 0:
                 entered.append((slot, seq))
-            rank = dist.get_global_rank(group, peer)
-            plain.append((kind, t, rank, group))
-            p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, rank,
-                                  group=group))
-        with _label("p2p", axis):
+            plain.append((kind, t, dist.get_global_rank(group, peer), label[0] if label else -1))
+        with _label("p2p", axis), nccl_semantics.THROUGH_COMM:
             if self.nccl_rules:
                 if self._stream is None:
-                    self._stream = nccl_semantics.P2PStream(self.collective_timeout_s)
-                works = [self._stream.submit(plain)]
-            else:
-                works = list(dist.batch_isend_irecv(p2p))  # NCCL: one work; gloo: one per op
+                    self._stream = nccl_p2p.P2PStream(self.collective_timeout_s, self.mesh.rank)
+                works = [self._stream.submit(nccl_p2p.LEDGER.post(group, axis, plain))]
+            else:  # NCCL: one work; gloo: one per operation
+                works = list(dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, rank, group=group)
+                    for kind, t, rank, _ in plain]))
         handle = _Tracked(works, self, entered)
         if self.monitor is not None:
             for slot, seq in entered:

@@ -1,47 +1,83 @@
 """NCCL-semantics mode: gloo on CPU, behaving as NCCL does where the two differ.
 
 gloo forgives what NCCL does not, so a layout that passes every CPU test can still crash or hang
-at its first step on GPUs. With ``MESHLM_NCCL_SEMANTICS=1`` (tests, ``benchmarks/multi_gpu.py
---nccl-semantics``) :class:`~meshlm.distributed.comm.Comm` keeps running gloo but follows NCCL's
-rules (DESIGN.md, principle 9):
+at its first step on GPUs, or train on silently corrupted data. With ``MESHLM_NCCL_SEMANTICS=1``
+(tests, ``benchmarks/multi_gpu.py --nccl-semantics``) :class:`~meshlm.distributed.comm.Comm`
+keeps running gloo but follows NCCL's rules (DESIGN.md, principle 9). Where NCCL would hang or
+corrupt silently, the mode raises :class:`NcclSemanticsError` (naming the operation and what
+each rank did) on every rank that sees the violation, or, where the model is a real wait, hangs
+as NCCL would and aborts at the collective timeout.
 
-- **One handle per batched point-to-point group.** ``batch_isend_irecv`` gives one work for the
-  whole group, as NCCL's coalesced group does (gloo: one per operation).
+Point-to-point groups (:mod:`meshlm.distributed.nccl_p2p` runs them):
+
+- **One handle per batched point-to-point group**, as NCCL's coalesced group gives (gloo: one
+  per operation).
 - **A group completes only when all of its operations are matched, and a rank's groups run one
-  after another.** gloo runs every posted operation at once, so a later group's receive can
-  match while an earlier group's send still waits; NCCL does not start a rank's next group
-  before the last one completed. Here each rank's groups go to one thread (:class:`P2PStream`,
-  the communication stream): it posts a group's sends and receives, waits for all of them, then
-  takes the next group. A send completes only once the peer has *started* the group holding
-  the matching receive -- the receiver acknowledges each receive when its group starts (a
-  one-element message with its own tag), whatever the transport buffers. A schedule whose groups
-  deadlock on NCCL then deadlocks here too, and fails at the collective timeout.
-- **Collectives return before they complete.** A rank cannot learn completion from a call
-  returning (NCCL only queues the kernel): the flight recorder's completion times come from the
-  work handles, polled by the stall monitor (:mod:`meshlm.distributed.stall`), as on CUDA.
+  after another** (the communication stream): a schedule whose groups deadlock on NCCL
+  deadlocks here too and fails at the collective timeout.
+- **A communicator runs its work in issue order**, point-to-point groups and collectives alike
+  (NCCL puts a batched group on the communicator's stream; a pp-only layout's pp group is the
+  default group). A rank that issues a group on a communicator after its k-th collective there,
+  while the peer issues the matching group before it, deadlocks on NCCL; gloo runs both. Every
+  rank counts the collectives it issued per communicator, each message carries the count both
+  ways, and a difference raises at the group's wait, naming both ranks' last operations there.
+  Limit: it is seen at point-to-point groups; two collectives of different kinds at the same
+  place are not compared (gloo mostly fails on those itself).
+- **A pair's messages match in posting order**, by count, not by tag, buffer or shape. Each
+  message carries its index among the pair's messages on the communicator, its dtype and shape
+  and an optional label (``Comm.batch_p2p``'s fourth element); a receive whose index, dtype,
+  shape or label differs from the message it matched raises. gloo accepts a receive larger than
+  the message and any two buffers of equal size; NCCL would hang or swap the data. Limit: two
+  messages of one dtype and shape posted in swapped order are told apart by labels only.
+- **A send buffer is NCCL's until its group completes**: a send tensor changed between posting
+  and the wait on its handle raises at that wait (NCCL may send either value; gloo had sent it).
+  Limit: a change undone before the wait is not seen.
+
+Collectives and tensors:
+
+- **Collectives return before they complete.** Completion is read from the work handles,
+  polled by the stall monitor (:mod:`meshlm.distributed.stall`), as on CUDA.
 - **A collective that times out aborts the process** (NCCL's watchdog tears it down; nothing
   of the training loop's error handling runs): SIGABRT, after one line on stderr.
-- **Every tensor handed to a collective is contiguous and on the rank's device**, else a
-  ValueError at the call (NCCL would fail or read the wrong memory).
+- **Every tensor handed to a collective is dense, contiguous, has storage and is on the rank's
+  device** -- the same type and, where the rank's device has an index (CUDA), the same index --
+  else a ValueError at the call. Limit: CPU tensors carry no device index (``torch.device("cpu",
+  1)`` makes tensors on ``cpu``), so on a CPU run no tensor can sit on another rank's device and
+  this check rejects only another device type, meta tensors and sparse layouts; the index is
+  checked where the mode runs over CUDA tensors (:func:`device_problem`).
+- **Only Comm talks to torch.distributed.** torch.distributed's collective and point-to-point
+  functions are wrapped (:func:`install_guard`); a call made neither from inside ``Comm`` nor
+  from a caller in :data:`ALLOWED` (each with its reason) raises: it would escape every rule
+  above. torch's functional collectives (DTensor, FSDP2) do not go through these functions and
+  are not seen.
 
-Communication: each point-to-point message gets a one-element acknowledgement the other way.
-Memory: the acknowledgements; one thread per rank.
+Costs per rank. Point-to-point: each message gets a header of ``HEADER_LEN`` int64 (136 bytes)
+each way (the way back is the acknowledgement), waited before the data; every send tensor is
+copied when posted and compared with its copy at the wait (two passes over its bytes; memory:
+the bytes in flight until waited -- the pipeline holds a step's sends); one thread. Per
+communicator: a few counters and the last ``HISTORY`` operations. Every collective: a counter,
+a thread-local depth around the call, a few attribute reads per tensor. A call from outside
+``Comm``: a walk up the stack to its caller.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import queue
 import sys
 import threading
 from collections.abc import Callable
-from datetime import timedelta
+from types import FrameType
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 ENV = "MESHLM_NCCL_SEMANTICS"
-DATA_TAG, ACK_TAG = 0, 7  # point-to-point tags: the messages and their acknowledgements
+
+
+class NcclSemanticsError(RuntimeError):
+    """A use of the process-group layer that NCCL would hang on or corrupt silently."""
 
 
 def enabled() -> bool:
@@ -49,14 +85,29 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip() not in ("", "0", "false", "no")
 
 
+# -- tensors -----------------------------------------------------------------------------------
+def device_problem(found: torch.device, rank_device: torch.device) -> str | None:
+    """Why a tensor on ``found`` cannot go to NCCL on a rank whose device is ``rank_device``
+    (another device type, or another index where the rank's device has one); None if it can."""
+    if found.type != rank_device.type or (rank_device.index is not None
+                                          and found.index != rank_device.index):
+        return (f"tensor on {found}, but this rank's device is {rank_device} (NCCL moves this "
+                "rank's device memory only)")
+    return None
+
+
 def check_tensor(t: torch.Tensor, device: torch.device, what: str) -> None:
-    """NCCL's demands on a collective's tensor: contiguous, on the rank's device."""
+    """NCCL's demands on a collective's tensor: dense, with storage, contiguous, on the rank's
+    device."""
+    if t.layout != torch.strided:
+        raise ValueError(f"{what}: {t.layout} tensor (NCCL takes dense tensors only)")
+    if t.is_meta:
+        raise ValueError(f"{what}: meta tensor of shape {tuple(t.shape)} has no storage to send")
     if not t.is_contiguous():
         raise ValueError(f"{what}: tensor of shape {tuple(t.shape)} is not contiguous "
                          "(NCCL reads its storage as if it were)")
-    if t.device.type != device.type:
-        raise ValueError(f"{what}: tensor on {t.device}, but this rank's device is {device} "
-                         "(NCCL moves device memory only)")
+    if (problem := device_problem(t.device, device)) is not None:
+        raise ValueError(f"{what}: {problem}")
 
 
 def watchdog_abort(what: str, exc: BaseException) -> None:
@@ -67,68 +118,83 @@ def watchdog_abort(what: str, exc: BaseException) -> None:
     os.abort()
 
 
-class GroupWork:
-    """The one handle of a point-to-point group run by a :class:`P2PStream`."""
+# -- direct torch.distributed calls ------------------------------------------------------------
+# torch.distributed's functions that communicate (those this torch has are wrapped)
+GUARDED = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+           "all_gather_single", "all_gather_coalesced", "all_gather_object", "reduce",
+           "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+           "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list",
+           "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+           "send_object_list", "recv_object_list", "batch_isend_irecv", "barrier",
+           "monitored_barrier")
 
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self.error: BaseException | None = None
+# Callers (module prefixes) allowed to call them directly, and why.
+ALLOWED: dict[str, str] = {
+    "meshlm.checkpoint.async_save": (
+        "the checkpoint writer thread agrees on its files over a group of its own, made with "
+        "backend='gloo' on every run (GPU runs too): NCCL's rules do not apply to it"),
+}
 
-    def finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._done.wait(None if timeout is None else timeout.total_seconds())
-        if self.error is not None:
-            watchdog_abort("a point-to-point group", self.error)
-        return True
-
-
-Op = tuple[str, torch.Tensor, int, dist.ProcessGroup | None]  # (send|recv, tensor, global peer, group)
+_SKIPPED = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger", __name__)
 
 
-class P2PStream:
-    """One rank's point-to-point groups, run one after another on a thread (see module doc)."""
+class _ThroughComm(threading.local):
+    """Depth of ``Comm`` calls (and allowed callers' calls) on this thread: a context manager,
+    re-entrant, shared by every ``Comm``."""
 
-    def __init__(self, timeout_s: Callable[[], float]) -> None:
-        self.timeout_s = timeout_s
-        self._queue: queue.Queue[tuple[list[Op], GroupWork] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="meshlm-p2p-stream", daemon=True)
-        self._thread.start()
+    depth = 0
 
-    def submit(self, ops: list[Op]) -> GroupWork:
-        work = GroupWork()
-        self._queue.put((ops, work))
-        return work
+    def __enter__(self) -> None:
+        self.depth += 1
 
-    def close(self) -> None:
-        self._queue.put(None)
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            ops, work = item
-            try:
-                self._group(ops)
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
-                work.finish(exc)
-            else:
-                work.finish()
 
-    def _group(self, ops: list[Op]) -> None:
-        """Post the group and wait until every operation in it is matched."""
-        works = []
-        for kind, t, peer, group in ops:
-            ack = torch.zeros(1)
-            if kind == "recv":
-                works.append(dist.irecv(t, peer, group=group, tag=DATA_TAG))
-                works.append(dist.isend(ack, peer, group=group, tag=ACK_TAG))  # "started"
-            else:
-                works.append(dist.isend(t, peer, group=group, tag=DATA_TAG))
-                works.append(dist.irecv(ack, peer, group=group, tag=ACK_TAG))
-        timeout = timedelta(seconds=self.timeout_s())
-        for w in works:
-            w.wait(timeout)
+THROUGH_COMM = _ThroughComm()
+_originals: dict[str, Callable] = {}
+
+
+def _caller(frame: FrameType | None) -> tuple[str, str]:
+    """(module, "module:function:line") of the first frame outside torch.distributed's own."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_SKIPPED):
+        frame = frame.f_back
+    if frame is None:
+        return "", "?"
+    module = frame.f_globals.get("__name__", "?")
+    return module, f"{module}:{frame.f_code.co_name}:{frame.f_lineno}"
+
+
+def _guard(name: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def guarded(*args: object, **kwargs: object) -> object:
+        if THROUGH_COMM.depth == 0:
+            module, where = _caller(sys._getframe(1))
+            if not any(module == m or module.startswith(m + ".") for m in ALLOWED):
+                raise NcclSemanticsError(
+                    f"torch.distributed.{name} called from {where}, not through "
+                    "meshlm.distributed.comm.Comm: it escapes the NCCL-semantics checks (order, "
+                    "matching, tensors) and the communication log; call Comm, or add the caller "
+                    "to nccl_semantics.ALLOWED with the reason it may bypass it")
+            with THROUGH_COMM:  # (what it calls in turn is the allowed call's)
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return guarded
+
+
+def install_guard() -> None:
+    """Wrap :data:`GUARDED` in ``torch.distributed`` and ``distributed_c10d`` (where torch's own
+    functions find them: ``P2POp`` checks its op against ``isend`` / ``irecv`` there), once per
+    process."""
+    if _originals:
+        return
+    for name in GUARDED:
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        _originals[name] = fn
+        wrapped = _guard(name, fn)
+        setattr(c10d, name, wrapped)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, wrapped)
