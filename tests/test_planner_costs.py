@@ -1,4 +1,5 @@
-"""The planner composes the techniques' declared costs (``parallel/*_cost.py``): the registries
+"""The planner composes the techniques' declared costs (``parallel/*_cost.py``,
+``precision_cost.py``): the registries
 hold the config's names, the descriptions import without torch, the planner's breakdown is the
 sum of what they declare, and a technique registered from outside changes the planner's answer
 without a planner file knowing it. Single process, fast."""
@@ -11,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshlm import layout
+from meshlm import dtypes, layout
 from meshlm.models.presets import PRESETS
 from meshlm.parallel.context_cost import CONTEXT
 from meshlm.parallel.offload_cost import OFFLOAD
@@ -20,7 +21,16 @@ from meshlm.parallel.schedule_cost import SCHEDULES
 from meshlm.parallel.tensor_cost import TENSOR
 from meshlm.parallel.zero_cost import ZERO, ZeroCost
 from meshlm.planner import Layout, ModelSpec, Workload, comm_volumes, get_accelerator, memory
-from meshlm.planner.memory import STATE_BYTES, in_flight, shard_ranks, stage_params
+from meshlm.planner.memory import fp8_casts, in_flight, shard_ranks, stage_params
+from meshlm.planner.workload import STATES
+from meshlm.precision_cost import (
+    COMPUTE,
+    PRECISION,
+    STATE_MODES,
+    ComputeDtype,
+    PrecisionCost,
+    StatesCost,
+)
 
 H100 = get_accelerator("h100-sxm")
 WORK = Workload(ModelSpec(PRESETS["tiny"]), 256, 64)
@@ -33,6 +43,12 @@ def test_registries_hold_the_config_names() -> None:
     assert set(OFFLOAD) == set(layout.OFFLOADS)
     assert set(CONTEXT) == set(layout.CP_MODES)
     assert set(TENSOR) == {False, True}
+    assert tuple(PRECISION) == dtypes.PRECISIONS
+    assert set(dtypes.FP8_REST) <= set(COMPUTE) == set(dtypes.AUTOCAST_NAMES)
+    assert set(STATE_MODES) == set(STATES)
+    assert PRECISION["fp8"].recipes == dtypes.FP8_RECIPES
+    with pytest.raises(ValueError, match="precision 'fp4' is not one of fp32, bf16, fp16, fp8"):
+        PRECISION["fp4"]
     with pytest.raises(ValueError, match="ZeRO stage 7 is not one of 0, 1, 2, 3"):
         ZERO[7]
     with pytest.raises(ValueError, match="described twice"):
@@ -42,7 +58,8 @@ def test_registries_hold_the_config_names() -> None:
 def test_descriptions_import_without_torch() -> None:
     code = ("import sys; import meshlm.parallel.zero_cost, meshlm.parallel.schedule_cost, "
             "meshlm.parallel.recompute_cost, meshlm.parallel.offload_cost, "
-            "meshlm.parallel.context_cost, meshlm.parallel.tensor_cost, meshlm.planner.cli; "
+            "meshlm.parallel.context_cost, meshlm.parallel.tensor_cost, meshlm.precision_cost, "
+            "meshlm.planner.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -52,7 +69,7 @@ def test_states_buffers_and_volumes_are_the_stage_s(zero: int) -> None:
     lo = Layout(dp=4, zero=zero)
     b = memory(WORK, lo, H100)
     p = stage_params(WORK, lo, 0)
-    w, g, o = STATE_BYTES[WORK.states]
+    w, g, o = STATE_MODES[WORK.states].bytes
     declared = ZERO[zero].states(p.dense, p.expert, shard_ranks(lo), shard_ranks(lo),
                                  (w, g, o))
     assert {k: b.items[k] for k in declared} == declared
@@ -102,3 +119,53 @@ def test_a_new_recompute_mode_changes_the_plan(monkeypatch: pytest.MonkeyPatch) 
     lo = Layout(dp=2)
     sel = memory(WORK, replace(lo, recompute="selective"), H100).items["activations"]
     assert memory(WORK, replace(lo, recompute="mlp"), H100).items["activations"] < sel
+
+
+@pytest.mark.parametrize("states", ["fp32", "mixed"])
+@pytest.mark.parametrize("zero", [0, 3])
+def test_state_bytes_are_the_precision_s(states: str, zero: int) -> None:
+    """Per rank, weights / gradients / optimizer states hold the states mode's bytes per
+    parameter (whole without ZeRO, 1 / N of each under ZeRO-3)."""
+    work = replace(WORK, states=states)
+    lo = Layout(dp=4, zero=zero)
+    b, p = memory(work, lo, H100), stage_params(work, lo, 0)
+    n = 4 if zero == 3 else 1
+    declared = STATE_MODES[states].bytes
+    assert [b.items[k] for k in ("params", "grads", "optim")] == [
+        pytest.approx(p.total * per / n) for per in declared]
+
+
+@pytest.mark.parametrize("dtype, rest", [("fp32", "bf16"), ("bf16", "bf16"), ("fp8", "bf16"),
+                                         ("fp8", "fp32")])
+def test_weight_copies_and_casts_are_the_precision_s(dtype: str, rest: str) -> None:
+    work = replace(WORK, dtype=dtype, fp8_rest=rest)
+    lo = Layout(dp=2)
+    precision = PRECISION[dtype].with_rest(rest)
+    p = stage_params(work, lo, 0)
+    b = memory(work, lo, H100)
+    assert b.items["weight copies"] == precision.weight_copies(p.matmul, p.block_linear)
+    assert (fp8_casts(work, lo, 0) > 0) == precision.float8_linears
+
+
+def test_a_new_precision_changes_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A made-up precision -- float8 linears with 1-byte activations -- and a made-up states
+    mode (8-bit AdamW moments), registered from the test: the planner's bytes follow what they
+    declare, no planner file edited."""
+    monkeypatch.setitem(COMPUTE, "e4m3", ComputeDtype("e4m3", 1, 11.0))
+    monkeypatch.setitem(PRECISION, "fp8-acts", PrecisionCost(
+        "fp8-acts", "float8 linears, 1-byte activations", "fp8", "e4m3", "bf16",
+        float8_linears=True))
+    monkeypatch.setitem(STATE_MODES, "adam8", StatesCost(
+        "adam8", "fp32 weights and gradients, 8-bit moments", 4, 4, 2, True))
+    lo = Layout(dp=2)
+    fp8 = replace(WORK, dtype="fp8")
+    made_up = replace(fp8, dtype="fp8-acts", states="adam8")
+    assert not made_up.problems()
+    before, after = memory(fp8, lo, H100), memory(made_up, lo, H100)
+    p = stage_params(made_up, lo, 0)
+    assert after.items["activations"] < before.items["activations"]
+    assert after.items["weight copies"] == pytest.approx(before.items["weight copies"] / 2)
+    assert after.items["weight copies"] == 1 * (p.matmul - p.block_linear)
+    assert after.items["optim"] == pytest.approx(before.items["optim"] / 4)
+    assert after.items["params"] == before.items["params"]
+    assert after.total < before.total

@@ -1,9 +1,8 @@
 """Per-GPU memory of a layout: model states, activations, communication buffers.
 
-**States**: bytes per parameter of weights / gradients / optimizer states are ``(w, g, o)``:
-``(2, 2, 12)`` for the ZeRO paper's mixed precision (K = 12: fp32 master weights, momentum,
-variance) or ``(4, 4, 8)`` for meshlm's fp32 weights and gradients with AdamW moments
-(``parallel/data.py``: 16Ψ); which of them a rank holds whole and which 1 / N of is the ZeRO
+**States**: bytes per parameter of weights / gradients / optimizer states ``(w, g, o)`` are
+the states mode's (``precision_cost.py``: ``(4, 4, 8)`` meshlm's fp32, ``(2, 2, 12)`` the ZeRO
+paper's mixed precision); which of them a rank holds whole and which 1 / N of is the ZeRO
 stage's (``parallel/zero_cost.py``, N: :func:`shard_ranks`). Ψ on a rank is the layers of its
 pipeline stage, with attention and MLP weights split over tp (norms replicated), the
 vocabulary padded to a multiple of tp, routed experts split over ep. With
@@ -13,7 +12,8 @@ The shards a rank writes at a checkpoint (12 bytes per parameter it owns: fp32 w
 moments) are the host copy an asynchronous save keeps (``checkpoint.async``), reported apart as
 ``MemoryBreakdown.checkpoint_host``.
 
-**Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+**Activations** per layer and micro-batch, in bytes per value of the precision's compute
+dtype (``precision_cost.py``; Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", sec. 4). Profile ``megatron`` is the paper's GPT
 block at 16-bit (eq. 1 and table 2): ``s b h (34 + 5 a s / h)`` bytes without parallelism;
 with tensor parallelism ``s b h (10 + 24 / t + 5 a s / (h t))``; with sequence parallelism
@@ -31,12 +31,10 @@ under bf16 autocast each linear saves its own bf16 copy of its input and the bf1
 copies live until backward. meshlm's sequence parallelism keeps the all-gathered input of
 each region (it does not gather again in backward).
 
-**FP8** (``dtype="fp8"``, meshlm's ``parallel/float8.py``): activations are the rest dtype's
-(``Workload.fp8_rest``: each float8 linear saves its own autocast copy of its input, as
-autocast's linear does); the decoder-block linears save their fp32 weights themselves, so only
-the head, the router and the routed experts have 16-bit weight copies; the float8 casts are a
-transient of the largest decoder linear (:func:`fp8_linear_peak`: :data:`FP8_CAST` bytes per
-element cast, beside the float8 copy of the other operand), counted in backward.
+**Precision** (``precision_cost.py``): the activations' bytes per value, the autocast weight
+copies (under fp8 none of the decoder-block linears' weights) and the float8 casts, a
+transient of the largest decoder-block linear (:func:`fp8_casts`), are the precision's; the
+casts are counted in the backward, beside a fully recomputed layer's rebuilt activations.
 
 **Pipeline**: the micro-batches whose activations rank r holds at its peak are the schedule's
 (``parallel/schedule_cost.py``: ``min(p - r, m)`` under 1F1B, ``m`` under AFAB, ...).
@@ -91,18 +89,13 @@ from ..parallel.recompute_cost import RECOMPUTE
 from ..parallel.schedule_cost import SCHEDULES
 from ..parallel.tensor_cost import TENSOR
 from ..parallel.zero_cost import ZERO
+from ..precision_cost import fp8_linear_peak  # noqa: F401 (the float8 casts' count, re-exported)
 from .hardware import Accelerator
 from .workload import Workload
 
-STATE_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # (weights, grads, optimizer) per param
-# bytes per activation value by dtype (an fp8 workload's activations: its ``rest_dtype``'s)
-ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # bytes per logit live in the loss's backward beyond the saved 4: counted on F.cross_entropy,
 # fp32 and under bf16 autocast alike (meshlm's vocab-parallel loss is assumed the same)
 LOSS_WORKING = 8
-# bytes per element a float8 cast holds at its peak (torchao's ``hp_tensor_and_scale_to_float8``):
-# the scaled fp32 copy, its clamped copy and the float8 result (counted; a test recounts it)
-FP8_CAST = 4 + 4 + 1
 # A checkpoint's bytes per parameter (checkpoint/sharded.py): the fp32 weight and AdamW's two
 # fp32 moments; with DiLoCo islands, island 0 also writes the outer weights and momentum
 CHECKPOINT_BYTES = 12
@@ -262,7 +255,7 @@ def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank, as its ZeRO stage holds them."""
     n_dense = shard_ranks(lo)
     return ZERO[lo.zero].states(p.dense, p.expert, n_dense, max(1, n_dense // lo.ep),
-                                STATE_BYTES[work.states])
+                                work.state_cost.bytes)
 
 
 def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
@@ -293,7 +286,7 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
     f = c.expert_hidden * c.moe_topk + c.moe_shared_experts * c.expert_hidden if moe else (
         c.ffn_hidden)
     gated = work.model.gated_mlp or moe
-    a = ACT_BYTES[work.rest_dtype]
+    a = work.precision.act_bytes
     out_t = TENSOR[lo.sp].outside(t)  # tensors outside the tp regions (split only with sp)
     items: dict[str, float] = {}
     if work.profile == "megatron":
@@ -352,7 +345,7 @@ def compiled_layer_activations(work: Workload, lo: Layout) -> dict[str, float]:
     t = lo.tp
     tokens = lo.micro_batch * work.seq_len / lo.cp
     h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
-    a = ACT_BYTES[work.rest_dtype]
+    a = work.precision.act_bytes
     out_t = TENSOR[lo.sp].outside(t)
     items = {
         "residual": h * 4 / out_t,  # fp32, after the attention half
@@ -398,7 +391,7 @@ def op_saved(work: Workload, lo: Layout) -> float:
     """Bytes a dense layer keeps per micro-batch under op-level selective recomputation."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    a = ACT_BYTES[work.rest_dtype]
+    a = work.precision.act_bytes
     r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
     kept = sum(matmul_outputs(work, lo)[0::2]) * a  # the 1st, 3rd, ... matmul outputs
     kept += c.n_heads * c.hd / lo.tp * a + c.n_heads * 4 / lo.tp  # attention out + lse
@@ -429,29 +422,16 @@ def block_linears(work: Workload, lo: Layout, moe: bool) -> list[tuple[float, fl
     return attn + ([(h, f), (h, f), (f, h)] if work.model.gated_mlp else [(h, f), (f, h)])
 
 
-def fp8_linear_peak(m: float, k: float, n: float, a: int) -> float:
-    """Peak bytes one float8 linear allocates in its forward or its backward (``m`` tokens,
-    ``k`` input and ``n`` output features, ``a``-byte activations), outputs included: each
-    operand cast holds :data:`FP8_CAST` bytes per element at once and keeps its float8 copy
-    (1 byte) for its matmul; forward ``x`` then ``W`` then ``y``; backward ``dy`` and ``W``
-    for ``dx``, then ``dy`` and ``x`` for ``dW`` (16-bit, then its fp32 copy) beside ``dx``."""
-    mk, kn, mn = m * k, k * n, m * n
-    forward = max(FP8_CAST * mk, mk + FP8_CAST * kn, mk + kn + a * mn)
-    dx = max(FP8_CAST * mn, mn + FP8_CAST * kn, mn + kn + a * mk)
-    dw = a * mk + max(FP8_CAST * mn, mn + FP8_CAST * mk, mn + mk + a * kn,
-                      a * kn + (4 * kn if a < 4 else 0.0))
-    return max(forward, dx, dw)
-
-
 def fp8_casts(work: Workload, lo: Layout, stage: int) -> float:
     """Bytes of the float8 casts at their peak on pipeline rank ``stage``: the largest of its
-    decoder-block linears (``dtype="fp8"``, profile ``meshlm``; 0 otherwise). Transient: it
-    comes and goes inside one linear's forward or backward."""
-    if work.dtype != "fp8" or work.profile != "meshlm":
+    decoder-block linears' (the precision's ``cast_peak``; profile ``meshlm`` only, 0 when the
+    linears are not float8). Transient: it comes and goes inside one linear's forward or
+    backward."""
+    precision = work.precision
+    if not precision.float8_linears or work.profile != "meshlm":
         return 0.0
     tokens = lo.micro_batch * work.seq_len / lo.cp  # a region's input is whole over tp
-    a = ACT_BYTES[work.rest_dtype]
-    return max((fp8_linear_peak(tokens, k, n, a)
+    return max((precision.cast_peak(tokens, k, n)
                 for moe in layer_kinds(work, lo, stage) for k, n in block_linears(work, lo, moe)),
                default=0.0)
 
@@ -469,7 +449,7 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
     out_t = TENSOR[lo.sp].outside(lo.tp)
-    a = ACT_BYTES[work.rest_dtype]
+    a = work.precision.act_bytes
     total = 8.0 * tokens if first else 0.0  # token ids (int64)
     if work.profile == "megatron" and first:
         total += c.dim * tokens / out_t  # embedding dropout mask
@@ -516,6 +496,14 @@ def step_temporaries(work: Workload, lo: Layout, p: StageParams, stage: int) -> 
     return max(adam, clip)
 
 
+def frees_gradients(lo: Layout) -> bool:
+    """Whether a step of one micro-batch frees the gradients between steps: one process
+    (no data, context, pipeline or island ranks) whose ZeRO stage shards nothing, so nothing
+    keeps them (``zero_grad(set_to_none=True)``)."""
+    return (not ZERO[lo.zero].shards and lo.dp * lo.cp == 1 and lo.pp == 1
+            and lo.islands == 1)
+
+
 def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> MemoryBreakdown:
     p = stage_params(work, lo, stage)
     items = state_bytes(work, lo, p)
@@ -542,7 +530,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     v_local = math.ceil(work.model.config.vocab_size / lo.tp)
     loss = 0.0
     if stage == lo.pp - 1 and work.loss == "torch":
-        per_logit = (ACT_BYTES[work.rest_dtype] if compiled(work) and lo.tp == 1
+        per_logit = (work.precision.act_bytes if compiled(work) and lo.tp == 1
                      else LOSS_WORKING)
         loss = per_logit * tokens * v_local
     elif stage == lo.pp - 1 and work.loss == "chunked":  # one chunk's logits, twice in fp32
@@ -551,25 +539,22 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     recompute = RECOMPUTE[lo.recompute]
     rebuilt = working if recompute.input_only else 0.0
     items["transient"] = max(loss, rebuilt + fp8_casts(work, lo, stage))
-    w, g, _ = STATE_BYTES[work.states]
+    w, g, _ = work.state_cost.bytes
     # the ``megatron`` profile's ZeRO-3 is DeepSpeed's (its live-parameter cap)
     items["buffers"] = ZERO[lo.zero].buffers(p.total, p.layer_unit, p.root_unit, w, g,
                                              deepspeed=work.profile != "meshlm")
     # autocast's copies of the weights in the compute dtype: cached through the forward and
     # kept for backward by the matmuls (full recomputation rebuilds them layer by layer)
-    # (fp8: the decoder-block linears cast their fp32 weights to float8 transiently and save
-    # the parameters themselves: only the head, router and routed experts have copies)
+    # (the precision's: none without autocast, none of float8 linears' weights)
     copies = 0.0
-    if work.profile == "meshlm" and work.rest_dtype != "fp32":
-        copied = p.matmul - (p.block_linear if work.dtype == "fp8" else 0.0)
-        copies = ACT_BYTES[work.rest_dtype] * copied
+    if work.profile == "meshlm":
+        copies = work.precision.weight_copies(p.matmul, p.block_linear)
     items["weight copies"] = copies
     items["step temporaries"] = step_temporaries(work, lo, p, stage)
     # gradients alive through the forward and backward: kept between micro-batches or steps
     # by accumulation, buckets, shards or a pipeline; one process with one micro-batch frees
     # them each step, and they fill up during a fully recomputed backward beside it
-    freed = (not ZERO[lo.zero].shards and lo.dp * lo.cp == 1 and lo.pp == 1 and lo.islands == 1
-             and m == 1)
+    freed = frees_gradients(lo) and m == 1
     phases = {k: list(v) for k, v in PHASES.items()}
     if not freed or recompute.input_only:
         phases["backward"].append("grads")

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..layout import RECOMPUTE, Layout
 from .hardware import Accelerator
-from .memory import MemoryBreakdown, memory
+from .memory import MemoryBreakdown, frees_gradients, memory
 from .timing import TimeBreakdown, step_time
 from .workload import Workload
 
@@ -207,7 +207,8 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
                                                  counts)
                 if best is not None:
                     found.append(best)
-                elif overflow and not _may_free_gradients(lo):
+                # (one micro-batch per step frees the gradients there: a larger one may fit)
+                elif overflow and not frees_gradients(lo):
                     too_big.add(key)
     found.sort(key=_rank_key)
     return found[:top]
@@ -216,13 +217,6 @@ def search(work: Workload, world: int, hw: Accelerator, top: int = 10,
 def _less_micro_batch(lo: Layout) -> tuple:
     """The layout's fields but its micro-batch and recomputation mode."""
     return tuple(v for k, v in lo.as_dict().items() if k not in ("micro_batch", "recompute"))
-
-
-def _may_free_gradients(lo: Layout) -> bool:
-    """Whether one micro-batch per step (the largest micro-batch) frees this layout's gradients
-    between steps (one process: memory.py's ``freed``), so that it may fit where a smaller
-    micro-batch did not."""
-    return lo.zero == 0 and lo.dp * lo.cp == 1 and lo.pp == 1 and lo.islands == 1
 
 
 def _states_overflow(work: Workload, hw: Accelerator, lo: Layout, key: tuple,

@@ -4,20 +4,18 @@
 summed over its operations (a roofline per operation, Williams et al. 2009):
 
 - each linear layer: forward ``2 M K N`` FLOPs, backward twice that (input and weight
-  gradients), at the achievable GEMM rate; on a GPU ``max`` with its operand bytes over memory
+  gradients), at the achievable GEMM rate of the dtype the precision runs it in
+  (``precision_cost.py``: the decoder-block linears', or the rest's); on a GPU ``max`` with its operand bytes over memory
   bandwidth, on CPU plus the time to write its fresh output buffers (page faults add there;
   they dominate thin GEMMs with wide outputs, such as a small model's LM head);
 - attention scores and values: ``4 s_q s h_q`` FLOPs forward, 3x for forward + backward, half
   of them done under the causal mask, at the fused-attention rate for the head dimension
   (materialised scores, before FlashAttention: all of them at the GEMM rate);
 - memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds, autocast casts and
-  their gradients): ``C_TRAFFIC[dtype]`` x the bytes meshlm's block saves for backward
+  their gradients): the compute dtype's traffic ratio (``precision_cost.py``: ``C_TRAFFIC``,
+  counted, not fitted, on meshlm's block) x the bytes meshlm's block saves for backward
   (memory.py's ``meshlm`` profile, whatever profile the workload's memory uses) over memory
-  bandwidth. The ratio is counted, not fitted: the bytes every non-matmul aten op of meshlm's
-  block reads and writes, forward + backward (TorchDispatchMode), per byte the block saves --
-  7.6 in fp32 (7.5 for ``tiny``), 11.0 under bf16 autocast (its casts and fp32
-  norms; fp16 and fp8 assumed the same); a test recounts both. It is the traffic of an eager
-  PyTorch Llama block: fused kernels (Megatron, torch.compile) move less, and the planner does
+  bandwidth. It is the traffic of an eager PyTorch Llama block: fused kernels (Megatron, torch.compile) move less, and the planner does
   not credit them unless the workload says ``kernels="fused"``: then the traffic is counted
   per fused kernel, each reading its inputs and writing its outputs once per token
   (:data:`FUSED_ELEMENTS`: two RMSNorms, rotary on q and k, SwiGLU / GELU, two residual
@@ -86,10 +84,12 @@ do it:
 slowest stage sets the pace and the bubble is the other stages' times. **Optimizer**: clipping and AdamW move
 ``ADAMW_BYTES[work.optimizer]`` per parameter a rank owns (torch's fused or foreach kernels;
 CPU: measured per parameter). With fp32 states and 16-bit matmuls (meshlm) autocast's weight
-casts and the fp32 gradient accumulation add ``CAST_BYTES`` per parameter and micro-batch.
+casts and the fp32 gradient accumulation add the precision's cast bytes per parameter and
+micro-batch (``precision_cost.py``: ``CAST_BYTES``).
 
 MFU = model FLOPs (6N + attention, PaLM convention, ``ModelConfig.flops_per_token``) per
-second / (ranks x peak); HFU also counts recomputation.
+second / (ranks x peak: the precision's, ``precision_cost.py``); HFU also counts
+recomputation.
 """
 
 from __future__ import annotations
@@ -106,10 +106,13 @@ from ..parallel.recompute_cost import RECOMPUTE
 from ..parallel.schedule_cost import SCHEDULES
 from ..parallel.tensor_cost import TENSOR
 from ..parallel.zero_cost import BUCKET_BYTES, ZERO
+from ..precision_cost import (
+    C_TRAFFIC,  # noqa: F401 (re-exported: a test recounts it)
+    PrecisionCost,
+    value_bytes,
+)
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
-    ACT_BYTES,
-    STATE_BYTES,
     layer_activations,
     layer_kinds,
     shard_ranks,
@@ -118,9 +121,6 @@ from .memory import (
 )
 from .workload import Workload
 
-# bytes moved by memory-bound ops per byte meshlm's block saves, by matmul dtype (counted;
-# module docstring)
-C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0}  # fp16: bf16's casts (fp8: its rest dtype's)
 # torch's cross-entropy on fp32 logits, forward + backward, in passes over the fp32 logits
 # (counted with TorchDispatchMode on ``F.cross_entropy(logits.float(), y)``; a test recounts
 # it): the cast up 1.5 (read 16-bit, write fp32), log-softmax 2, nll_loss's backward fills a
@@ -174,12 +174,6 @@ HOST_ADAM = {"foreach": 0.85e-9, "fused": 0.85e-9 / 4}
 # ../shared/data/gpu_h200_2026-11.md were measured with ``foreach``.
 ADAMW_BYTES = {"fused": 40.0, "foreach": 92.0}
 OPTIM_BYTES = ADAMW_BYTES["fused"]
-# fp32 weights under autocast (``states="fp32"`` with 16-bit matmuls: meshlm): every forward
-# casts each weight to the compute dtype (read 4, write 2 bytes), every backward casts its
-# 16-bit weight gradient back to fp32 (read 2, write 4); each micro-batch after the first adds
-# its gradient into the fp32 one (read 4 + 4, write 4). Weight-only ops are left out of
-# C_TRAFFIC (they do not grow with the tokens), so they are counted here, per parameter.
-CAST_BYTES = {"forward": 6.0, "backward": 6.0, "accumulate": 12.0}
 
 
 @dataclass
@@ -257,11 +251,12 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
 
 
 def other_dtype(work: Workload) -> str:
-    """The dtype of the matmuls outside the decoder-block linears: under meshlm's ``fp8``
-    (``parallel/float8.py``) the LM head, the router, the routed experts and materialised
-    attention scores run in ``fp8_rest``; otherwise (and for the ``megatron`` profile, whose
-    frameworks may run them in float8 too) ``dtype``."""
-    return work.rest_dtype if work.profile == "meshlm" else work.dtype
+    """The dtype of the matmuls outside the decoder-block linears (the LM head, the router,
+    the routed experts, materialised attention scores): the precision's compute dtype in
+    meshlm; the linears' for the ``megatron`` profile, whose frameworks may run them in float8
+    too (``precision_cost.py``)."""
+    precision = work.precision
+    return precision.compute.name if work.profile == "meshlm" else precision.linears
 
 
 def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
@@ -285,10 +280,10 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     """Seconds of one (dense or MoE) layer for one micro-batch: forward + backward +
     recomputation."""
     c = work.model.config
-    t, a = lo.tp, ACT_BYTES[work.rest_dtype]
+    t, a = lo.tp, work.precision.act_bytes
     tokens = lo.micro_batch * work.seq_len / lo.cp
     h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
-    g_rate, o_rate = rates.gemm[work.dtype], rates.gemm[other_dtype(work)]
+    g_rate, o_rate = rates.gemm[work.precision.linears], rates.gemm[other_dtype(work)]
     lin = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
     if moe:
         routed = tokens * c.moe_topk  # balanced router: each rank computes this many rows
@@ -318,10 +313,9 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     copies = 4 * 2 * tensor / TENSOR[lo.sp].outside(lo.tp) if t > 1 else 0.0
     if work.kernels == "fused":
         f_width = (c.expert_hidden * c.moe_topk if moe else c.ffn_hidden) / t
-        # the norms and residual adds run on the residual stream: fp32 where the weights are
-        # (meshlm's fp32 states: embeddings and residual stay fp32 under autocast; memory.py's
-        # ``meshlm`` profile saves them so), else the compute dtype
-        r = 4 if work.states == "fp32" else a
+        # the norms and residual adds run on the residual stream: fp32 beside fp32 weights
+        # (the states'; memory.py's ``meshlm`` profile saves them so), else the compute dtype
+        r = work.state_cost.residual_bytes(a)
         resid = FUSED_ELEMENTS["h"] - FUSED_ROTARY_H
         per_token = (resid * h * r / TENSOR[lo.sp].outside(t)
                      + (FUSED_ROTARY_H * hq / t + FUSED_ELEMENTS["kv"] * kv / t
@@ -330,7 +324,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         traffic = per_token * tokens
         bw = rates.bandwidth(tensor)
     else:
-        traffic = C_TRAFFIC[work.rest_dtype] * eager_saved(work, lo, moe)
+        traffic = work.precision.traffic * eager_saved(work, lo, moe)
         # one kernel per op reaches less of the line rate than fused kernels (hardware.py)
         bw = rates.bandwidth(tensor) * rates.eager_scale
     elem = (traffic + copies) / bw
@@ -355,7 +349,7 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
     """Embedding (first stage), LM head and loss (last stage) for one micro-batch."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    a = ACT_BYTES[work.rest_dtype]
+    a = work.precision.act_bytes
     v_local = math.ceil(c.vocab_size / lo.tp)
     out: dict[str, float] = {}
     if first:  # lookup + dense gradient of the (local) embedding table
@@ -364,7 +358,7 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
     if last:
         out["head gemm"] = _gemm(tokens, c.dim, v_local, a, rates.gemm[other_dtype(work)],
                                  rates)
-        if work.loss == "chunked" and work.rest_dtype != "fp32" and rates.sgemm:
+        if work.loss == "chunked" and work.precision.compute.autocast and rates.sgemm:
             # meshlm's chunked loss accumulates the head weight's gradient in fp32
             # (``parallel/loss.py``: ``grad_w.addmm_(logits.t(), xc.float())``; in-place, so
             # autocast leaves it fp32): one of the three GEMMs on the CUDA cores, TF32 off
@@ -385,8 +379,8 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     """Every collective of one step on a rank of ``stage`` (comm-log bytes per call)."""
     c = work.model.config
     p = stage_params(work, lo, stage)
-    w, g, _ = STATE_BYTES[work.states]
-    a = ACT_BYTES[work.rest_dtype]
+    w, g, _ = work.state_cost.bytes
+    a = work.precision.act_bytes
     m = lo.micro_batches(work.global_batch)
     tokens = lo.micro_batch * work.seq_len / lo.cp
     # ZeRO's group: dp x cp, or one shard group (dp_shard x cp) whose replicas then reduce
@@ -421,7 +415,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         ev.append(CommEvent("dp", "all_reduce", "dp_cp" if lo.cp > 1 else "dp", 8, 1,
                             lo.dp * lo.cp, lo.tp, "exposed"))  # clip
     if lo.tp > 1:  # tensor / sequence parallelism's (parallel/tensor_cost.py)
-        act = tokens * c.dim * (4 if work.rest_dtype == "fp32" else a)
+        act = tokens * c.dim * a
         cols = TENSOR[lo.sp].collectives(act, c.dim * 4, tokens, p.layers, stage == 0,
                                          stage == lo.pp - 1, RECOMPUTE[lo.recompute].forwards,
                                          m, "gemm" if lo.tp_overlap else "exposed")
@@ -459,7 +453,7 @@ def island_event(work: Workload, lo: Layout, params: float) -> CommEvent:
     (streaming fragments split a round's bytes over staggered steps: the same mean per step).
     Islands are the outermost axis: the group's members are ``inner_size`` ranks apart."""
     owned = params / ZERO[lo.zero].owners(shard_ranks(lo))
-    return CommEvent("islands", "all_reduce", "island", owned * ACT_BYTES[work.island_dtype],
+    return CommEvent("islands", "all_reduce", "island", owned * value_bytes(work.island_dtype),
                      1 / work.inner_steps, lo.islands, lo.inner_size, "exposed")
 
 
@@ -471,7 +465,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     moe = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
     if not moe:
         return []
-    a = ACT_BYTES[work.rest_dtype]
+    a = work.precision.act_bytes
     fwd = RECOMPUTE[lo.recompute].forwards
     ev = []
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
@@ -496,7 +490,7 @@ def cp_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     c = work.model.config
     layers = len(stage_layers(c.n_layers, lo, stage))
     cols = CONTEXT[lo.cp_attention].collectives(
-        tokens, c.n_heads, c.n_kv_heads, c.hd, lo.tp, ACT_BYTES[work.rest_dtype], lo.cp,
+        tokens, c.n_heads, c.n_kv_heads, c.hd, lo.tp, work.precision.act_bytes, lo.cp,
         RECOMPUTE[lo.recompute].forwards, layers, m)
     return [CommEvent("cp", col.op, "cp", col.nbytes, col.calls, point_to_point(col, lo.cp),
                       lo.tp, col.overlap) for col in cols]
@@ -587,12 +581,11 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     else:
         out.items["optimizer"] = (ADAMW_BYTES[work.optimizer] * owned
                                   / rates.bandwidth(4 * owned / tensors))
-    if not rates.serial_ops and work.states == "fp32" and work.dtype != "fp32":
-        # autocast's weight casts and the fp32 gradient's accumulation (CAST_BYTES); a full
-        # recomputation casts the weights again. (CPU: inside the calibrated rates.)
-        fwd_casts = RECOMPUTE[lo.recompute].forwards
-        per_param = (m * (fwd_casts * CAST_BYTES["forward"] + CAST_BYTES["backward"])
-                     + (m - 1) * CAST_BYTES["accumulate"])
+    # autocast's weight casts and the fp32 gradient's accumulation (the precision's, with the
+    # states'); a full recomputation casts the weights again. (CPU: inside the calibrated rates.)
+    per_param = work.precision.weight_cast_bytes(work.state_cost,
+                                                 RECOMPUTE[lo.recompute].forwards, m)
+    if not rates.serial_ops and per_param:
         out.items["weight casts"] = per_param * p.total / rates.bandwidth(4 * p.total / tensors)
     if work.grad_accum_pass:
         out.items["gradient accumulation"] = (ACCUM_BYTES * p.total * m
@@ -606,7 +599,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     tokens = work.tokens_per_step
     out.tokens_per_s = tokens / out.step
     flops = work.model.flops_per_token(work.seq_len) * tokens
-    peak = model_peak(hw, work.dtype, world)
+    peak = model_peak(hw, work.precision, world)
     out.mfu = flops / (out.step * world * peak)
     extra = sum(v for k, v in out.items.items() if k == "compute: recompute")
     out.hfu = out.mfu * (1 + extra / max(1e-12, sum(
@@ -673,9 +666,11 @@ def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
     return exposed
 
 
-def model_peak(hw: Accelerator, dtype: str, world: int) -> float:
-    """The MFU denominator per rank: 16-bit datasheet peak (fp8 runs too, as torchtitan
-    reports them); on CPU the measured matmul rate of one rank's threads (the trainer's)."""
+def model_peak(hw: Accelerator, precision: PrecisionCost, world: int) -> float:
+    """The MFU denominator per rank: the datasheet peak the precision counts against
+    (``precision_cost.py``); on CPU the measured matmul rate of one rank's threads (the
+    trainer's) in the linears' dtype, fp32's where none was measured."""
     if hw.cpu is not None:
-        return _nearest(hw.cpu.peak.get(dtype, hw.cpu.peak["fp32"]), threads_per_rank(hw, world))
-    return hw.peak_flops("fp32" if dtype == "fp32" else "bf16")
+        rate = hw.cpu.peak.get(precision.linears, hw.cpu.peak["fp32"])
+        return _nearest(rate, threads_per_rank(hw, world))
+    return hw.peak_flops(precision.peak)

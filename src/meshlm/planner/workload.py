@@ -24,10 +24,11 @@ from ..layout import SHORT_KEYS, Layout
 from ..models.attention_spec import AttentionSpec, spec
 from ..models.config import ModelConfig
 from ..models.presets import PRESETS
+from ..precision_cost import PRECISION, STATE_MODES, PrecisionCost, StatesCost
 
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = PRECISIONS
-STATES = ("fp32", "mixed")
+STATES = tuple(STATE_MODES)  # how weights, gradients and Adam moments are held
 PROFILES = ("meshlm", "megatron")
 LOSSES = ("torch", "fused", "chunked")
 KERNELS = ("eager", "fused")
@@ -161,17 +162,28 @@ class Workload:
         return self.seq_len * self.global_batch
 
     @property
+    def precision(self) -> PrecisionCost:
+        """The precision's cost description (``precision_cost.py``), its rest dtype chosen:
+        ``fp8_rest`` where ``dtype`` leaves it open (fp8)."""
+        return PRECISION[self.dtype].with_rest(self.fp8_rest)
+
+    @property
+    def state_cost(self) -> StatesCost:
+        """How weights, gradients and optimizer states are held (``precision_cost.py``)."""
+        return STATE_MODES[self.states]
+
+    @property
     def rest_dtype(self) -> str:
         """The dtype of activations and of the matmuls that are not float8: ``dtype``, or
         under ``fp8`` ``fp8_rest``."""
-        return self.fp8_rest if self.dtype == "fp8" else self.dtype
+        return self.precision.compute.name
 
     def problems(self) -> list[str]:
         out = []
-        if self.dtype not in DTYPES:
-            out.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.states not in STATES:
-            out.append(f"states {self.states!r} is not one of {', '.join(STATES)}")
+        if self.dtype not in PRECISION:
+            out.append(f"dtype {self.dtype!r} is not one of {', '.join(PRECISION)}")
+        if self.states not in STATE_MODES:
+            out.append(f"states {self.states!r} is not one of {', '.join(STATE_MODES)}")
         if self.loss not in LOSSES:
             out.append(f"loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.profile not in PROFILES:
