@@ -71,7 +71,7 @@ _POWER = ("rate ~ (cap / TDP) ** 0.58, from MAMF of H100 SXM (700 W, 132 SMs) an
 # by 0.2713 - 0.1823 = 0.0890 s, and only the memory-bound kernels differ between the two
 # (compilation fuses them; the GEMMs stay ATen's, attention SDPA's, the loss and optimizer
 # eager): the planner's fused traffic (18.9 ms at hbm_eff) plus 0.0890 s is the time of the
-# counted eager traffic (timing.C_TRAFFIC), 319 GB -- 2.96 TB/s, 0.62 of the line rate.
+# counted eager traffic (precision_cost.py: C_TRAFFIC, each compute dtype's), 319 GB -- 2.96 TB/s, 0.62 of the line rate.
 # One kernel per op: reductions, casts between fp32 and bf16, strided (transposed) rotary
 # operands and short kernels with their ramp and tail keep eager kernels below a copy's rate.
 _H200_EAGER = ("calibrated on the measured H200 rows (../shared/data/gpu_h200_2026-11.md): "
@@ -194,7 +194,7 @@ class Accelerator:
     hbm_bw: float  # bytes/s
     hbm_eff: float = 0.85
     # achieved / line rate of eager PyTorch's memory-bound kernels (one kernel per op, the
-    # traffic counted by ``timing.C_TRAFFIC``); 0: ``hbm_eff``. Calibrated where measured.
+    # traffic counted by ``precision_cost``'s ``C_TRAFFIC``); 0: ``hbm_eff``. Calibrated where measured.
     eager_eff: float = 0.0
     # FP32 on the CUDA cores (FLOP/s): torch's fp32 matmuls when TF32 is off, its default
     # (``torch.backends.cuda.matmul.allow_tf32 = False``); ``peak["fp32"]`` is TF32's. 0: that.
