@@ -37,8 +37,9 @@ LAYERS: dict[str, int] = {
     # 1 -- plain single-device models; sampling from their logits
     "models": 1, "generate": 1,
     # 2 -- what a run is: layout and its rules, typed config, optimizer, autocast and loss
-    # scaling, the world this process is in, output paths
+    # scaling, the world this process is in, output paths and the locks that claim them
     "layout": 2, "config": 2, "optim": 2, "precision": 2, "world": 2, "paths": 2,
+    "run_lock": 2,
     # 3 -- mesh, collectives, shard specs, value sources, worker processes
     "distributed": 3,
     # 4 -- parallelism applied to a model; checkpoints beside it; the corpus and tokenizer

@@ -141,11 +141,20 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         for line in config_memory(cfg):
             print(line)
         return 0
+    from .train.run_dir import claim_run_dir
     from .train.trainer import prepare_launch, run_worker, train
 
+    # The run directory is this run's (a lock, meshlm/run_lock.py) from here to its end:
+    # claimed before anything is written into it or any worker starts.
     if world is not None:  # this process is one rank of a world torchrun/SLURM started
         from .data import build_data
-        from .launch import announce_restart, export_env, init_worker, shutdown_worker
+        from .launch import (
+            announce_restart,
+            export_env,
+            init_worker,
+            rank_zero_text,
+            shutdown_worker,
+        )
 
         export_env(world)
         if cfg.run.dir:  # (NCCL only: torch's flight recorder dumps next to meshlm's)
@@ -155,18 +164,32 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
             for k, v in nccl_flight_env(str(Path(cfg.run.dir).expanduser() / "flight")).items():
                 os.environ.setdefault(k, v)
-        # Before the process group exists, so a first, slow tokenization cannot time out the
-        # others' collectives; concurrent builds of one cache are safe (atomic renames).
-        build_data(cfg.data, log=print if world.rank == 0 else (lambda _m: None))
-        announce_restart(init_worker(cfg.distributed.init_timeout_s).rank)
-        ended_well = False
+        lock, refused = None, ""
+        if world.rank == 0:  # rank 0 claims it for the world; the others learn a refusal
+            try:
+                lock = claim_run_dir(cfg)
+            except ConfigError as e:
+                refused = str(e)
         try:
-            result = train(cfg, oom_advice=oom_advice)
-            ended_well = True
+            # Before the process group exists, so a first, slow tokenization cannot time out
+            # the others' collectives; concurrent builds of one cache are safe (atomic renames).
+            if not refused:
+                build_data(cfg.data, log=print if world.rank == 0 else (lambda _m: None))
+            announce_restart(init_worker(cfg.distributed.init_timeout_s).rank)
+            if refused := rank_zero_text(refused):
+                shutdown_worker()
+                raise ConfigError(refused)
+            ended_well = False
+            try:
+                result = train(cfg, oom_advice=oom_advice)
+                ended_well = True
+            finally:
+                shutdown_worker(wait_for_peers=ended_well)
+            if world.rank == 0:
+                _say_how_to_resume(result, argv_rest=rest, config=args.config)
         finally:
-            shutdown_worker(wait_for_peers=ended_well)
-        if world.rank == 0:
-            _say_how_to_resume(result, argv_rest=rest, config=args.config)
+            if lock is not None:
+                lock.release()
         _leave_world()
     elif cfg.world_size > 1 or args.max_restarts:  # workers started here by torch's agent
         from pathlib import Path
@@ -174,15 +197,18 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         from .launch import launch_local, refuse_local_ranks
 
         refuse_local_ranks(cfg.world_size)  # (CUDA: one GPU per rank; nothing written yet)
-        prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
-        results = launch_local(cfg.world_size, run_worker, cfg, oom_advice,
-                               max_restarts=args.max_restarts,
-                               timeout_s=cfg.distributed.init_timeout_s,
-                               flight_dir=str(Path(cfg.run.dir).expanduser() / "flight"))
+        with claim_run_dir(cfg) as lock:  # held by this process and by every worker
+            prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
+            results = launch_local(cfg.world_size, run_worker, cfg, oom_advice,
+                                   max_restarts=args.max_restarts,
+                                   timeout_s=cfg.distributed.init_timeout_s,
+                                   flight_dir=str(Path(cfg.run.dir).expanduser() / "flight"),
+                                   hold=lock.handle())
         _say_how_to_resume(results[0], argv_rest=rest, config=args.config)
     else:
-        _say_how_to_resume(train(cfg, oom_advice=oom_advice), argv_rest=rest,
-                           config=args.config)
+        with claim_run_dir(cfg):
+            result = train(cfg, oom_advice=oom_advice)
+        _say_how_to_resume(result, argv_rest=rest, config=args.config)
     return 0
 
 
@@ -310,10 +336,12 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise ConfigError(f"unexpected arguments {' '.join(rest)!r}")
     from .paths import output_dir
+    from .run_lock import claim
 
     out = Path(args.to_hf).expanduser()
+    refusal = f"--to-hf {str(out)!r} already exists and is not an empty folder"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--to-hf {str(out)!r} already exists and is not an empty folder")
+        raise ConfigError(refusal)
     output_dir(out, "--to-hf")
     if not (math.isfinite(args.max_shard_mb) and args.max_shard_mb > 0):
         raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be a positive number")
@@ -322,16 +350,20 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
         check_model(ckpt, {n: tuple(p.shape)
                            for n, p in build_model(cfg, device="meta").named_parameters()})
         created = _first_missing(out)
-        try:
-            write_hf(out, cfg, ckpt.source("weight"), int(args.max_shard_mb * 2**20))
-        except (ValueError, OSError) as e:
-            if created is not None:
-                shutil.rmtree(created, ignore_errors=True)
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ConfigError(f"--to-hf {str(out)!r}: {why}" if isinstance(e, OSError)
-                              else why) from None
-        if (ckpt.directory / "tokenizer.json").is_file():
-            shutil.copyfile(ckpt.directory / "tokenizer.json", out / "tokenizer.json")
+        # one convert per output (the folder is written beside it and renamed: lock beside)
+        with claim(out, "--to-hf", "--to-hf", "meshlm convert", beside=True):
+            if out.exists() and any(out.iterdir()):  # (written meanwhile by another)
+                raise ConfigError(refusal)
+            try:
+                write_hf(out, cfg, ckpt.source("weight"), int(args.max_shard_mb * 2**20))
+            except (ValueError, OSError) as e:
+                if created is not None:
+                    shutil.rmtree(created, ignore_errors=True)
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                raise ConfigError(f"--to-hf {str(out)!r}: {why}" if isinstance(e, OSError)
+                                  else why) from None
+            if (ckpt.directory / "tokenizer.json").is_file():
+                shutil.copyfile(ckpt.directory / "tokenizer.json", out / "tokenizer.json")
     print(f"wrote {out} ({'Mixtral' if cfg.moe_experts else 'Llama'}ForCausalLM, "
           f"{cfg.num_params() / 1e6:.1f} M parameters) from {ckpt.directory}")
     return 0
@@ -438,19 +470,24 @@ def cmd_prepare(args: argparse.Namespace, rest: list[str]) -> int:
     from pathlib import Path
 
     from .data.prepare import prepare, summary
+    from .paths import output_dir
+    from .run_lock import claim
 
-    created = _first_missing(Path(args.out).expanduser())
-    try:
-        result = prepare(args.inputs, args.out, tokenizer=args.tokenizer,
-                         vocab_size=args.vocab_size or 4096, workers=args.workers,
-                         text_field=args.text_field, val_fraction=args.val_fraction,
-                         unit_bytes=int(args.unit_mb * 2**20), progress=not args.quiet)
-    except ConfigError:  # (a bad input found on the way: the folders this call made go)
-        if created is not None:
-            import shutil
+    out = output_dir(args.out, "--out")
+    created = _first_missing(out)
+    # one prepare per folder, for its whole life (a later one resumes an unfinished folder)
+    with claim(out, "--out", "--out", "meshlm prepare"):
+        try:
+            result = prepare(args.inputs, out, tokenizer=args.tokenizer,
+                             vocab_size=args.vocab_size or 4096, workers=args.workers,
+                             text_field=args.text_field, val_fraction=args.val_fraction,
+                             unit_bytes=int(args.unit_mb * 2**20), progress=not args.quiet)
+        except ConfigError:  # (a bad input found on the way: the folders this call made go)
+            if created is not None:
+                import shutil
 
-            shutil.rmtree(created, ignore_errors=True)
-        raise
+                shutil.rmtree(created, ignore_errors=True)
+            raise
     print(summary(result, Path(args.out)))
     return 0
 

@@ -22,6 +22,10 @@ the latest checkpoint) and rank 0 prints one line saying so. A failure of the la
 back as one :class:`WorkerFailure` whose message is a single line naming the rank and the root
 cause; the full report is kept on ``.details``.
 
+Workers never outlive the launching process: each ends at once when it has gone, however it
+ended (:func:`end_with_launcher`), and each holds the run directory's lock while it lives
+(``hold``), so the lock is free only when no process of the run is left.
+
 Communication: the agent's rendezvous store and the workers' process group (TCP, gloo/NCCL).
 Memory: one agent in the launching process, and whatever ``fn`` needs in each worker.
 """
@@ -34,6 +38,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import tempfile
@@ -94,6 +99,11 @@ _SHUTDOWN_TIMEOUT_S = 5
 
 # launch_local's folder of per-rank pid files (graceful stop: SIGTERM/SIGINT are relayed).
 _LAUNCH_DIR_VAR = "MESHLM_LAUNCH_DIR"
+
+# The pid of the process that ran launch_local: its workers end when it has ended.
+_LAUNCHER_PID_VAR = "MESHLM_LAUNCHER_PID"
+# How a worker whose launcher has gone exits (nobody is left to read it).
+_ORPHAN_EXIT = 128 + signal.SIGHUP
 
 # Set by the elastic agent (torchrun's or launch_local's) in every worker it starts.
 _RESTART_COUNT_VAR = "TORCHELASTIC_RESTART_COUNT"
@@ -253,6 +263,18 @@ def shutdown_worker(wait_for_peers: bool = False, timeout_s: float = 30.0) -> No
             left = store.add(key, 0)
 
 
+def rank_zero_text(text: str) -> str:
+    """Rank 0's ``text`` on every rank of the initialised world (the others' ``text`` is
+    ignored), through the rendezvous store: no collective, one key per (re)start."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return text
+    store = dist.distributed_c10d._get_default_store()
+    key = f"meshlm/rank0/{os.environ.get(_RESTART_COUNT_VAR, '0')}"
+    if dist.get_rank() == 0:
+        store.set(key, text)
+    return store.get(key).decode()
+
+
 def _is_secondary(message: str) -> bool:
     """Whether a ``"TypeName: text"`` error message is a consequence of a peer's failure."""
     type_name = message.split(":", 1)[0].strip()
@@ -268,6 +290,46 @@ def _adopt_environ(environ: Mapping[str, str]) -> None:
     os.environ.update(agent)
 
 
+def _wait_for_exit(pid: int) -> None:
+    """Return once process ``pid`` has ended (at once when there is none)."""
+    try:
+        fd = os.pidfd_open(pid)  # Linux >= 5.3: readable when the process ends
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfds here: poll
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except OSError:
+                pass
+            time.sleep(0.2)
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
+def end_with_launcher(pid: int) -> None:
+    """End this worker at once (``os._exit``) when the launcher ``pid`` has ended, however it
+    ended (``kill -9``, the OOM killer, a crash); a daemon thread waits for that.
+
+    A parent-death signal (``prctl(PR_SET_PDEATHSIG)``) would not do: the workers are children
+    of the forkserver, not of the launcher, and the forkserver lives on while they do. Without
+    its launcher a worker would go on training and writing into the run directory, and after
+    a stop request wait forever (futex) for the agent to collect its result. Nothing it
+    leaves is half-written where a successor reads: checkpoints become visible by a rename
+    (a ``.tmp`` folder is ignored and deleted), and the run directory's lock is free only once
+    every worker has ended (:mod:`meshlm.run_lock`)."""
+
+    def watch() -> None:
+        _wait_for_exit(pid)
+        os._exit(_ORPHAN_EXIT)
+
+    threading.Thread(target=watch, daemon=True, name="meshlm-launcher-watch").start()
+
+
 def _start_method() -> str:
     """launch_local's workers fork from a forkserver that has imported :data:`LAUNCH_PRELOAD`
     once (a spawned worker imports torch and meshlm itself: seconds per rank); spawn where there
@@ -279,13 +341,17 @@ def _start_method() -> str:
 # this worker; the agent reads it back into ChildFailedError, which is where WorkerFailure gets
 # the root cause from. Module level, because spawn pickles the entry point by qualified name.
 @record
-def _worker_main(stdio: CallerStdio, fn: Callable[..., T], timeout_s: float,
+def _worker_main(stdio: CallerStdio, held: object, fn: Callable[..., T], timeout_s: float,
                  environ: Mapping[str, str], *args: Any) -> T:
     """What each launch_local worker runs: init, ``fn(*args)``, shutdown (also on failure).
     ``stdio``: the launcher's stdout / stderr, already in place (put there when this process's
-    arguments were unpickled; first, so a failure to unpickle the rest is seen);
-    ``environ``: the launcher's environment."""
+    arguments were unpickled; first, so a failure to unpickle the rest is seen); ``held``:
+    the launcher's run-directory lock, held by this process too from when it was unpickled
+    (None: no lock); ``environ``: the launcher's environment. The worker ends at once when the
+    launcher has ended (:func:`end_with_launcher`)."""
     _adopt_environ(environ)
+    if launcher := os.environ.get(_LAUNCHER_PID_VAR):
+        end_with_launcher(int(launcher))
     if folder := os.environ.get(_LAUNCH_DIR_VAR):
         with contextlib.suppress(OSError):
             with open(os.path.join(folder, f"pid_{os.environ.get('RANK', '0')}"), "w") as f:
@@ -514,7 +580,7 @@ def _summarise(err: Any, log_dir: str, flight_dir: str | None = None) -> tuple[i
 
 def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | None = None,
                  quiet_ranks: bool = True, timeout_s: float = 300, max_restarts: int = 0,
-                 flight_dir: str | None = None) -> dict[int, T]:
+                 flight_dir: str | None = None, hold: object | None = None) -> dict[int, T]:
     """Run ``fn(*args)`` in ``nprocs`` local workers after :func:`init_worker`; {rank: result}.
 
     ``fn`` must be a module-level function (workers import it by name) and its
@@ -527,7 +593,9 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     (meshlm's trainer then stops gracefully); a repeated one that ends them raises
     KeyboardInterrupt. ``flight_dir``: where the workers' flight records are (a dead rank's
     last collective joins the message). On a machine with CUDA, more ranks than GPUs is a
-    :class:`DeviceError` before any worker starts.
+    :class:`DeviceError` before any worker starts. ``hold``: a lock every worker holds for its
+    life (:meth:`meshlm.run_lock.DirLock.handle`). Workers end when this process ends, even
+    by ``kill -9`` (:func:`end_with_launcher`).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -562,6 +630,7 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     ensure_server(forkserver_context(LAUNCH_PRELOAD))  # (started already by meshlm train)
     # OMP_NUM_THREADS=1: each worker's OpenMP pool would otherwise claim every core.
     env = {"OMP_NUM_THREADS": "1", _SOURCE_VAR: "local", _LAUNCH_DIR_VAR: log_dir,
+           _LAUNCHER_PID_VAR: str(os.getpid()),
            **(nccl_flight_env(flight_dir) if flight_dir else {})}
     if max_restarts:
         # The agent's store, shared with the workers by default, keeps the process group keys
@@ -571,7 +640,7 @@ def launch_local(nprocs: int, fn: Callable[..., T], *args: Any, run_id: str | No
     try:
         with (_patched_env(env), _quiet_agent_logs(), _kept_signal_handlers(), relay.installed(),
               _short_failure_shutdown()):
-            results = elastic_launch(config, _worker_main)(CallerStdio(), fn, timeout_s,
+            results = elastic_launch(config, _worker_main)(CallerStdio(), hold, fn, timeout_s,
                                                            dict(os.environ), *args)
     except ChildFailedError as err:
         if relay.repeated:  # the user asked twice: the workers stopped at once

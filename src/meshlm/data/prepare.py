@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError
+from ..run_lock import contents
 from ..version import __version__
 from .sources import (
     Source,
@@ -183,7 +184,7 @@ def _claim(out: Path, plan: dict[str, Any], owned: bool) -> None:
                               "or another tokenizer; nothing was changed (rerun that command "
                               "to finish it, choose another --out, or delete the folder)")
         return
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not owned)):
+    if out.exists() and (not out.is_dir() or (bool(contents(out)) and not owned)):
         raise ConfigError(f"--out {out} exists and is not a dataset folder being prepared "
                           "(choose a new or empty folder)")
     try:

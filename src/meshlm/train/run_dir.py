@@ -9,6 +9,11 @@ group that torch's elastic agent restarted (``TORCHELASTIC_RESTART_COUNT`` > 0, 
 meshlm's launcher) ``false`` is read as ``auto``, so the new group continues from the latest
 checkpoint of the run the first group started.
 
+``claim_run_dir`` makes the directory one run's for the run's whole life (a lock held by the
+launching process and its workers, :mod:`meshlm.run_lock`): a second ``meshlm train`` into it is
+refused before it writes anything, and the lock of a run that died is free again. The lock file
+(``.meshlm.lock``) does not count as a file of the directory in the checks above.
+
 ``agree_run_dir`` does that on rank 0 and broadcasts the choice (or the error) to every rank, so
 ranks that parsed the config themselves under torchrun agree on one directory and on whether to
 resume. ``write_run_files`` writes ``config.toml``, ``tokenizer.json`` and ``env.json``
@@ -34,6 +39,8 @@ from ..checkpoint import latest_valid
 from ..config import Config, ConfigError, _unwritable_dir, load_config, to_toml
 from ..data.tokenizer import Tokenizer
 from ..distributed.comm import Comm
+from ..run_lock import DirLock, claim
+from ..run_lock import contents as lock_contents
 from ..version import __version__
 
 Log = Callable[[str], None]
@@ -69,9 +76,43 @@ def _latest_checkpoint(run_dir: Path, log: Log) -> Path | None:
 
 
 def _holds_files(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds anything but its lock file (a file in its place: one line)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.dir={str(run_dir)!r} is a file, not a directory")
-    return run_dir.is_dir() and any(run_dir.iterdir())
+    return run_dir.is_dir() and bool(lock_contents(run_dir))
+
+
+def name_run_dir(cfg: Config, log: Log = print, restarts: int | None = None) -> Path:
+    """The run directory; ``run.dir`` is set to ``runs/<preset>-<timestamp>`` when it was left
+    empty. ``restarts`` as in :func:`effective_resume`."""
+    restarts = restart_count() if restarts is None else restarts
+    if not cfg.run.dir:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.run.dir = str(Path("runs") / f"{cfg.model.preset}-{stamp}")
+        if restarts > 0:
+            log(f"run.dir is not set: the restarted worker group starts a new run in {cfg.run.dir}"
+                " (set run.dir to continue the same run after a restart)")
+    return Path(cfg.run.dir).expanduser()
+
+
+def _check_writable(run_dir: Path) -> None:
+    """ConfigError when ``run_dir`` is a file or it, or its checkpoints folder, cannot be
+    written (a save must not fail mid-run)."""
+    _holds_files(run_dir)  # (a file in its place: one line)
+    for folder in (run_dir, run_dir / "checkpoints"):
+        problem = _unwritable_dir(folder) if folder.exists() or folder == run_dir else None
+        if problem:
+            raise ConfigError(f"run.dir={str(run_dir)!r}: {str(folder)!r} {problem}; make it "
+                              "writable or choose another run.dir")
+
+
+def claim_run_dir(cfg: Config, log: Log = print) -> DirLock:
+    """Claim the run directory (named first when ``run.dir`` is empty) for this process and the
+    workers it starts, for the run's whole life (:mod:`meshlm.run_lock`): before anything is
+    written into it, :class:`~meshlm.run_lock.DirInUse` when another run holds it."""
+    run_dir = name_run_dir(cfg, log)
+    _check_writable(run_dir)
+    return claim(run_dir, "run.dir", "--run.dir", "meshlm train")
 
 
 def plan_run_dir(cfg: Config, log: Log = print, restarts: int | None = None
@@ -80,19 +121,8 @@ def plan_run_dir(cfg: Config, log: Log = print, restarts: int | None = None
     docstring for the rules. Sets ``run.dir`` when it was left empty; raises ConfigError when
     the directory cannot be used. ``restarts`` as in :func:`effective_resume`."""
     restarts = restart_count() if restarts is None else restarts
-    if not cfg.run.dir:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run.dir = str(Path("runs") / f"{cfg.model.preset}-{stamp}")
-        if restarts > 0:
-            log(f"run.dir is not set: the restarted worker group starts a new run in {cfg.run.dir}"
-                " (set run.dir to continue the same run after a restart)")
-    run_dir = Path(cfg.run.dir).expanduser()
-    _holds_files(run_dir)  # (a file in its place: one line)
-    for folder in (run_dir, run_dir / "checkpoints"):  # (a save must not fail mid-run)
-        problem = _unwritable_dir(folder) if folder.exists() or folder == run_dir else None
-        if problem:
-            raise ConfigError(f"run.dir={str(run_dir)!r}: {str(folder)!r} {problem}; make it "
-                              "writable or choose another run.dir")
+    run_dir = name_run_dir(cfg, log, restarts)
+    _check_writable(run_dir)
     mode = effective_resume(cfg, log, restarts)
     if mode == "false":
         if _holds_files(run_dir):
