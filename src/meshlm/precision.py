@@ -15,16 +15,27 @@ device tensors only).
 A skipped step leaves weights and AdamW moments untouched and halves the scale; after
 ``loss_scale_window`` good steps in a row the scale doubles (Megatron's and torch's rules).
 Communication: one 4-byte all-reduce over the world per fp16 step. Memory: none.
+
+:class:`PrecisionPlan` is the ``[precision]`` section resolved once (by the trainer, when it
+builds its parts): the compute dtype, the float8 recipe, the gradient-reduction dtype and the
+loss-scaling settings. The model part (parallelisation, gradient reduction), the optimizer
+part (its :class:`Precision`: autocast and the fp16 scaler) and the recorder (MFU's peak, the
+bf16 warning) read it; none of them reads the section's strings.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .dtypes import AUTOCAST_NAMES, FP8_RECIPES, FP8_REST, PRECISIONS  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from .config import PrecisionSection
 
 DTYPES = dict(zip(AUTOCAST_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
@@ -36,9 +47,62 @@ def autocast_name(dtype: str, fp8_rest: str = "bf16") -> str:
     return fp8_rest if dtype == "fp8" else dtype
 
 
-def autocast_dtype(dtype: str, fp8_rest: str = "bf16") -> torch.dtype:
-    """The autocast compute dtype of ``precision.dtype`` (under fp8: ``fp8_rest``'s)."""
-    return DTYPES[autocast_name(dtype, fp8_rest)]
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How a run computes, resolved once from ``[precision]`` and passed to what needs it.
+
+    ``name``: ``precision.dtype`` (``fp32 | bf16 | fp16 | fp8``), the key of the precision's
+    registration (``parallel/registry.py``: its model converter, if any);
+    ``compute``: the autocast dtype's name -- of everything under fp32/bf16/fp16, of everything
+    but the float8 matmuls under fp8 (``precision.fp8_rest``);
+    ``fp8_recipe``: the float8 scaling recipe under fp8, None otherwise;
+    ``grad_reduce``: the dtype gradients are reduced in (``precision.grad_reduce_dtype``);
+    ``loss_scale``, ``loss_scale_window``: fp16's dynamic loss scaler (initial scale, clean
+    steps before it doubles), read only when :attr:`scaled`.
+    No communication, no memory.
+    """
+
+    name: str = "fp32"
+    compute: str = "fp32"
+    fp8_recipe: str | None = None
+    grad_reduce: str = "fp32"
+    loss_scale: float = 65536.0
+    loss_scale_window: int = 1000
+
+    @classmethod
+    def resolve(cls, dtype: str, fp8_rest: str = "bf16", fp8_recipe: str = FP8_RECIPES[0],
+                grad_reduce: str = "fp32", loss_scale: float = 65536.0,
+                loss_scale_window: int = 1000) -> PrecisionPlan:
+        """The plan of these ``precision.*`` values (each as its config key takes it)."""
+        fp8 = dtype == "fp8"
+        return cls(dtype, autocast_name(dtype, fp8_rest), fp8_recipe if fp8 else None,
+                   grad_reduce, float(loss_scale), loss_scale_window)
+
+    @classmethod
+    def from_section(cls, section: PrecisionSection) -> PrecisionPlan:
+        """The plan of a validated ``[precision]`` section."""
+        return cls.resolve(section.dtype, section.fp8_rest, section.fp8_recipe,
+                           section.grad_reduce_dtype, section.loss_scale,
+                           section.loss_scale_window)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The autocast compute dtype (also that of pipeline activations on the wire)."""
+        return DTYPES[self.compute]
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.grad_reduce]
+
+    @property
+    def compute_key(self) -> str:
+        """The config key that chose :attr:`compute` (what a message about it names)."""
+        return "precision.fp8_rest" if self.name == "fp8" else "precision.dtype"
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the loss is scaled (fp16's dynamic loss scaling)."""
+        return self.name == "fp16"
 
 
 def rank_device(device_type: str) -> torch.device:
@@ -112,19 +176,36 @@ class LossScaler:
 
 
 class Precision:
-    """Autocast context and, for fp16, the dynamic loss scaler, for one device type."""
+    """Autocast context and, for fp16, the dynamic loss scaler, for one device type: the run
+    state of a :class:`PrecisionPlan` (:attr:`plan`)."""
 
     def __init__(self, dtype: str, device_type: str = "cpu", loss_scale: float = 65536.0,
                  loss_scale_window: int = 1000, device: torch.device | None = None,
                  fp8_rest: str = "bf16") -> None:
         """``device``: where the fp16 overflow flag lives (default: this rank's device of
         ``device_type``, :func:`rank_device`). ``fp8_rest``: the autocast dtype under fp8."""
-        self.name = dtype
-        self.dtype = autocast_dtype(dtype, fp8_rest)
+        self._start(PrecisionPlan.resolve(dtype, fp8_rest, loss_scale=loss_scale,
+                                          loss_scale_window=loss_scale_window),
+                    device_type, device)
+
+    @classmethod
+    def of(cls, plan: PrecisionPlan, device_type: str = "cpu",
+           device: torch.device | None = None) -> Precision:
+        """The autocast context and loss scaler of ``plan`` (``device``: as for the
+        constructor)."""
+        self = cls.__new__(cls)
+        self._start(plan, device_type, device)
+        return self
+
+    def _start(self, plan: PrecisionPlan, device_type: str, device: torch.device | None
+               ) -> None:
+        self.plan = plan
+        self.name = plan.name
+        self.dtype = plan.compute_dtype
         self.device_type = device_type
-        self.scaler = (LossScaler(loss_scale, loss_scale_window,
+        self.scaler = (LossScaler(plan.loss_scale, plan.loss_scale_window,
                                   device=device or rank_device(device_type))
-                       if dtype == "fp16" else None)
+                       if plan.scaled else None)
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:

@@ -1,9 +1,10 @@
 """Parallelism applied to a plain model: ``parallelize(model, mesh, comm, config)``.
 
-Order (torchtitan's): tensor/sequence parallel -> context parallel -> expert parallel ->
-pipeline split -> the run-time choices of this rank's layers, applied together in one fixed
-order (``extensions.apply_choices``: fp8 linears, attention kernel, ``train.compile``,
-``train.recompute``)
+Order (torchtitan's): the precision's model converter (fp8: float8 linears, ``float8.py``) ->
+tensor/sequence parallel -> context parallel -> expert parallel -> pipeline split -> the
+run-time choices of this rank's layers, applied together in one fixed order
+(``extensions.apply_choices``: the converted modules bound to the axes that shard them,
+attention kernel, ``train.compile``, ``train.recompute``)
 -> data parallel (DDP or ZeRO-1/2/3, over dp x cp when cp > 1) -> optimizer-state offload. Every parameter first gets a shard spec (the whole tensor,
 replicated); each technique updates the specs of what it shards, and the engine groups
 parameters by their spec's reduction axis. The :class:`~meshlm.parallel.engine.Engine`
@@ -20,7 +21,7 @@ for initial values (drawn whole, then cut).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from ..distributed.comm import Comm
     from ..distributed.source import TensorSource
     from ..models.llama import Transformer
+    from ..precision import PrecisionPlan
     from .context import ContextParallel
     from .engine import Engine
     from .pipeline import PipelineModel
@@ -78,24 +80,25 @@ def materialize(model: Transformer, source: TensorSource | None, device: torch.d
 
 def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
                 train: TrainSection, source: TensorSource | None = None,
-                offload_file: Path | None = None, precision: str | None = None,
-                fp8_recipe: str | None = None) -> Parallelized:
-    """Tensor/sequence parallel, then the pipeline split, then data parallelism over dp,
-    then the optimizer states' place (``parallel.offload``, see ``offload.py``).
+                offload_file: Path | None = None,
+                precision: PrecisionPlan | None = None) -> Parallelized:
+    """The precision's model converter, tensor/sequence parallel, then the pipeline split,
+    then data parallelism over dp, then the optimizer states' place (``parallel.offload``,
+    see ``offload.py``).
 
     ``source``: values of a model built on the meta device (see module docstring).
     ``offload_file``: this rank's file of AdamW moments under ``parallel.offload=disk``.
-    ``precision``: the compute dtype's name (``precision.dtype``), recorded with the model's
-    choices (``print(model)``); None leaves it unnamed (the trainer's autocast decides).
-    ``fp8``: the decoder blocks' linears become float8 linears (``float8.py``) with the recipe
-    ``fp8_recipe``.
+    ``precision``: the run's precision; its name is recorded with the model's choices
+    (``print(model)``) and the converter its registration names (``registry.PRECISION``: fp8's
+    float8 linears with the plan's recipe) converts the plain model first. None leaves the
+    model as it is and the precision unnamed (the trainer's autocast decides).
     """
     from ..distributed.spec import attach_specs
     from .context import apply_context_parallel
     from .data import DDPEngine
     from .engine import LocalEngine
     from .expert import apply_expert_parallel, attach_count_reducers
-    from .extensions import apply_choices
+    from .extensions import apply_choices, choices_of
     from .offload import offload_states
     from .pipeline import PipelineModel
     from .tensor import apply_tensor_parallel
@@ -103,6 +106,11 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     from .zero3 import Zero3Engine
 
     attach_specs(model, comm.mesh)
+    named = {} if precision is None else {"precision": precision.name,
+                                          "fp8_recipe": precision.fp8_recipe}
+    converter = replace(choices_of(model), **named).converter()
+    if converter is not None:  # before any parallelism: tp shards converted modules alike
+        converter.convert(model)
     tp = apply_tensor_parallel(model, comm, parallel.sp) if comm.size("tp") > 1 else None
     cp = (apply_context_parallel(model, comm, parallel.cp_attention)
           if comm.size("cp") > 1 else None)
@@ -113,12 +121,11 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
                           parallel.pp_layers) if pipelined else None)
-    # attention kernel, recomputation, compile: named choices applied together, in the fixed
-    # order of extensions.py, to this rank's layers
+    # converted modules bound to their shards, attention kernel, recomputation, compile: named
+    # choices applied together, in the fixed order of extensions.py, to this rank's layers
     apply_choices(model, cp=cp, comm=comm,
                   context=parallel.cp_attention if cp is not None else None,
-                  recompute=train.recompute, compiled=train.compile, precision=precision,
-                  fp8_recipe=fp8_recipe if precision == "fp8" else None)
+                  recompute=train.recompute, compiled=train.compile, **named)
     device = comm.mesh.device()
     if parallel.zero == 3:
         # under a pipeline, parameters stay gathered for the step and gradients are reduced

@@ -1,6 +1,6 @@
 """The one place where a model's run-time choices are applied: attention kernel, activation
-recomputation, ``torch.compile`` and the precision (its name; under ``fp8`` the decoder
-blocks' linears become float8 linears, ``float8.py``).
+recomputation, ``torch.compile`` and the precision (its name, and the model converter it
+registers: under ``fp8`` the decoder blocks' linears become float8 linears, ``float8.py``).
 
 Each choice is a name from a registry (``registry.py``). :func:`apply_choices` merges the given
 choices into those the model already has and rebuilds every extension point from them, always
@@ -17,8 +17,10 @@ in the same order, so applying choices one by one in any order gives the same mo
    (``Block.run_layer``);
 4. head: the final norm + head compiled (``Transformer.run_head``).
 
-0. precision: each block's linears float8 (recipe ``fp8_recipe``) under ``fp8``, plain
-   linears otherwise; amax reductions over the axes that shard them (``comm``);
+0. precision: the converter its registration names (``registry.PRECISION``), with the recipe
+   ``fp8_recipe``, converts the model -- a no-op when ``parallelize`` already did, before any
+   parallelism -- or the previous precision's converter reverts it; then the converted modules
+   are bound to the axes that shard them (``comm``, ``registry.bind_shards``);
 
 The names show in ``print(model)``: each block's repr reads e.g. ``attention=sdpa,
 context=zigzag, recompute=selective, compiled=True``, the kernel's wrappers are its child modules, and the
@@ -36,14 +38,14 @@ from dataclasses import asdict, dataclass, fields, replace
 from torch import nn
 
 from ..distributed.comm import Comm
+from ..dtypes import FP8_RECIPES
 from ..models.attention import ATTENTION, build_kernel
 from ..models.llama import Block, Transformer
 from ..models.moe import MoE
 from .compile import Uncompiled, compile_fn, run_ffn
 from .context import ContextParallel, ContextParallelAttention, check_mode
-from .float8 import RECIPES, set_block_precision
 from .recompute import Checkpointed, Recompute
-from .registry import PRECISION, RECOMPUTE
+from .registry import PRECISION, RECOMPUTE, ModelConverter, bind_shards
 
 _WRAPPERS = (Uncompiled, Checkpointed, ContextParallelAttention)
 
@@ -58,7 +60,8 @@ class Choices:
     recompute: str = "none"
     compiled: bool = False
     precision: str | None = None
-    fp8_recipe: str | None = None  # under precision fp8 (default: tensorwise)
+    # the recipe of a precision with a model converter (fp8; default: tensorwise)
+    fp8_recipe: str | None = None
 
     def check(self) -> None:
         ATTENTION[self.attention]
@@ -67,13 +70,15 @@ class Choices:
         RECOMPUTE[self.recompute]
         if self.precision is not None:
             PRECISION[self.precision]
-        if self.fp8_recipe is not None and self.fp8_recipe not in RECIPES:
+        if self.fp8_recipe is not None and self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8 recipe {self.fp8_recipe!r} is not one of "
-                             f"{', '.join(RECIPES)}")
+                             f"{', '.join(FP8_RECIPES)}")
 
-    @property
-    def float8(self) -> bool:
-        return self.precision is not None and PRECISION[self.precision].float8
+    def converter(self) -> ModelConverter | None:
+        """The model converter of the precision (None: the model is left as it is)."""
+        if self.precision is None or (make := PRECISION[self.precision].converter) is None:
+            return None
+        return make(self.fp8_recipe or FP8_RECIPES[0])
 
 
 def choices_of(model: Transformer) -> Choices:
@@ -97,19 +102,23 @@ def apply_choices(model: Transformer, cp: object | None = None, comm: Comm | Non
 
     ``cp``: the context-parallel helper the ``context`` mode runs on (needed when ``context``
     changes to a mode; kept from the current kernel otherwise).
-    ``comm``: the communicator float8 scales are reduced with over the axes that shard a
-    linear (tp) or its tokens (cp); None on one process.
+    ``comm``: the communicator converted modules reduce over the axes that shard them (float8
+    scales: a linear's tp shards, its tokens' cp shards); None on one process.
     """
-    choices = replace(choices_of(model), **changes)
-    if choices.float8 and choices.fp8_recipe is None:
-        choices = replace(choices, fp8_recipe=RECIPES[0])
-    if not choices.float8:
-        choices = replace(choices, fp8_recipe=None)
+    before = choices_of(model)
+    choices = replace(before, **changes)
+    converts = choices.precision is not None and PRECISION[choices.precision].converter
+    choices = replace(choices, fp8_recipe=(choices.fp8_recipe or FP8_RECIPES[0]) if converts
+                      else None)
     choices.check()
-    token_axes = ("cp",) if comm is not None and comm.size("cp") > 1 else ()
+    converter = choices.converter()
+    if converter is not None:
+        converter.convert(model)
+        bind_shards(model, comm)
+    elif (previous := before.converter()) is not None:
+        previous.revert(model)
     for block in model.layers.values():
         assert isinstance(block, Block)
-        set_block_precision(block, choices.fp8_recipe, comm, token_axes)
         plan = RECOMPUTE[choices.recompute]
         assert isinstance(plan, Recompute)
         plan = plan.for_layer(isinstance(block.feed_forward, MoE))

@@ -5,7 +5,11 @@ MLP's gate, up and down projections; a MoE layer's shared expert -- becomes a
 :class:`Float8Linear` holding the same parameters (names, state dict and shard specs unchanged).
 The router, the stacked experts, the embedding and the LM head stay in the autocast dtype
 (``precision.fp8_rest``, bf16 by default), as do attention, norms and the loss. Weights,
-gradients and optimizer states stay fp32 master copies.
+gradients and optimizer states stay fp32 master copies. The swap is a model converter
+(:class:`Float8Converter`, registered as the ``fp8`` precision in ``registry.py``) that
+``parallelize`` applies to the plain model before any parallelism: tensor parallelism shards a
+float8 linear's weight as it shards a plain linear's, and once the layout is applied each
+linear's ``bind_shards`` sets up the scale reductions over the axes that shard it (below).
 
 Each of a linear's three matmuls -- ``y = x W^T``, ``dx = dy W``, ``dW = dy^T x`` -- takes float8
 operands, cast dynamically with torchao's float8 training casts and recipes
@@ -32,9 +36,11 @@ Data-parallel, ZeRO, pipeline and expert-parallel ranks hold whole micro-batches
 ZeRO-3's gather, which moves the weights in their fp32 storage dtype) whole weights: their
 scales are local, and equal those of the one-process micro-batch holding the same samples.
 
-Zero-bubble pipelines: :func:`weight_grad` is the ``dW`` matmul alone; the executor's ``W``
-action calls it with the captured input and output gradient, and the linear's backward in ``I``
-forms only ``dx`` -- eager through ``defer_weight_grad`` (module hooks capture), in compiled
+Zero-bubble pipelines: a float8 linear defers its weight gradient when the executor asks it
+to (``Float8Linear.defer_weight_grad``, the protocol of ``split_linear.py``); its
+``weight_grad`` is the ``dW`` matmul alone (:func:`weight_grad`), which the executor's ``W``
+action calls with the captured input and output gradient, and the linear's backward in ``I``
+forms only ``dx`` -- eager through the executor's module hooks (which capture), in compiled
 blocks as custom ops like ``split_linear.py``'s (:func:`split_linear`: the backward captures).
 
 Communication: per linear and micro-batch, tensorwise, two one-element all-reduces (max) over
@@ -306,6 +312,32 @@ class Float8Linear(nn.Linear):
         self.register_parameter("bias", lin.bias)
         self.plan = plan
         self.split_key = 0  # compiled zero-bubble: the custom ops' plan key (dW formed by W)
+        self.label = "linear"  # its name in the block (messages)
+
+    def bind_shards(self, comm: Comm, token_axes: tuple[str, ...]) -> None:
+        """Reduce the amax of every scale over the axes that shard the dims it covers: the
+        weight's shard spec (tp) and ``token_axes`` (cp); see the module docstring."""
+        sharded = _sharded_dims(self.weight, token_axes)
+        if comm.mesh.device().type == "cuda":  # GPU-only check
+            n, k = self.weight.shape
+            if n % 16 or k % 16:
+                raise ValueError(f"precision.dtype=fp8: {self.label} holds a {n} x {k} weight "
+                                 "on this rank; float8 matmuls on GPU need both dims to be "
+                                 "multiples of 16")
+        self.plan = replace(self.plan, sharded=sharded,
+                            key=traceable.key_of(comm) if sharded else 0)
+
+    def defer_weight_grad(self, compiled: bool = False) -> None:
+        """Zero-bubble: from now on backward forms only ``dx``; the executor's ``W`` action
+        forms ``dW`` with :meth:`weight_grad`. Eager, the executor's hooks capture ``x`` and
+        ``dy``; ``compiled``, the linear runs as the custom ops above, whose backward hands
+        them to the capture list (``split_linear.py``)."""
+        self.plan = replace(self.plan, defer_weight_grad=True)
+        self.split_key = _plan_key(self.plan) if compiled else 0
+
+    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """``dW = dy^T x`` (N, K) in float8, with the scales one process uses."""
+        return weight_grad(x, dy, self.plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
@@ -363,38 +395,29 @@ def _sharded_dims(weight: torch.Tensor, token_axes: tuple[str, ...]
     return tuple((d, tuple(a)) for d, a in by_dim.items() if a)
 
 
-def set_block_precision(block: nn.Module, recipe: str | None, comm: Comm | None,
-                        token_axes: tuple[str, ...] = ()) -> None:
-    """Make ``block``'s linears float8 per ``recipe`` (None: plain linears again)."""
-    for parent, name, lin in _block_linears(block):
-        if recipe is None:
-            setattr(parent, name, plain_linear(lin))
-            continue
-        if isinstance(lin, Float8Linear) and lin.plan.recipe == recipe:
-            continue  # already so (its plan may have been told to defer dW)
-        sharded = _sharded_dims(lin.weight, token_axes if comm is not None else ())
-        key = traceable.key_of(comm) if comm is not None and sharded else 0
-        if comm is not None and comm.mesh.device().type == "cuda":  # GPU-only check
-            n, k = lin.weight.shape
-            if n % 16 or k % 16:
-                raise ValueError(f"precision.dtype=fp8: {name} holds a {n} x {k} weight on "
-                                 "this rank; float8 matmuls on GPU need both dims to be "
-                                 "multiples of 16")
-        setattr(parent, name, Float8Linear(plain_linear(lin), make_plan(recipe, sharded, key)))
+class Float8Converter:
+    """The model converter of ``precision.dtype=fp8`` (registered as ``fp8`` in
+    ``registry.py``): every block's :data:`FP8_LINEARS` become :class:`Float8Linear` s of
+    ``recipe``, before any parallelism is applied. Their scales are local until
+    ``bind_shards`` tells each linear the axes that shard it (tp, cp)."""
 
+    def __init__(self, recipe: str) -> None:
+        make_plan(recipe)  # (the one-line errors: a bad recipe, torchao missing)
+        self.recipe = recipe
 
-def defer_weight_grads(module: nn.Module, compiled: bool = False) -> dict[int, Float8Linear]:
-    """Zero-bubble: the float8 linears in ``module`` form only ``dx`` in backward; returns
-    them by the id of their weight (the ``W`` action forms ``dW`` with :func:`weight_grad`).
-    Eager, the executor's hooks capture ``x`` and ``dy``; ``compiled``, the linears become the
-    custom ops above, whose backward hands them to the capture list (``split_linear.py``)."""
-    found = {}
-    for lin in module.modules():
-        if isinstance(lin, Float8Linear):
-            lin.plan = replace(lin.plan, defer_weight_grad=True)
-            lin.split_key = _plan_key(lin.plan) if compiled else 0
-            found[id(lin.weight)] = lin
-    return found
+    def convert(self, model: nn.Module) -> None:
+        for block in model.layers.values():
+            for parent, name, lin in _block_linears(block):
+                if isinstance(lin, Float8Linear) and lin.plan.recipe == self.recipe:
+                    continue  # already so (its plan may be bound, or told to defer dW)
+                f8 = Float8Linear(plain_linear(lin), make_plan(self.recipe))
+                f8.label = name
+                setattr(parent, name, f8)
+
+    def revert(self, model: nn.Module) -> None:
+        for block in model.layers.values():
+            for parent, name, lin in _block_linears(block):
+                setattr(parent, name, plain_linear(lin))
 
 
 def allow_in_compiled_graphs() -> None:
@@ -403,6 +426,6 @@ def allow_in_compiled_graphs() -> None:
     torch._dynamo.allow_in_graph(_Float8Matmul)
 
 
-__all__ = ["FP8_LINEARS", "RECIPES", "Float8Linear", "Fp8Plan", "allow_in_compiled_graphs",
-           "cast", "defer_weight_grads", "make_plan", "plain_linear", "require_torchao", "scale_of",
-           "set_block_precision", "shares_scale", "split_linear", "torchao_available", "weight_grad"]
+__all__ = ["FP8_LINEARS", "RECIPES", "Float8Converter", "Float8Linear", "Fp8Plan",
+           "allow_in_compiled_graphs", "cast", "make_plan", "plain_linear", "require_torchao",
+           "scale_of", "shares_scale", "split_linear", "torchao_available", "weight_grad"]

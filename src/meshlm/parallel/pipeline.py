@@ -25,9 +25,9 @@ whose backward exposes no output gradient to a hook, the stage's linears become 
 (``split_linear.py``): custom ops whose backward -- run by ``I`` inside the block's compiled
 backward -- forms only the input gradient and hands ``(x, dy)`` to the executor. So ``I``
 forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls.
-Under ``precision.dtype=fp8`` ``W`` forms a float8 linear's ``dW`` with its float8 matmul
-(``float8.weight_grad``, the same scales as one process); in compiled blocks the float8
-linears are split custom ops too (``float8.split_linear``).
+A module that forms its own weight gradient (``split_linear.DefersWeightGrad``: a float8
+linear, whose ``dW`` is a float8 matmul with the scales of one process) is told to defer it,
+and ``W`` asks it for ``dW``; in compiled blocks such a module runs its own split custom ops.
 
 Communication per micro-batch and stage boundary: one activation forward and one gradient
 backward of ``b s h`` values in the compute dtype (2 bytes each under bf16 / fp16, 4 under fp32;
@@ -52,9 +52,8 @@ from ..distributed.phases import phase
 from ..distributed.spec import spec_of, update_spec
 from ..layout import partition_layers
 from ..models.llama import Transformer
-from .float8 import Float8Linear, defer_weight_grads, weight_grad
 from .schedules import Action, build_schedule
-from .split_linear import capture_into, split_linears
+from .split_linear import DefersWeightGrad, capture_into, split_linears
 
 AXIS = "pp"
 
@@ -188,16 +187,20 @@ class PipelineExecutor:
         self.capture = self.split and not compiled
         self._capture: list | None = None
         self._split_weights: list[nn.Parameter] = []
-        # float8 linears (precision fp8) form only dx in I; W forms dW in float8 (float8.py)
-        self._fp8: dict[int, Float8Linear] = {}
+        # modules that form their own dW (float8 linears) form only dx in I; W asks them for
+        # dW (by the id of their weight)
+        self._own_dw: dict[int, DefersWeightGrad] = {}
         if self.split:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
-                    self._fp8.update(defer_weight_grads(mod, compiled))
+                    for sub in mod.modules():
+                        if isinstance(sub, DefersWeightGrad):
+                            sub.defer_weight_grad(compiled)
+                            self._own_dw[id(sub.weight)] = sub
         if self.split and compiled:
             self._split_weights = split_linears(
                 pipe.model, [mod for s in pipe.stages for mod in pipe.stage_modules(s)])
-            self._split_weights += [lin.weight for lin in self._fp8.values()]
+            self._split_weights += [lin.weight for lin in self._own_dw.values()]
         if self.capture:
             for s in pipe.stages:
                 for mod in pipe.stage_modules(s):
@@ -379,8 +382,8 @@ class PipelineExecutor:
                 if w is None:
                     raise RuntimeError("a split linear captured a weight that is not one of "
                                        "this rank's linear weights")
-            if (lin := self._fp8.get(id(w))) is not None:
-                dw = weight_grad(x, dy, lin.plan)
+            if (lin := self._own_dw.get(id(w))) is not None:
+                dw = lin.weight_grad(x, dy)
             else:
                 dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()
             _accumulate(w, dw.to(w.dtype))

@@ -6,7 +6,9 @@
   ``selective``, ``op``, ``full``;
 - ``PRECISION``: how a model computes, name -> :class:`PrecisionChoice`: ``fp32``, ``bf16``,
   ``fp16`` (an autocast dtype, ``meshlm.precision.DTYPES``), ``fp8`` (the decoder blocks'
-  linears in float8, ``float8.py``; the rest in ``precision.fp8_rest``).
+  linears in float8, ``float8.py``; the rest in ``precision.fp8_rest``). A precision that
+  changes the model's modules names a :class:`ModelConverter` (torchtitan's model converters):
+  ``parallelize`` converts the plain model with it before any parallelism is applied.
 
 The modules that define a choice register it when imported; ``extensions.apply_choices`` is the
 one place that looks them up and applies them. Communication and memory: none.
@@ -14,13 +16,18 @@ one place that looks them up and applies them. Communication and memory: none.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from ..models.attention import ATTENTION
 from ..precision import DTYPES
+
+if TYPE_CHECKING:
+    from ..distributed.comm import Comm
 
 T = TypeVar("T")
 
@@ -53,19 +60,60 @@ class Registry(Generic[T]):
 RECOMPUTE: Registry[object] = Registry("recompute mode")  # filled by recompute.py
 
 
+class ModelConverter(Protocol):
+    """Swaps modules of a plain model for others holding the same parameters (names, state
+    dict and shard specs unchanged), before any parallelism is applied: tensor parallelism
+    then shards them as it shards the modules they replace.
+
+    ``convert`` is idempotent (a module already converted alike is kept) and ``revert`` gives
+    the plain modules back. A converted module whose numerics span the shards of its operands
+    has ``bind_shards(comm, token_axes)`` (:func:`bind_shards`), called by
+    ``extensions.apply_choices``, which ``parallelize`` runs once every technique that shards
+    weights or tokens has been applied (``token_axes``: the axes that split the tokens, cp).
+    Communication and memory: none (the converted modules state theirs)."""
+
+    def convert(self, model: nn.Module) -> None: ...
+
+    def revert(self, model: nn.Module) -> None: ...
+
+
+def bind_shards(model: nn.Module, comm: Comm | None) -> None:
+    """Tell every module of ``model`` that has ``bind_shards`` how its operands are sharded
+    (its parameters' shard specs, and the token axes of ``comm``); no-op with no ``comm``."""
+    if comm is None:
+        return
+    token_axes = ("cp",) if comm.size("cp") > 1 else ()
+    for mod in model.modules():
+        bind = getattr(mod, "bind_shards", None)
+        if callable(bind):
+            bind(comm, token_axes)
+
 
 @dataclass(frozen=True)
 class PrecisionChoice:
-    """``dtype``: the autocast compute dtype (None: ``precision.fp8_rest``); ``float8``: the
-    decoder blocks' linear layers compute in float8 (``float8.py``)."""
+    """``dtype``: the autocast compute dtype (None: ``precision.fp8_rest``); ``converter``:
+    the model converter of the precision's ``recipe`` (None: the model is left as it is)."""
 
     dtype: torch.dtype | None
-    float8: bool = False
+    converter: Callable[[str], ModelConverter] | None = None
+
+    @property
+    def float8(self) -> bool:
+        """Whether the precision converts the model (fp8: its decoder blocks' linears to
+        float8 linears)."""
+        return self.converter is not None
+
+
+def _float8(recipe: str) -> ModelConverter:
+    from .float8 import Float8Converter  # (torchao is imported only when fp8 is used)
+
+    return Float8Converter(recipe)
 
 
 PRECISION: Registry[PrecisionChoice] = Registry("precision")
 for _name, _dtype in DTYPES.items():
     PRECISION.register(_name, PrecisionChoice(_dtype))
-PRECISION.register("fp8", PrecisionChoice(None, float8=True))
+PRECISION.register("fp8", PrecisionChoice(None, converter=_float8))
 
-__all__ = ["ATTENTION", "PRECISION", "RECOMPUTE", "PrecisionChoice", "Registry"]
+__all__ = ["ATTENTION", "PRECISION", "RECOMPUTE", "ModelConverter", "PrecisionChoice",
+           "Registry", "bind_shards"]

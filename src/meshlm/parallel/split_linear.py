@@ -16,6 +16,10 @@ it; the executor matches it to its parameter by storage.) Dynamo, AOTAutograd an
 inductor see two graph nodes of known shape: a block is still one graph (no break), and
 ``linear_dx`` cannot be dropped (its output is the input gradient).
 
+A module that forms its weight gradient its own way (a float8 linear) says so through
+:class:`DefersWeightGrad`: the executor tells it to defer (``defer_weight_grad``) and ``W`` asks
+it for ``dW`` (``weight_grad(x, dy)``) instead of forming ``dy^T x`` itself.
+
 The capture list is module state, open only for the duration of one ``I`` pass (backward may
 run on another thread than the caller's on accelerators, so it is not thread-local). A
 backward through a split linear with no list open is an error: its weight gradient would be
@@ -33,12 +37,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _sink: list | None = None  # the open capture list: [weight, x, dy] records
+
+
+@runtime_checkable
+class DefersWeightGrad(Protocol):
+    """A linear layer (``weight`` (N, K)) that forms its own weight gradient on request.
+
+    ``defer_weight_grad(compiled)``: from now on its backward forms only the input gradient
+    and its ``(weight, x, dy)`` reach the executor -- through the executor's forward hooks
+    when eager, through :func:`capture` from its own backward when ``compiled``;
+    ``weight_grad(x, dy)``: its ``dW`` (N, K) from a captured input and output gradient."""
+
+    weight: nn.Parameter
+
+    def defer_weight_grad(self, compiled: bool = False) -> None: ...
+
+    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor: ...
 
 
 @contextlib.contextmanager
@@ -132,5 +153,5 @@ def split_linears(root: nn.Module, modules: Iterable[nn.Module]) -> list[nn.Para
     return weights
 
 
-__all__ = ["SplitLinear", "capture", "capture_into", "linear", "linear_dx", "split_forward",
+__all__ = ["DefersWeightGrad", "SplitLinear", "capture", "capture_into", "linear", "linear_dx", "split_forward",
            "split_linears"]

@@ -75,11 +75,11 @@ def slowdown(fast: float, slow: float) -> str:
     return f"{ratio:.2f}x" if ratio < 2 else f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x"
 
 
-def check_bf16(device: torch.device, dtype_name: str, fp8_rest: str = "bf16") -> str | None:
-    """:func:`bf16_warning` of this machine when the run computes in bf16 on CPU (under fp8:
-    its ``fp8_rest``), else None."""
-    key = "precision.fp8_rest" if dtype_name == "fp8" else "precision.dtype"
-    if device.type != "cpu" or (fp8_rest if dtype_name == "fp8" else dtype_name) != "bf16":
+def check_bf16(device: torch.device, compute: str, key: str = "precision.dtype"
+               ) -> str | None:
+    """:func:`bf16_warning` of this machine when the run's compute dtype ``compute`` (a
+    ``PrecisionPlan``'s) is bf16 on CPU, else None; ``key``: the setting that chose it."""
+    if device.type != "cpu" or compute != "bf16":
         return None
     return bf16_warning(quick_matmul_rates(), key=key)
 

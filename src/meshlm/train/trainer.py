@@ -30,6 +30,7 @@ from ..distributed.comm import Comm, CommLog
 from ..distributed.mesh import Mesh
 from ..distributed.phases import phase, phase_of
 from ..generate import generate_text
+from ..precision import PrecisionPlan
 from .metrics import PhasePeaks
 from .oom import Advice, OutOfMemory, is_oom
 from .oom import describe as describe_oom
@@ -110,16 +111,18 @@ class Trainer:
         self.watch = CollectiveWatch(cfg.distributed, self.comm, self.run_dir)
         self.data = load_data(cfg.data, self.comm, self.log)
         self.memory = PhasePeaks(self.device)
+        # [precision] resolved once; the parts that need it read this plan
+        self.precision = PrecisionPlan.from_section(cfg.precision)
         # the parts, in the order their start-up collectives and log lines run
         m = self.model_part = ModelPart(
-            cfg.model, cfg.parallel, cfg.train, cfg.precision, cfg.model_config,
+            cfg.model, cfg.parallel, cfg.train, self.precision, cfg.model_config,
             self.data.tokenizer.vocab_size, self.comm, self.device, self.run_dir, self.memory,
             self.log, compile_cache=cache_root(cfg.data) if cfg.train.compile else None)
         # per-step agreements run over this rank's island ("world" when there is one)
         axis = "inner" if self.mesh.islands > 1 else "world"
         self.faults = FaultHandling(cfg.train, self.comm, axis, self.log)
         self.routing = Routing(m.model, self.comm, m.model_cfg)
-        self.optimizer = OptimizerUpdate(cfg.train, cfg.precision, m.engine, self.comm, axis,
+        self.optimizer = OptimizerUpdate(cfg.train, self.precision, m.engine, self.comm, axis,
                                          self.device.type, self.faults, self.routing)
         self.stop = StopSignals()
         self.stop_agreed = False  # some rank was asked to stop: every rank stops here
@@ -142,7 +145,7 @@ class Trainer:
         self.parts = (self.watch, self.model_part, self.faults, self.optimizer, self.context,
                       self.recorder, self.islands, self.batches, self.checkpointer)
         self.step = self.checkpointer.resume() or 0
-        self.recorder.measure_peak(cfg.precision.dtype, cfg.precision.fp8_rest)
+        self.recorder.measure_peak(self.precision)
         if self.main:
             write_run_files(self.run_dir, cfg, self.data.tokenizer,
                             {"peak_flops": self.recorder.peak,

@@ -22,7 +22,7 @@ import torch
 
 from ...checkpoint.sharded import ShardedCheckpoint, check_model, island_prefix, load_into
 from ...checkpoint.state import CheckpointError
-from ...config import ModelSection, ParallelSection, PrecisionSection, TrainSection
+from ...config import ModelSection, ParallelSection, TrainSection
 from ...distributed.comm import Comm
 from ...distributed.source import InitSource, TensorSource
 from ...models.config import ModelConfig
@@ -33,7 +33,7 @@ from ...parallel.engine import Engine
 from ...parallel.expert import moe_layers, router_step
 from ...parallel.loss import build_loss
 from ...parallel.tensor import TensorParallel
-from ...precision import DTYPES
+from ...precision import PrecisionPlan
 from ..metrics import PhasePeaks
 from . import Shards
 
@@ -42,12 +42,15 @@ Log = Callable[[str], None]
 
 class ModelPart:
     """This rank's model, its engine (gradients and optimizer) and the parallel techniques
-    applied to it (``tp``, ``pipe``, ``cp``: None where off), and the loss function."""
+    applied to it (``tp``, ``pipe``, ``cp``: None where off), and the loss function.
+
+    ``precision``: the run's (its converter is applied before parallelism; gradients are
+    reduced in its ``grad_reduce`` dtype)."""
 
     SECTION = "model"
 
     def __init__(self, section: ModelSection, parallel: ParallelSection, train: TrainSection,
-                 precision: PrecisionSection, shape: Callable[[int], ModelConfig],
+                 precision: PrecisionPlan, shape: Callable[[int], ModelConfig],
                  vocab_size: int, comm: Comm, device: torch.device, run_dir: Path,
                  memory: PhasePeaks, log: Log, compile_cache: Path | None = None) -> None:
         self.section, self.parallel = section, parallel
@@ -63,8 +66,7 @@ class ModelPart:
             check_model(init, self.param_shapes)
             source = init.source("weight")
         par = parallelize(self.model, comm, parallel, train, source=source,
-                          offload_file=self.offload_file(), precision=precision.dtype,
-                          fp8_recipe=precision.fp8_recipe)
+                          offload_file=self.offload_file(), precision=precision)
         self.engine: Engine = par.engine
         self.tp: TensorParallel | None = par.tp
         self.pipe, self.cp = par.pipe, par.cp
@@ -72,7 +74,7 @@ class ModelPart:
             init.close()
         del source, init
         memory.measure("construction", comm)
-        self.engine.reduce_dtype = DTYPES[precision.grad_reduce_dtype]
+        self.engine.reduce_dtype = precision.grad_reduce_dtype
         self.loss_fn = build_loss(self.model, self.tp, train.loss, train.loss_chunk)
         if train.compile:
             self.loss_fn = compile_loss(self.loss_fn)

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...checkpoint.sharded import ShardedCheckpoint
-from ...config import PrecisionSection, TrainSection
+from ...config import TrainSection
 from ...distributed.comm import Comm
 from ...distributed.phases import phase
 from ...optim import lr_at
 from ...parallel.engine import Engine
-from ...precision import Precision
+from ...precision import Precision, PrecisionPlan
 from ..profiling import region
 from .faults import FaultHandling
 from .model import Routing
@@ -31,12 +31,13 @@ class OptimizerUpdate:
 
     SECTION = "train"
 
-    def __init__(self, section: TrainSection, precision: PrecisionSection, engine: Engine,
+    def __init__(self, section: TrainSection, precision: PrecisionPlan, engine: Engine,
                  comm: Comm, axis: str, device_type: str, faults: FaultHandling,
                  routing: Routing) -> None:
+        """``precision``: the run's; :attr:`precision` is its autocast and fp16 loss scaler
+        (the step runner autocasts and scales with it)."""
         self.section, self.engine, self.comm, self.axis = section, engine, comm, axis
-        self.precision = Precision(precision.dtype, device_type, precision.loss_scale,
-                                   precision.loss_scale_window, fp8_rest=precision.fp8_rest)
+        self.precision = Precision.of(precision, device_type)
         self.faults, self.routing = faults, routing
         self.skipped = False  # whether the last step was skipped (fp16 overflow)
 

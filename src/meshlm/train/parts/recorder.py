@@ -26,7 +26,7 @@ from ...optim import lr_at
 from ...parallel.compile import compile_stats
 from ...parallel.engine import Engine
 from ...parallel.expert import router_summary, router_text
-from ...precision import autocast_name
+from ...precision import PrecisionPlan
 from ..metrics import MetricsWriter, PhasePeaks, read_metrics
 from ..peak import peak_flops
 from ..profiling import StepProfiler, describe_traces
@@ -60,11 +60,14 @@ class Recorder:
         self.tokens_per_step = section.global_batch * seq_len
         self.flops_per_token = model_cfg.flops_per_token(seq_len)
         self.peak, self.peak_source = 0.0, ""
+        self.precision = PrecisionPlan()
 
-    def measure_peak(self, dtype: str, fp8_rest: str = "bf16") -> None:
+    def measure_peak(self, precision: PrecisionPlan) -> None:
         """The per-rank peak FLOP/s of MFU (``train.peak_flops``, or measured / datasheet) in
-        the autocast dtype (under fp8: ``fp8_rest``'s, the 16-bit peak as torchtitan counts)."""
-        self.peak, self.peak_source = peak_flops(self.device, autocast_name(dtype, fp8_rest),
+        ``precision``'s compute dtype (under fp8 that of the rest: the 16-bit peak, as
+        torchtitan counts fp8 runs); the start-up lines name ``precision``."""
+        self.precision = precision
+        self.peak, self.peak_source = peak_flops(self.device, precision.compute,
                                                  self.section.peak_flops)
 
     # ------------------------------------------------------------------ one step
@@ -208,7 +211,7 @@ class Recorder:
         self.log(f"meshlm {env['meshlm']} (git {env['git_commit']}), torch {env['torch']}, "
                  f"{device.type} x{env['threads']} thread(s) per rank")
         self.log(f"layout: {self.mesh.describe()}, zero {c.parallel.zero}, "
-                 f"engine {type(self.engine).__name__}, precision {c.precision.dtype}")
+                 f"engine {type(self.engine).__name__}, precision {self.precision.name}")
         from ...models.presets import PRESETS
 
         preset = PRESETS.get(c.model.preset)
@@ -226,7 +229,8 @@ class Recorder:
         if self.mesh.is_logging_rank:  # bf16 slower than fp32 on this CPU: say so
             from ..peak import check_bf16
 
-            if warning := check_bf16(device, c.precision.dtype, c.precision.fp8_rest):
+            p = self.precision
+            if warning := check_bf16(device, p.compute, p.compute_key):
                 self.log(warning)
         self.log(f"run dir {self.run_dir}" + (f", resuming at step {step}" if step else ""))
         for name, peaks in self.memory.per_rank.items():
