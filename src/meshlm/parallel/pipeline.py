@@ -273,15 +273,24 @@ class PipelineExecutor:
         for a in acts:
             key = (a.op[-1], a.mb, a.stage)
             if a.op.startswith("SEND"):
-                ops.append(("send", self.to_send.pop(key), a.peer))
+                ops.append(("send", self.to_send.pop(key), a.peer, self._label(a)))
             else:
                 buf = torch.empty(self.act_shape, dtype=self.wire_dtype, device=self.device)
                 keys.append((key, buf))
-                ops.append(("recv", buf, a.peer))
+                ops.append(("recv", buf, a.peer, self._label(a)))
         handle = self.comm.batch_p2p(ops, AXIS)
         self.sends.append(handle)  # (waited again at the end: a no-op once completed)
         for key, buf in keys:
             self.recvd[key] = (buf, handle)
+
+    def _label(self, a: Action) -> int:
+        """The message's name, the same on both sides (NCCL-semantics mode checks that a
+        receive got the message it was posted for; all messages have one shape): the
+        micro-batch, the sending stage and the direction."""
+        kind = a.op[-1]
+        sender = (a.stage if a.op.startswith("SEND")
+                  else a.stage - 1 if kind == "F" else a.stage + 1)
+        return (a.mb * self.pipe.n_stages + sender) * 2 + (kind == "B")
 
     def _wait_input(self, a: Action) -> None:
         last = self.pipe.n_stages - 1
