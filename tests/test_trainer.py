@@ -119,13 +119,15 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 
 def _allocator_state(policy: str) -> dict[str, int]:
     """glibc's view (``mallinfo2``, bytes) of a 64 MiB buffer allocated, freed and allocated
-    again after 4 warm-up rounds, in a fresh process under ``policy`` ("default" or "keep").
+    again, round after round (24), in a fresh process under ``policy`` ("default" or "keep");
+    the last round's numbers, and the heap's size after each round (``arenas``).
 
-    The heap takes a round or two to settle, depending on what the imports left in glibc's
-    bins: torch allocates with 64-byte alignment, and a freed buffer whose neighbour the
-    alignment's split-off remainder went to is a few bytes short of the next request, so the
-    heap grows once more before the pattern repeats (seen with 2 warm-up rounds after an
-    import change; 4 leave a margin)."""
+    Under ``keep`` the heap takes some rounds to settle, a number that depends on what the
+    imports left in glibc's bins: torch allocates with 64-byte alignment, and while the
+    alignment's split-off remainder next to a freed buffer goes to a small allocation made
+    between two rounds, the freed buffer is a few bytes short of the next request and the heap
+    grows by one buffer (seen for 1 to 7 rounds here). Once the small bins are stocked, every
+    round reuses the freed buffer: that steady state is what ``run.malloc_keep`` buys."""
     import json
     import subprocess
     import sys
@@ -139,16 +141,18 @@ def _allocator_state(policy: str) -> dict[str, int]:
         "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
         "libc = ctypes.CDLL('libc.so.6')\n"
         "libc.mallinfo2.restype = Info\n"
-        "for _ in range(4): torch.empty(16 << 20).fill_(1.0)\n"  # (warm-up: the heap settles)
-        "t = torch.empty(16 << 20).fill_(1.0)\n"
-        "live = libc.mallinfo2()\n"
-        "del t\n"
-        "freed = libc.mallinfo2()\n"
+        "arenas = []\n"
+        "for _ in range(24):\n"
+        "    t = torch.empty(16 << 20).fill_(1.0)\n"
+        "    live = libc.mallinfo2()\n"
+        "    del t\n"
+        "    freed = libc.mallinfo2()\n"
+        "    arenas.append(freed.arena)\n"
         "t = torch.empty(16 << 20).fill_(1.0)\n"
         "again = libc.mallinfo2()\n"
         "print(json.dumps({'mmapped_live': live.hblkhd, 'mmapped_freed': freed.hblkhd,\n"
         "                  'heap_free': freed.fordblks, 'heap_freed': freed.arena,\n"
-        "                  'heap_again': again.arena}))\n"
+        "                  'heap_again': again.arena, 'arenas': arenas}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
@@ -159,11 +163,13 @@ def test_malloc_keep_reuses_pages_instead_of_faulting_them_in() -> None:
     """What meshlm sets, read back from glibc rather than counted in page faults (which depend
     on the kernel: transparent huge pages, memory pressure). By default glibc mmaps a 64 MiB
     buffer on its own and unmaps it when freed, so every re-allocation faults in fresh pages;
-    with ``run.malloc_keep`` the buffer comes from the heap, stays there once freed, and the
-    next allocation reuses it (the heap does not grow)."""
+    with ``run.malloc_keep`` the buffer comes from the heap, stays there once freed, and once
+    the heap has settled (see ``_allocator_state``) every re-allocation reuses it: the heap
+    does not grow round after round."""
     mib = 1 << 20
     default, keep = _allocator_state("default"), _allocator_state("keep")
     assert default["mmapped_live"] - default["mmapped_freed"] >= 64 * mib, default
     assert keep["mmapped_live"] - keep["mmapped_freed"] < mib, keep
     assert keep["heap_free"] >= 64 * mib, keep
     assert keep["heap_again"] == keep["heap_freed"], keep
+    assert len(set(keep["arenas"][-8:])) == 1, keep["arenas"]  # steady: no growth per round
