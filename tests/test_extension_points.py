@@ -47,7 +47,12 @@ def test_registries_name_every_choice() -> None:
     assert {"sdpa", "eager"} <= set(ATTENTION.names())
     assert set(ATTENTION.names()) == set(SPECS)  # each kernel has the planner's description
     assert not set(CP_MODES) & set(ATTENTION.names())
-    assert RECOMPUTE.names() == ("none", "selective", "op", "full")
+    # each runtime registry covers exactly the names declared once, torch-free, in layout.py /
+    # dtypes.py (config validation and `meshlm plan` read those; nothing else repeats them)
+    from meshlm import dtypes, layout
+
+    assert RECOMPUTE.names() == layout.RECOMPUTE  # (least to most recomputation)
+    assert PRECISION.names() == dtypes.PRECISIONS
     assert {n: PRECISION[n].dtype for n in PRECISION.names() if n != "fp8"} == DTYPES
     assert PRECISION["fp8"].float8 and not any(PRECISION[n].float8 for n in DTYPES)
 
