@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sysconfig
@@ -55,6 +56,20 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def short_docs(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test corpus as JSONL documents of 4 lines each: several per 64-token sequence
+    (document masking cuts every sequence)."""
+    root = tmp_path_factory.mktemp("short-docs")
+    with open(root / "docs.jsonl", "w") as f:
+        for path in sorted(corpus_dir.iterdir()):
+            lines = path.read_text().splitlines(keepends=True)
+            for i in range(0, len(lines), 4):
+                if (text := "".join(lines[i : i + 4])).strip():
+                    f.write(json.dumps({"text": text}) + "\n")
+    return root
 
 
 @pytest.fixture()

@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     # 0 -- leaves, importing nothing of meshlm: precision names (no torch), config-key
     # declarations, build-tool checks, the version, the CPU matmul-rate measurement
     "dtypes": 0, "schema": 0, "toolchain": 0, "version": 0, "matmul_rate": 0,
-    "precision_cost": 0,
+    "precision_cost": 0, "named": 0,
     # 1 -- plain single-device models; sampling from their logits
     "models": 1, "generate": 1,
     # 2 -- what a run is: layout and its rules, typed config, optimizer, autocast and loss

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -153,20 +152,6 @@ def test_sampler_document_ids_follow_the_document_starts() -> None:
 
 
 # ---------------------------------------------------------------------- layouts
-@pytest.fixture(scope="module")
-def short_docs(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test corpus as JSONL documents of 4 lines each: several per 64-token sequence."""
-    root = tmp_path_factory.mktemp("short-docs")
-    with open(root / "docs.jsonl", "w") as f:
-        for path in sorted(corpus_dir.iterdir()):
-            lines = path.read_text().splitlines(keepends=True)
-            for i in range(0, len(lines), 4):
-                text = "".join(lines[i : i + 4])
-                if text.strip():
-                    f.write(json.dumps({"text": text}) + "\n")
-    return root
-
-
 PP2 = ["--parallel.pp=2", "--train.micro_batch=2"]
 LAYOUTS = [
     ("dp2", ["--parallel.dp=2"], 1e-6),

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -238,22 +237,9 @@ REFERENCES = {"ref": [], "moe-flex": [*FLEX, *MOE]}  # one process
 
 
 @pytest.fixture(scope="module")
-def short_docs_corpus(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test corpus as JSONL documents of 4 lines each: several per 64-token sequence."""
-    root = tmp_path_factory.mktemp("flex-docs")
-    with open(root / "docs.jsonl", "w") as f:
-        for path in sorted(corpus_dir.iterdir()):
-            lines = path.read_text().splitlines(keepends=True)
-            for i in range(0, len(lines), 4):
-                if (text := "".join(lines[i : i + 4])).strip():
-                    f.write(json.dumps({"text": text}) + "\n")
-    return root
-
-
-@pytest.fixture(scope="module")
-def world(short_docs_corpus: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def world(short_docs: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("flex")
-    base = ["--model.preset=tiny", f"--data.path={short_docs_corpus}",
+    base = ["--model.preset=tiny", f"--data.path={short_docs}",
             f"--data.cache_dir={cache_dir}", "--data.vocab_size=512", "--data.seq_len=64",
             f"--train.steps={STEPS}", "--train.global_batch=8", "--train.micro_batch=4",
             "--train.warmup_steps=2", "--train.eval_every=0", "--run.sample_tokens=0",

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,20 +48,6 @@ def test_counter_sees_reads_of_values_and_value_shaped_ops() -> None:
 
 
 # ---------------------------------------------------------------------- a step
-@pytest.fixture(scope="module")
-def short_docs(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The test corpus as JSONL documents of 4 lines each: several per sequence."""
-    root = tmp_path_factory.mktemp("short-docs")
-    with open(root / "docs.jsonl", "w") as f:
-        for path in sorted(corpus_dir.iterdir()):
-            lines = path.read_text().splitlines(keepends=True)
-            for i in range(0, len(lines), 4):
-                text = "".join(lines[i : i + 4])
-                if text.strip():
-                    f.write(json.dumps({"text": text}) + "\n")
-    return root
-
-
 def step_syncs(base: list[str], runs: list[list[str]]) -> list[dict[str, int]]:
     """World body: for each run, the host synchronisations of its second training step, by
     call site (the first step builds what is built once)."""

@@ -56,11 +56,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
 
 from .dtypes import AUTOCAST_NAMES, FP8_RECIPES
-
-T = TypeVar("T")
+from .named import Registry
 
 # bytes per element a float8 cast holds at its peak (torchao's ``hp_tensor_and_scale_to_float8``):
 # the scaled fp32 copy, its clamped copy and the float8 result (counted; a test recounts it)
@@ -71,25 +69,6 @@ CAST_BYTES = {"forward": 6.0, "backward": 6.0, "accumulate": 12.0}
 # module docstring)
 C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0}  # fp16: bf16's casts
 AMAX_BYTES = 4  # an amax or scale value: fp32
-
-
-class Registry(dict[Any, T]):
-    """Descriptions of one kind, by the name the config gives them; an unknown name raises a
-    ``ValueError`` that lists the known ones (as ``parallel/cost.py``'s registries do)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-
-    def register(self, cost: T) -> T:
-        name = cost.name  # type: ignore[attr-defined]
-        if name in self:
-            raise ValueError(f"{self.kind} {name!r} is described twice")
-        self[name] = cost
-        return cost
-
-    def __missing__(self, name: Any) -> T:
-        raise ValueError(f"{self.kind} {name!r} is not one of {', '.join(map(str, self))}")
 
 
 @dataclass(frozen=True)

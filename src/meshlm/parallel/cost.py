@@ -13,9 +13,8 @@ Communication: none. Memory: none.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
-T = TypeVar("T")
+from ..named import Registry
 
 
 @dataclass(frozen=True)
@@ -34,25 +33,6 @@ class Collective:
     calls: float
     overlap: str
     over: str = ""
-
-
-class Registry(dict[Any, T]):
-    """Descriptions of one kind of technique, by the name the config gives it; an unknown name
-    raises a ``ValueError`` that lists the known ones."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-
-    def register(self, cost: T) -> T:
-        name = cost.name  # type: ignore[attr-defined]
-        if name in self:
-            raise ValueError(f"{self.kind} {name!r} is described twice")
-        self[name] = cost
-        return cost
-
-    def __missing__(self, name: Any) -> T:
-        raise ValueError(f"{self.kind} {name!r} is not one of {', '.join(map(str, self))}")
 
 
 __all__ = ["Collective", "Registry"]
