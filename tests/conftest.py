@@ -86,18 +86,20 @@ def tiny_args(corpus_dir: Path, cache_dir: Path, tmp_path: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def import_benchmark():  # noqa: ANN201
-    """``import_benchmark(name)``: the script ``benchmarks/<name>.py`` as a module (the scripts
-    are not a package; their folder is on the path only while importing)."""
+    """``import_benchmark(name)``: the script ``benchmarks/<name>.py`` as a module
+    (:func:`load_benchmark`)."""
+    return load_benchmark
+
+
+def load_benchmark(name: str):  # noqa: ANN201
+    """The script ``benchmarks/<name>.py`` as a module (the scripts are not a package; their
+    folder is on the path only while importing)."""
     import importlib
     import sys
 
     folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
-
-    def load(name: str):  # noqa: ANN202
-        sys.path.insert(0, folder)
-        try:
-            return importlib.import_module(name)
-        finally:
-            sys.path.remove(folder)
-
-    return load
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = Path(__file__).resolve().parent / "data" / "planner_pinned.json"
@@ -33,22 +34,12 @@ H200_ROWS = {
 }
 
 
-def _bench():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(
-        "planner_vs_published", ROOT / "benchmarks" / "planner_vs_published.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def current() -> dict[str, Any]:
     """Every pinned prediction, as plain JSON values."""
     from meshlm.models.presets import PRESETS
     from meshlm.planner import CATALOGUE, ModelSpec, Workload, evaluate, parse_layout
 
-    bench = _bench()
+    bench = load_benchmark("planner_vs_published")
     out: dict[str, Any] = {"published": {}, "h200": {}}
     with SHIPPED.open(newline="") as f:
         raws = list(csv.DictReader(f))
