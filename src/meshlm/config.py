@@ -83,6 +83,29 @@ class ModelSection:
     # the attention kernel: a name registered in models/attention.py (sdpa | eager | ...)
     attention: str | None = None
     sliding_window: int | None = None  # a query sees the last N keys (itself included); 0: all
+    # routing as published (models/config.py): softmax | sigmoid scores, renormalised top-k,
+    # group-limited top-k, routed output scale
+    moe_score: str | None = None
+    moe_norm_topk: bool | None = None
+    moe_n_group: int | None = None
+    moe_topk_group: int | None = None
+    moe_routed_scale: float | None = None
+    # multi-head latent attention (kv_lora_rank > 0) and YaRN rotary scaling (rope_factor > 1)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_factor: float | None = None
+    rope_original_max_len: int | None = None
+    rope_beta_fast: float | None = None
+    rope_beta_slow: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    qk_norm: bool | None = None  # per-head RMSNorm of queries and keys (Qwen3)
+    # multi-token prediction: depth (0: none) and the weight of its loss
+    mtp_depth: int | None = None
+    mtp_loss_weight: float | None = None
     # A Hugging Face folder (config.json + safetensors: its shape replaces the preset's) or a
     # meshlm run/checkpoint dir to take the initial weights from; "" -> drawn from train.seed.
     init_from: str = ""

@@ -21,6 +21,7 @@ from . import flex_spec  # noqa: F401  (registers flex's description)
 from .attention_spec import SPECS
 
 MOE_BALANCE = ("aux", "seq_aux", "bias")  # load-balancing methods (models/moe.py)
+MOE_SCORES = ("softmax", "sigmoid")  # router scores (Mixtral / Qwen3-MoE, DeepSeek-V3)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,40 @@ class ModelConfig:
     # most sliding_window - 1 positions before it (0: every earlier key; Mistral, gpt-oss)
     attention: str = "sdpa"
     sliding_window: int = 0
+    # Routing as published: the router's scores (softmax: Mixtral, Qwen3-MoE; sigmoid:
+    # DeepSeek-V3), whether the top-k weights are renormalised to sum to 1 (Qwen3's
+    # norm_topk_prob), group-limited selection (DeepSeek-V3: the experts in moe_n_group groups,
+    # the top-k taken inside the moe_topk_group best groups) and the routed output's scale
+    # (DeepSeek-V3's routed_scaling_factor)
+    moe_score: str = "softmax"
+    moe_norm_topk: bool = True
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_routed_scale: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: keys and values from
+    # a compressed latent of kv_lora_rank (with its RMSNorm), queries through a q_lora_rank
+    # latent (0: a direct projection, DeepSeek-V2-Lite); each head's query/key is a
+    # qk_nope_head_dim part and a qk_rope_head_dim rotary part (the rotary key shared by all
+    # heads), its value v_head_dim wide
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN rotary scaling (Peng et al. 2023; DeepSeek-V3's rope_scaling) when rope_factor > 1:
+    # the context rope_original_max_len was trained at, stretched rope_factor times
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    # RMSNorm of each head's query and key before the rotation (Qwen3)
+    qk_norm: bool = False
+    # Multi-token prediction (DeepSeek-V3): mtp_depth extra modules, depth k predicting the
+    # token k + 1 ahead; their mean loss enters the objective times mtp_loss_weight
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -107,6 +142,59 @@ class ModelConfig:
             out.append(f"model.attention={self.attention!r} is not one of {', '.join(SPECS)}")
         if self.moe_first_dense > self.n_layers:
             out.append(f"model.moe_first_dense={self.moe_first_dense} exceeds n_layers")
+        return out + self._routing_problems() + self._mla_problems() + self._mtp_problems()
+
+    def _routing_problems(self) -> list[str]:
+        out: list[str] = []
+        if self.moe_score not in MOE_SCORES:
+            out.append(f"model.moe_score={self.moe_score!r} is not one of {', '.join(MOE_SCORES)}")
+        if not self.moe_routed_scale > 0:
+            out.append(f"model.moe_routed_scale={self.moe_routed_scale} must be positive")
+        g, tg = self.moe_n_group, self.moe_topk_group
+        if g < 1 or tg < 1:
+            out.append(f"model.moe_n_group={g} and model.moe_topk_group={tg} must be >= 1")
+        elif tg > g:
+            out.append(f"model.moe_topk_group={tg} exceeds model.moe_n_group={g} (the groups "
+                       "the top-k is taken from are some of the n_group groups)")
+        elif self.is_moe and self.moe_experts % g:
+            out.append(f"model.moe_n_group={g} does not divide model.moe_experts="
+                       f"{self.moe_experts} (experts fall into n_group equal groups)")
+        elif self.is_moe and g > 1 and self.moe_topk > tg * (self.moe_experts // g):
+            out.append(f"model.moe_topk={self.moe_topk} exceeds the experts of "
+                       f"model.moe_topk_group={tg} groups ({tg * (self.moe_experts // g)})")
+        return out
+
+    def _mla_problems(self) -> list[str]:
+        out: list[str] = []
+        for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "rope_original_max_len"):
+            if getattr(self, f) < 0:
+                out.append(f"model.{f} must be >= 0, got {getattr(self, f)}")
+        if self.is_mla:
+            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) <= 0:
+                    out.append(f"model.{f}={getattr(self, f)} must be positive with multi-head "
+                               f"latent attention (model.kv_lora_rank={self.kv_lora_rank})")
+            if self.qk_rope_head_dim % 2:
+                out.append(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for "
+                           "rotary embeddings")
+        elif self.q_lora_rank:
+            out.append(f"model.q_lora_rank={self.q_lora_rank} needs multi-head latent "
+                       "attention (model.kv_lora_rank > 0)")
+        if self.rope_factor < 1:
+            out.append(f"model.rope_factor={self.rope_factor} must be >= 1 (1: no YaRN scaling)")
+        elif self.rope_factor > 1 and self.rope_original_max_len <= 0:
+            out.append(f"model.rope_factor={self.rope_factor} needs model.rope_original_max_len "
+                       "(the context the model was trained at before YaRN)")
+        return out
+
+    def _mtp_problems(self) -> list[str]:
+        out: list[str] = []
+        if self.mtp_depth < 0:
+            out.append(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0: no multi-token "
+                       "prediction)")
+        if self.mtp_loss_weight < 0:
+            out.append(f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
         return out
 
     # ----------------------------------------------------------------- derived
@@ -114,6 +202,16 @@ class ModelConfig:
     def hd(self) -> int:
         """Per-head dimension."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of a query/key head that are rotated (MLA: only its rotary part)."""
+        return self.qk_rope_head_dim if self.is_mla else self.hd
 
     @property
     def is_moe(self) -> bool:
