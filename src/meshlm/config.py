@@ -45,7 +45,7 @@ from .layout import (
 )
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
-from .schema import Choice, Range, Rule, declare, jointly, key_of, rules, section_keys
+from .schema import Choice, Range, Rule, declare, key_of, rules, section_keys
 
 # precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
 DTYPES = AUTOCAST_NAMES
@@ -135,6 +135,10 @@ class DataSection:
     doc_mask: bool = False
 
 
+# The layout's defaults, declared once on :class:`Layout` (dp differs: 0 here, inferred).
+_LAYOUT: dict[str, Any] = {f.name: f.default for f in fields(Layout)}
+
+
 @dataclass
 class TrainSection:
     steps: int = declare(500, Range(gt=0))
@@ -167,7 +171,7 @@ class TrainSection:
     peak_flops: float = declare(0.0, Range(ge=0, note="0: measured or datasheet"))
     # activation recomputation: none | selective (attention core) | op (every other matmul
     # output kept) | full (whole decoder layers); see parallel/recompute.py
-    recompute: str = declare("none", Choice(RECOMPUTE))  # (checked by the layout)
+    recompute: str = declare(_LAYOUT["recompute"], Choice(RECOMPUTE))  # (checked by the layout)
     # torch (whole logits) | chunked (LM head + loss over token chunks)
     loss: str = declare("torch", Choice(("torch", "chunked")))
     # torch.compile each decoder block, the final norm + head and the loss after
@@ -186,32 +190,34 @@ class TrainSection:
 
 @dataclass
 class ParallelSection:
-    # The layout's keys (all but offload_dir, bucket_mb, auto) are checked by Layout.problems
-    # (dp, islands and offload also by validate, first); their values come from meshlm.layout.
+    # The layout's keys (all but offload_dir, bucket_mb, auto): their defaults and named values
+    # come from meshlm.layout; validate checks each against its rule, then Layout.problems
+    # how they combine with each other and the model.
     # 0 -> inferred: world / (pp * cp * tp) under torchrun or SLURM, else 1
     dp: int = declare(0, Range(ge=1, zero="inferred from the world size"))
-    tp: int = declare(1, Range(ge=1))
-    sp: bool = False
-    pp: int = declare(1, Range(ge=1))
-    pp_schedule: str = declare("1f1b", Choice(SCHEDULES))
-    pp_virtual: int = declare(1, Range(ge=1))
-    pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
-    cp: int = declare(1, Range(ge=1))
+    tp: int = declare(_LAYOUT["tp"], Range(ge=1))
+    sp: bool = _LAYOUT["sp"]
+    pp: int = declare(_LAYOUT["pp"], Range(ge=1))
+    pp_schedule: str = declare(_LAYOUT["pp_schedule"], Choice(SCHEDULES))
+    pp_virtual: int = declare(_LAYOUT["pp_virtual"], Range(ge=1))
+    # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
+    pp_layers: str = _LAYOUT["pp_layers"]
+    cp: int = declare(_LAYOUT["cp"], Range(ge=1))
     # zigzag | ring | ulysses (context-parallel attention)
-    cp_attention: str = declare("zigzag", Choice(CP_MODES))
-    ep: int = declare(1, Range(ge=1))
-    zero: int = declare(0, Choice(ZERO_STAGES))
+    cp_attention: str = declare(_LAYOUT["cp_attention"], Choice(CP_MODES))
+    ep: int = declare(_LAYOUT["ep"], Range(ge=1))
+    zero: int = declare(_LAYOUT["zero"], Choice(ZERO_STAGES, spoken=True))
     # optimizer states: none | cpu (host memory, GPU runs) | disk (memmap)
-    offload: str = declare("none", Choice(OFFLOADS))
+    offload: str = declare(_LAYOUT["offload"], Choice(OFFLOADS))
     offload_dir: str = ""  # where offload=disk keeps them; "" -> <run.dir>/offload
     bucket_mb: float = declare(25.0, Range(gt=0))  # gradient bucket size of DDP and ZeRO-1/2
     auto: bool = False  # let the planner pick the layout of the world (see meshlm plan)
     # DiLoCo: islands of the inner layout above, synchronised every diloco.inner_steps steps
     # (world = islands * pp * dp * cp * tp); 1 = plain synchronous training
-    islands: int = declare(1, Range(ge=1))
+    islands: int = declare(_LAYOUT["islands"], Range(ge=1))
     # hybrid sharding (HSDP): ZeRO shards over groups of dp_shard dp ranks (within a node),
     # replicated dp / dp_shard times (across nodes); 0 -> all of dp (plain ZeRO)
-    dp_shard: int = declare(0, Range(ge=1, zero="all of dp"))
+    dp_shard: int = declare(_LAYOUT["dp_shard"], Range(ge=1, zero="all of dp"))
 
 
 @dataclass
@@ -280,6 +286,7 @@ class CheckpointSection:
 
 
 RESUME_MODES = ("false", "true", "auto")
+RESUME_RULE = Choice(RESUME_MODES, booleans=True)
 
 
 @dataclass
@@ -287,7 +294,7 @@ class RunSection:
     dir: str = ""  # "" -> runs/<preset>-<timestamp>
     # "true": continue from the latest checkpoint in run.dir (there must be one); "auto": the
     # same when there is one, else start fresh; "false": a new run (run.dir must be empty)
-    resume: str = declare("false", Choice(RESUME_MODES))
+    resume: str = declare("false", RESUME_RULE)
     # tokens sampled at the end of training (0: none)
     sample_tokens: int = declare(120, Range(ge=0))
     sample_prompt: str = "def "
@@ -390,6 +397,13 @@ RULES: dict[str, Rule] = {
 }
 
 
+# The field each declared key is stored in ("checkpoint.async" -> async_save).
+_FIELD: dict[str, str] = {
+    f"{name}.{key}": field_name for name, f in SECTIONS.items()
+    for key, field_name in section_keys(f.default_factory).items()  # type: ignore[arg-type]
+}
+
+
 # ------------------------------------------------------------------ parsing values
 def _base_type(tp: Any) -> tuple[type, bool]:
     """(scalar type, optional?) of a field annotation such as ``int | None``."""
@@ -476,8 +490,7 @@ def resume_mode(value: Any, key: str = "run.resume") -> str:
     ``"true"``/``"false"``."""
     mode = _resume_spelling(value)
     if mode is None:
-        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(RESUME_MODES)} "
-                          "(or a boolean)")
+        raise ConfigError(RESUME_RULE.problem(key, value))
     return mode
 
 
@@ -641,21 +654,6 @@ def _refuse(problem: str | None) -> None:
         raise ConfigError(problem)
 
 
-def _declared(cfg: Config, *keys: str) -> None:
-    """Check each of ``keys`` (``section.key``) against the rule declared on its field."""
-    for dotted in keys:
-        section, _, name = dotted.partition(".")
-        _refuse(RULES[dotted].problem(dotted, getattr(getattr(cfg, section), name)))
-
-
-def _declared_jointly(cfg: Config, *keys: str) -> None:
-    """Check ``keys``, which share one declared :class:`Range`, in one message."""
-    rule = RULES[keys[0]]
-    assert isinstance(rule, Range) and all(RULES[k] == rule for k in keys)
-    values = {k: getattr(getattr(cfg, k.partition(".")[0]), k.partition(".")[2]) for k in keys}
-    _refuse(jointly(rule, values))
-
-
 def _resolved_layout(cfg: Config) -> Layout:
     """:meth:`Config.layout` with the micro-batch :func:`resolve` derives (when it does)."""
     layout = cfg.layout()
@@ -670,21 +668,21 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     """Every rule that can be checked without reading data; raises ConfigError naming the
     first broken one, and changes nothing in ``cfg``.
 
-    Single keys are checked against the rules declared on their fields (:data:`RULES`); the
-    rules here relate keys, files and packages. A micro-batch left to :func:`resolve` is
-    checked as resolve derives it, so the result is the same before and after resolve.
+    First every key against the rule declared on its field (:data:`RULES`, in declaration
+    order: no key is listed here), then the rules that relate keys, files and packages. A
+    micro-batch left to :func:`resolve` is checked as resolve derives it, so the result is the
+    same before and after resolve.
     """
     t, p, d = cfg.train, cfg.parallel, cfg.data
-    _declared(cfg, "model.preset")
+    for dotted, rule in RULES.items():
+        section, _, key = dotted.partition(".")
+        _refuse(rule.problem(dotted, getattr(getattr(cfg, section), _FIELD[dotted])))
     if cfg.model.init_from and check_paths:
         _check(Path(cfg.model.init_from).expanduser().exists(),
                f"model.init_from={cfg.model.init_from!r} does not exist")
     mc = cfg.model_config()
-    _declared(cfg, "train.steps", "train.global_batch", "train.micro_batch", "parallel.dp",
-              "parallel.islands")
     if _micro_batch_follows(cfg):
         _refuse(_auto_micro_batch_problem(cfg, max(1, p.dp)))
-    _declared(cfg, "train.on_nonfinite", "train.max_skips", "run.malloc_mmap_kb")
     _check(not (cfg.run.malloc_keep and cfg.run.malloc_mmap_kb),
            f"run.malloc_keep=true and run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} contradict "
            "each other (keep freed memory vs return it): set one")
@@ -698,22 +696,15 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
             check_compiler("cuda" if torch.cuda.is_available() else "cpu")
         except CompileError as e:
             raise ConfigError(str(e)) from None
-    _declared(cfg, "distributed.timeout_s", "distributed.init_timeout_s",
-              "distributed.flight_records", "distributed.straggler_threshold",
-              "distributed.straggler_steps")
     _check(t.lr > 0 and 0 <= t.min_lr <= t.lr,
            f"train.lr={t.lr} and train.min_lr={t.min_lr} must satisfy 0 <= min_lr <= lr, lr > 0")
-    _declared(cfg, "train.warmup_steps")
-    _declared_jointly(cfg, "train.beta1", "train.beta2")
-    _declared(cfg, "train.grad_clip", "train.eps", "train.optimizer", "train.adamw_impl")
     _check(t.optimizer == "adamw" or p.offload == "none",
            f"parallel.offload={p.offload} offloads AdamW moments: it needs train.optimizer=adamw")
-    _declared(cfg, "train.seed", "train.weight_decay", "train.peak_flops",
-              "train.eval_batch_size", "train.eval_every", "train.eval_batches",
-              "train.checkpoint_every", "train.log_every", "data.seq_len")
     _check(d.seq_len <= mc.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mc.max_seq_len}")
-    _declared(cfg, "data.vocab_size", "data.val_fraction")
+    _check(d.seq_len > mc.mtp_depth + 1,
+           f"data.seq_len={d.seq_len} leaves no target for multi-token prediction depth "
+           f"model.mtp_depth={mc.mtp_depth} (needs seq_len > mtp_depth + 1)")
     if d.path and check_paths:
         _check(Path(d.path).expanduser().exists(), f"data.path={d.path!r} does not exist")
     if d.tokenizer and check_paths:
@@ -725,9 +716,6 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
         for folder, _ in parse_mix(d.mix):
             _check(not check_paths or Path(folder).expanduser().is_dir(),
                    f"data.mix: {folder!r} is not a folder (a dataset made by meshlm prepare)")
-    _declared(cfg, "precision.dtype", "precision.grad_reduce_dtype", "precision.loss_scale",
-              "precision.loss_scale_window", "precision.fp8_recipe", "precision.fp8_rest",
-              "train.loss", "train.loss_chunk", "parallel.offload")
     if cfg.precision.dtype == "fp8":
         _check(importlib.util.find_spec("torchao") is not None,
                'precision.dtype=fp8 needs torchao, which is not installed '
@@ -739,26 +727,22 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     validate_diloco(cfg, mc.n_layers)
     problems = training_problems(cfg, _resolved_layout(cfg), mc)
     _check(not problems, problems[0] if problems else "")
-    _declared(cfg, "parallel.bucket_mb")
     _check(t.eval_every == 0 or t.eval_batches >= 1,
            f"train.eval_batches={t.eval_batches} must be >= 1 when train.eval_every > 0")
     _check(cfg.run.sample_tokens == 0 or bool(cfg.run.sample_prompt),
            "run.sample_prompt must not be empty when run.sample_tokens > 0")
-    _declared(cfg, "checkpoint.keep")
     resume = resume_mode(cfg.run.resume)  # (raises ConfigError)
     if resume != "false":
         _check(bool(cfg.run.dir), f"run.resume={resume} needs run.dir naming the run to continue")
     if cfg.run.tensorboard:
         _check(importlib.util.find_spec("tensorboard") is not None,
                "run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
-    _declared(cfg, "run.sample_tokens")
 
 
 def validate_diloco(cfg: Config, n_layers: int) -> None:
-    """The ``[diloco]`` keys, and what islands cannot be combined with."""
+    """What the ``[diloco]`` keys and islands cannot be combined with (their own rules are
+    declared)."""
     g, p = cfg.diloco, cfg.parallel
-    _declared(cfg, "diloco.inner_steps", "diloco.outer_lr", "diloco.outer_momentum",
-              "diloco.reduce_dtype")
     _check(1 <= g.fragments <= n_layers,
            f"diloco.fragments={g.fragments} must lie in [1, model.n_layers={n_layers}] "
            "(fragments are groups of whole layers)")

@@ -35,6 +35,9 @@ class Choice:
 
     values: tuple[Any, ...]
     what: str = ""
+    spoken: bool = False  # the message reads ``key=4 must be 0, 1, 2 or 3`` (a short list)
+    # booleans and their spellings are read as two of the values (``run.resume``)
+    booleans: bool = False
 
     def allows(self, value: Any) -> bool:
         return value in self.values
@@ -43,10 +46,20 @@ class Choice:
     def listed(self) -> str:
         return ", ".join(str(v) for v in self.values)
 
+    @property
+    def spoken_list(self) -> str:
+        """``0, 1, 2 or 3``."""
+        *head, last = (str(v) for v in self.values)
+        return f"{', '.join(head)} or {last}" if head else last
+
     def problem(self, key: str, value: Any) -> str | None:
         """The message for ``key=value`` (None: the value is allowed)."""
         if self.allows(value):
             return None
+        if self.spoken:
+            return f"{key}={value} must be {self.spoken_list}"
+        if self.booleans:
+            return f"{key}={value!r}: expected one of {self.listed} (or a boolean)"
         if self.what:
             return f"{key}={value!r} is not a {self.what} (valid: {self.listed})"
         return f"{key}={value!r} is not one of {self.listed}"
