@@ -55,15 +55,15 @@ def test_config_mesh_and_planner_use_the_one_type() -> None:
 def test_config_round_trips_through_the_layout() -> None:
     cfg = load_config(None, ["--model.preset=tiny", "--train.micro_batch=4"])
     lo = Layout(pp=2, dp=2, pp_schedule="interleaved", pp_virtual=2, micro_batch=2, zero=1)
-    cfg.set_layout(lo)
+    cfg = cfg.with_layout(lo)
     assert cfg.layout() == lo
     assert (cfg.parallel.pp_schedule, cfg.train.micro_batch, cfg.world_size) == (
         "interleaved", 2, 4)
     assert cfg.grad_accum == lo.micro_batches(cfg.train.global_batch) == 4
-    cfg.set_layout(Layout(recompute="full"))  # recomputation is train.recompute
+    cfg = cfg.with_layout(Layout(recompute="full"))  # recomputation is train.recompute
     assert cfg.train.recompute == "full" and cfg.layout().recompute == "full"
     with pytest.raises(ConfigError, match="tp overlap is not a config key"):
-        cfg.set_layout(Layout(tp_overlap=True))
+        cfg.with_layout(Layout(tp_overlap=True))
 
 
 def test_describe_parses_back() -> None:
@@ -159,10 +159,11 @@ def test_resolve_world_checks_the_inferred_dp_without_validate(
     with pytest.raises(ConfigError, match="train.global_batch=6 is not divisible by "
                                           "train.micro_batch \\* parallel.dp = 1 \\* 4 = 4"):
         resolve_world(bad, 4)
-    assert resolve_world(ok, 4).layout().dp == 4
-    assert resolve_world(ok, 4).layout().dp == 4  # a set dp is only checked against the world
+    resolved = resolve_world(ok, 4)
+    assert resolved.layout().dp == 4 and ok.parallel.dp == 0  # a copy: ok is left as it is
+    assert resolve_world(resolved, 4).layout().dp == 4  # a set dp is only checked
     with pytest.raises(ConfigError, match="does not fit the world"):
-        resolve_world(ok, 8)
+        resolve_world(resolved, 8)
     assert not calls
 
 

@@ -973,8 +973,7 @@ def test_auto_layout_proposes_a_valid_config() -> None:
                              "--train.micro_batch=16", "--data.seq_len=64"])
     layout = auto_layout(cfg, 4)
     assert layout.dp * layout.tp * layout.pp * layout.cp == 4
-    cfg.set_layout(layout)
-    validate(cfg, check_paths=False)  # the proposal passes meshlm's own validation
+    validate(cfg.with_layout(layout), check_paths=False)  # passes meshlm's own validation
     with pytest.raises(ConfigError):
         auto_layout(load_config(None, ["--model.preset=tiny", "--train.global_batch=3",
                                        "--train.micro_batch=3"]), 0)
@@ -1020,8 +1019,7 @@ def test_auto_layout_turns_on_recomputation_only_when_memory_needs_it(
         layout = auto_layout(cfg, 1)
         assert (layout.recompute != "none") == (want == "recomputing"), (want, layout)
         assert memory_of(work, layout, cpu).total <= device_bytes
-        chosen = load_config(None, args)
-        chosen.set_layout(layout)
+        chosen = load_config(None, args).with_layout(layout)
         assert chosen.train.recompute == layout.recompute
         validate(chosen, check_paths=False)
 
@@ -1060,8 +1058,9 @@ def test_automatic_micro_batch_really_fits_on_one_h200(monkeypatch: pytest.Monke
     cfg = load_config(None, [*shape, "--data.seq_len=2048", "--data.vocab_size=32000",
                              "--precision.dtype=bf16", "--train.global_batch=64"])
     assert cfg.micro_batch_auto and cfg.train.micro_batch == 64
-    line = fit_micro_batch(cfg)
-    m = cfg.train.micro_batch
+    fitted, line = fit_micro_batch(cfg)
+    assert cfg.train.micro_batch == 64  # (a copy: the validated config is left as it is)
+    cfg, m = fitted, fitted.train.micro_batch
     assert line is not None and f"train.micro_batch: {m} " in line and 1 <= m < 64
     work = config_workload(cfg, config_vocab(cfg))
     assert memory(work, cfg.layout(), h200).fits

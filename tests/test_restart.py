@@ -164,13 +164,14 @@ def test_agree_run_dir_settles_the_mode(tmp_path: Path, checkpoints: dict[Path, 
     run = tmp_path / "run"
     cfg = _cfg(run, "auto")
     comm = Comm(Mesh(cfg.layout()), CommLog())
-    assert agree_run_dir(cfg, comm) == run and cfg.run.resume == "false"
+    agreed, folder = agree_run_dir(cfg, comm)
+    assert folder == run and agreed.run.resume == "false" and cfg.run.resume == "auto"
     _with_checkpoint(run, checkpoints)
-    cfg = _cfg(run, "auto")
-    assert agree_run_dir(cfg, comm) == run and cfg.run.resume == "true"
+    agreed, folder = agree_run_dir(_cfg(run, "auto"), comm)
+    assert folder == run and agreed.run.resume == "true"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    cfg = _cfg(run, "false")
-    assert agree_run_dir(cfg, comm, log=lambda _m: None) == run and cfg.run.resume == "true"
+    agreed, folder = agree_run_dir(_cfg(run, "false"), comm, log=lambda _m: None)
+    assert folder == run and agreed.run.resume == "true"
 
 
 def test_compatibility_without_a_saved_config(tmp_path: Path) -> None:

@@ -119,9 +119,11 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"--max-restarts restarts the workers meshlm starts itself; this "
                           f"process is one rank of a {world.source} world, so let its launcher "
                           "restart them (e.g. torchrun --max-restarts)")
+    # load_config validated cfg; what is derived from here on goes into new configs, and the
+    # one a run reads is sealed (meshlm.config.Section): nothing writes it
     if cfg.parallel.auto:
-        apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
-    resolve_world(cfg, world.world_size if world else None)
+        cfg = apply_auto_layout(cfg, world.world_size if world else cfg.world_size)
+    cfg = resolve_world(cfg, world.world_size if world else None)
     from .planner.cli import fit_micro_batch, oom_advice
 
     if world is None and (cfg.world_size > 1 or args.max_restarts) and not args.dry_run:
@@ -130,7 +132,8 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         # local workers will fork from it: its imports (torch, meshlm: seconds) run beside this
         # process's own and its checks, not before the first fork
         start_worker_server()
-    if (line := fit_micro_batch(cfg)) and (world is None or world.rank == 0):
+    cfg, line = fit_micro_batch(cfg)
+    if line and (world is None or world.rank == 0):
         print(line)
     if not args.dry_run:
         refuse_if_too_big(cfg)
@@ -141,7 +144,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         for line in config_memory(cfg):
             print(line)
         return 0
-    from .train.run_dir import claim_run_dir
+    from .train.run_dir import claim_run_dir, with_run_dir
     from .train.trainer import prepare_launch, run_worker, train
 
     # The run directory is this run's (a lock, meshlm/run_lock.py) from here to its end:
@@ -164,6 +167,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
             for k, v in nccl_flight_env(str(Path(cfg.run.dir).expanduser() / "flight")).items():
                 os.environ.setdefault(k, v)
+        cfg = with_run_dir(cfg).sealed()  # (rank 0's name is the world's: agree_run_dir)
         lock, refused = None, ""
         if world.rank == 0:  # rank 0 claims it for the world; the others learn a refusal
             try:
@@ -197,6 +201,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         from .launch import launch_local, refuse_local_ranks
 
         refuse_local_ranks(cfg.world_size)  # (CUDA: one GPU per rank; nothing written yet)
+        cfg = with_run_dir(cfg).sealed()
         with claim_run_dir(cfg) as lock:  # held by this process and by every worker
             prepare_launch(cfg)  # run dir and data checked (and data cached) before any worker
             results = launch_local(cfg.world_size, run_worker, cfg, oom_advice,
@@ -206,6 +211,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
                                    hold=lock.handle())
         _say_how_to_resume(results[0], argv_rest=rest, config=args.config)
     else:
+        cfg = with_run_dir(cfg).sealed()
         with claim_run_dir(cfg):
             result = train(cfg, oom_advice=oom_advice)
         _say_how_to_resume(result, argv_rest=rest, config=args.config)
@@ -237,8 +243,9 @@ def _say_how_to_resume(result, argv_rest: list[str], config: str | None) -> None
           f"checkpoint; to continue: {line}", flush=True)
 
 
-def apply_auto_layout(cfg, world_size: int) -> None:  # noqa: ANN001
-    """``parallel.auto=true``: the planner's best layout of ``world_size`` ranks.
+def apply_auto_layout(cfg, world_size: int):  # noqa: ANN001, ANN201
+    """``parallel.auto=true``: a copy of ``cfg`` with the planner's best layout of
+    ``world_size`` ranks.
 
     Under torchrun/SLURM the world is given; otherwise its size is pp * dp * cp * tp of the
     config (e.g. ``--parallel.dp=4`` means "4 local ranks, planner's choice of layout"). The
@@ -247,8 +254,8 @@ def apply_auto_layout(cfg, world_size: int) -> None:  # noqa: ANN001
     from .planner.cli import auto_layout
 
     layout = auto_layout(cfg, world_size)
-    cfg.set_layout(layout)
     print(f"parallel.auto: {world_size} ranks -> {layout.describe()}")
+    return cfg.with_layout(layout)
 
 
 def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:

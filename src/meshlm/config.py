@@ -13,8 +13,13 @@ changing anything, before any worker starts or any file is written; a bad value 
 from the declaration. The ``[parallel]`` keys and ``train.micro_batch`` are read as one
 :class:`~meshlm.layout.Layout` (:meth:`Config.layout`), checked by the layout's own rules;
 :func:`resolve_world` fixes what depends on the world. ``run.resume`` is a mode (``false``,
-``true``, ``auto``); booleans are read as the first two, also when set in code. The resolved
-config is written as ``config.toml`` into the run directory.
+``true``, ``auto``); booleans are read as the first two, also when set in code.
+
+Nothing writes a config after :func:`validate`: what is derived later (the world's dp, the
+automatic layout and micro-batch, the run directory, the resume decision) goes into a new
+config (:meth:`Config.derive`, :meth:`Config.with_layout`, :func:`resolve_world`), and the one a
+run reads is sealed (:meth:`Config.sealed`: a write raises). That resolved config is written as
+``config.toml`` into the run directory.
 
 No communication; reading ``model.init_from``'s ``config.json`` is the only file access besides
 the TOML file and the existence checks of paths.
@@ -22,6 +27,7 @@ the TOML file and the existence checks of paths.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import os
@@ -55,8 +61,23 @@ class ConfigError(ValueError):
     """A user mistake in the configuration; its message is one line for the terminal."""
 
 
+_SEALED = "_sealed"  # the instance attribute marking a section (or config) frozen
+
+
+class Section:
+    """Base of the config and its sections: once sealed (:meth:`Config.sealed`: the resolved
+    config a run reads), a write raises; what changes is a new config (:meth:`Config.derive`).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get(_SEALED):
+            raise AttributeError(f"the resolved config is frozen: {type(self).__name__}.{name} "
+                                 "cannot change (derive a new config: Config.derive)")
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class ModelSection:
+class ModelSection(Section):
     """``preset`` plus optional overrides of any :class:`ModelConfig` field, and where the
     initial weights come from (``init_from``; not a shape field)."""
 
@@ -116,7 +137,7 @@ _NOT_SHAPE = ("preset", "init_from")
 
 
 @dataclass
-class DataSection:
+class DataSection(Section):
     path: str = ""  # "" -> the embedded default corpus (this interpreter's standard library)
     tokenizer: str = ""  # a tokenizer.json; "" -> train a byte-level BPE on the corpus (cached)
     # size of the BPE trained when no tokenizer is given (token ids are stored as uint32)
@@ -140,7 +161,7 @@ _LAYOUT: dict[str, Any] = {f.name: f.default for f in fields(Layout)}
 
 
 @dataclass
-class TrainSection:
+class TrainSection(Section):
     steps: int = declare(500, Range(gt=0))
     global_batch: int = declare(16, Range(gt=0))  # sequences per optimizer step
     # sequences per forward/backward on one data-parallel rank; 0 -> global_batch / dp, made
@@ -189,7 +210,7 @@ class TrainSection:
 
 
 @dataclass
-class ParallelSection:
+class ParallelSection(Section):
     # The layout's keys (all but offload_dir, bucket_mb, auto): their defaults and named values
     # come from meshlm.layout; validate checks each against its rule, then Layout.problems
     # how they combine with each other and the model.
@@ -221,7 +242,7 @@ class ParallelSection:
 
 
 @dataclass
-class PrecisionSection:
+class PrecisionSection(Section):
     # fp8: the decoder blocks' linears in float8 (needs torchao: pip install "meshlm[fp8]"),
     # the rest in fp8_rest
     dtype: str = declare("fp32", Choice(PRECISIONS))
@@ -238,13 +259,13 @@ class PrecisionSection:
 
 
 @dataclass
-class ProfileSection:
+class ProfileSection(Section):
     # optimizer steps to record with torch.profiler, "3-5" or "4"; "" -> no profiling
     steps: str = ""
 
 
 @dataclass
-class DistributedSection:
+class DistributedSection(Section):
     # seconds a collective may wait for its peers before the job stops with a diagnosis (after
     # the first step); start-up and the first step get init_timeout_s (data, compilation)
     timeout_s: float = declare(600.0, Range(gt=0))
@@ -259,7 +280,7 @@ class DistributedSection:
 
 
 @dataclass
-class DilocoSection:
+class DilocoSection(Section):
     # DiLoCo (Douillard et al. 2023) across parallel.islands > 1 islands; see parallel/diloco.py
     # H: optimizer steps each island takes between synchronisations
     inner_steps: int = declare(50, Range(ge=1))
@@ -276,7 +297,7 @@ class DilocoSection:
 
 
 @dataclass
-class CheckpointSection:
+class CheckpointSection(Section):
     # keep the last K complete checkpoints; 0 -> keep all
     keep: int = declare(0, Range(ge=0, note="0 keeps every checkpoint"))
     # key ``checkpoint.async`` (a Python keyword, hence the field's name): the step loop goes
@@ -290,7 +311,7 @@ RESUME_RULE = Choice(RESUME_MODES, booleans=True)
 
 
 @dataclass
-class RunSection:
+class RunSection(Section):
     dir: str = ""  # "" -> runs/<preset>-<timestamp>
     # "true": continue from the latest checkpoint in run.dir (there must be one); "auto": the
     # same when there is one, else start fresh; "false": a new run (run.dir must be empty)
@@ -316,7 +337,7 @@ class RunSection:
 
 
 @dataclass
-class Config:
+class Config(Section):
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -369,15 +390,43 @@ class Config:
         return Layout(**{**values, "dp": max(1, self.parallel.dp)},
                       micro_batch=self.train.micro_batch, recompute=self.train.recompute)
 
-    def set_layout(self, layout: Layout) -> None:
-        """Write ``layout`` into the ``[parallel]`` keys and ``train.micro_batch``."""
+    def with_layout(self, layout: Layout) -> Config:
+        """A copy with ``layout`` in the ``[parallel]`` keys and ``train.micro_batch``."""
         if layout.tp_overlap:
             raise ConfigError(f"layout {layout.describe()}: tp overlap is not a config key")
+        out = self.copy()
         for key in PARALLEL_KEYS:
-            setattr(self.parallel, key, getattr(layout, key))
-        self.train.micro_batch = layout.micro_batch
-        self.micro_batch_auto = False
-        self.train.recompute = layout.recompute
+            setattr(out.parallel, key, getattr(layout, key))
+        out.train.micro_batch = layout.micro_batch
+        out.micro_batch_auto = False
+        out.train.recompute = layout.recompute
+        return out
+
+    def copy(self) -> Config:
+        """A deep copy that can be written (also of a sealed config)."""
+        out = copy.deepcopy(self)
+        for part in (out, *(getattr(out, name) for name in SECTIONS)):
+            part.__dict__.pop(_SEALED, None)
+        return out
+
+    def derive(self, values: dict[str, Any]) -> Config:
+        """A copy with ``{"section.key": value}`` set (values of the fields' types)."""
+        out = self.copy()
+        for dotted, value in values.items():
+            section, _, key = dotted.partition(".")
+            setattr(getattr(out, section), _FIELD[dotted], value)
+        return out
+
+    def sealed(self) -> Config:
+        """A deep copy no code can write: the resolved config a run reads."""
+        out = self.copy()
+        for part in (out, *(getattr(out, name) for name in SECTIONS)):
+            object.__setattr__(part, _SEALED, True)
+        return out
+
+    @property
+    def is_sealed(self) -> bool:
+        return bool(self.__dict__.get(_SEALED))
 
     @property
     def world_size(self) -> int:
@@ -812,13 +861,15 @@ def training_problems(cfg: Config, layout: Layout, model_cfg: ModelConfig | None
 
 
 def resolve_world(cfg: Config, world_size: int | None) -> Config:
-    """Fix ``parallel.dp`` for a given world (None: this process launches the workers).
+    """A copy of ``cfg`` with ``parallel.dp`` fixed for a given world (None: this process
+    launches the workers); ``cfg`` itself is left as it is.
 
     Under torchrun or SLURM the world is given: dp is inferred as world / (pp * cp * tp) when
     left at 0, and an explicit dp must fill the world exactly. Only what the world changes is
     checked: its arithmetic and, for an inferred dp, the layout's rules (``load_config``
     validated the rest).
     """
+    cfg = cfg.copy()
     p = cfg.parallel
     inner = p.islands * p.pp * p.cp * p.tp
     if world_size is None:

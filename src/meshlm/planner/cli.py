@@ -344,36 +344,37 @@ def checkpoint_host_line(m: MemoryBreakdown, cpu: bool) -> str:
     return line
 
 
-def fit_micro_batch(cfg: Config) -> str | None:
+def fit_micro_batch(cfg: Config) -> tuple[Config, str | None]:
     """An automatic ``train.micro_batch`` (left at 0: global / (dp x islands)) made the
     largest divisor of global / (dp x islands) whose layout the planner says fits this
-    machine's device; the line saying so (None: unchanged). Nothing fits even at 1: left at 1
-    for the memory check to report."""
+    machine's device: (the config, a copy when it changed; the line saying so, None when
+    unchanged). Nothing fits even at 1: 1, for the memory check to report."""
     if not cfg.micro_batch_auto:
-        return None
+        return cfg, None
     try:
         hw = hardware_here("train.micro_batch")
     except ConfigError:
-        return None
+        return cfg, None
     work = config_workload(cfg, config_vocab(cfg))
-    per_rank = cfg.train.global_batch // (cfg.layout().dp * cfg.parallel.islands)
+    layout = cfg.layout()
+    per_rank = cfg.train.global_batch // (layout.dp * cfg.parallel.islands)
     start = cfg.train.micro_batch  # (under a pipeline already smaller: at least pp of them)
     for m in sorted((d for d in range(1, start + 1) if per_rank % d == 0), reverse=True):
-        cfg.train.micro_batch = m
-        if memory(work, cfg.layout(), hw).fits or m == 1:
+        if memory(work, replace(layout, micro_batch=m), hw).fits or m == 1:
             break
-    cfg.micro_batch_auto = True
-    if cfg.train.micro_batch == start:
-        return None
-    return (f"train.micro_batch: {cfg.train.micro_batch} (a micro-batch of {start} "
-            f"does not fit {hw.name} memory by the planner's estimate)")
+    if m == start:
+        return cfg, None
+    out = cfg.derive({"train.micro_batch": m})
+    out.micro_batch_auto = True
+    return out, (f"train.micro_batch: {m} (a micro-batch of {start} does not fit {hw.name} "
+                 "memory by the planner's estimate)")
 
 
 def auto_layout(cfg: Config, world_size: int) -> Layout:
     """Best layout of ``world_size`` ranks for ``cfg`` among those meshlm's trainer runs.
 
     Every candidate goes through :func:`meshlm.config.training_problems`, so only what
-    training supports is proposed (apply it with ``cfg.set_layout``). Raises ConfigError when
+    training supports is proposed (apply it with ``cfg.with_layout``). Raises ConfigError when
     nothing fits.
     """
     work = config_workload(cfg)

@@ -83,16 +83,26 @@ def _holds_files(run_dir: Path) -> bool:
 
 
 def name_run_dir(cfg: Config, log: Log = print, restarts: int | None = None) -> Path:
-    """The run directory; ``run.dir`` is set to ``runs/<preset>-<timestamp>`` when it was left
-    empty. ``restarts`` as in :func:`effective_resume`."""
+    """The run directory: ``run.dir``, or ``runs/<preset>-<timestamp>`` when it was left empty
+    (a new name at each call: :func:`with_run_dir` fixes one into a config). ``restarts`` as
+    in :func:`effective_resume`."""
     restarts = restart_count() if restarts is None else restarts
-    if not cfg.run.dir:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        cfg.run.dir = str(Path("runs") / f"{cfg.model.preset}-{stamp}")
-        if restarts > 0:
-            log(f"run.dir is not set: the restarted worker group starts a new run in {cfg.run.dir}"
-                " (set run.dir to continue the same run after a restart)")
-    return Path(cfg.run.dir).expanduser()
+    if cfg.run.dir:
+        return Path(cfg.run.dir).expanduser()
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    named = Path("runs") / f"{cfg.model.preset}-{stamp}"
+    if restarts > 0:
+        log(f"run.dir is not set: the restarted worker group starts a new run in {named}"
+            " (set run.dir to continue the same run after a restart)")
+    return named
+
+
+def with_run_dir(cfg: Config, log: Log = print) -> Config:
+    """``cfg``, or a copy naming the run directory when ``run.dir`` was left empty, so that
+    every later check, the lock and the workers speak of one directory."""
+    if cfg.run.dir:
+        return cfg
+    return cfg.derive({"run.dir": str(name_run_dir(cfg, log))})
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -118,8 +128,8 @@ def claim_run_dir(cfg: Config, log: Log = print) -> DirLock:
 def plan_run_dir(cfg: Config, log: Log = print, restarts: int | None = None
                  ) -> tuple[Path, Path | None]:
     """(run directory, checkpoint to resume from or None to start at step 0); see the module
-    docstring for the rules. Sets ``run.dir`` when it was left empty; raises ConfigError when
-    the directory cannot be used. ``restarts`` as in :func:`effective_resume`."""
+    docstring for the rules (``run.dir`` left empty: a new name, see :func:`name_run_dir`);
+    raises ConfigError when the directory cannot be used. ``restarts`` as in :func:`effective_resume`."""
     restarts = restart_count() if restarts is None else restarts
     run_dir = name_run_dir(cfg, log, restarts)
     _check_writable(run_dir)
@@ -195,26 +205,28 @@ def environment() -> dict[str, Any]:
     }
 
 
-def agree_run_dir(cfg: Config, comm: Comm, log: Log = print) -> Path:
-    """Rank 0 checks the run dir and decides whether to resume; every rank gets both.
+def agree_run_dir(cfg: Config, comm: Comm, log: Log = print) -> tuple[Config, Path]:
+    """Rank 0 checks the run dir and decides whether to resume; every rank gets both, as a
+    copy of ``cfg`` (``cfg`` itself is left as it is) and the directory.
 
-    Afterwards ``cfg.run.resume`` is the decision on every rank: ``"true"`` when the run
+    In the copy ``run.resume`` is the decision on every rank: ``"true"`` when the run
     continues from the latest checkpoint in ``run.dir``, ``"false"`` when it starts at step 0.
     The restart count is the largest of all ranks' (on several nodes, only the agent whose
     workers failed counts a restart; the others restart theirs as a change of membership).
     """
-    error, mode = "", cfg.run.resume
+    error, mode, run_dir = "", cfg.run.resume, cfg.run.dir
     restarts = int(comm.max_scalar(float(restart_count())))
     if comm.mesh.is_logging_rank:
         try:
-            _, checkpoint = plan_run_dir(cfg, log, restarts)
+            folder, checkpoint = plan_run_dir(cfg, log, restarts)
+            run_dir = run_dir or str(folder)
             mode = "false" if checkpoint is None else "true"
         except ConfigError as e:
             error = str(e)
-    cfg.run.dir, cfg.run.resume, error = comm.broadcast_object([cfg.run.dir, mode, error])
+    run_dir, mode, error = comm.broadcast_object([run_dir, mode, error])
     if error:
         raise ConfigError(error)
-    return Path(cfg.run.dir).expanduser()
+    return cfg.derive({"run.dir": run_dir, "run.resume": mode}), Path(run_dir).expanduser()
 
 
 def write_run_files(run_dir: Path, cfg: Config, tokenizer: Tokenizer, extra: dict[str, Any]

@@ -98,16 +98,17 @@ class Trainer:
         clash = sorted(set(self.STATES) & set(states or {}))
         if clash:
             raise ValueError(f"stateful part names {clash} are the trainer's own")
-        self.cfg = cfg
         self.device = build_device()
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-        resolve_world(cfg, world)  # infers dp under torchrun/SLURM (load_config validated)
+        cfg = resolve_world(cfg, world)  # infers dp under torchrun/SLURM (load_config validated)
         self.mesh = Mesh(cfg.layout(), self.device.type)
         self.comm = Comm(self.mesh, comm_log if comm_log is not None else CommLog())
         self.main = self.mesh.is_logging_rank
         self.log = log if self.main else _quiet
         self.show_progress = progress and self.main
-        self.run_dir = agree_run_dir(cfg, self.comm, log=self.log)
+        cfg, self.run_dir = agree_run_dir(cfg, self.comm, log=self.log)
+        # the resolved config every part reads: sealed, nothing writes it
+        self.cfg = cfg = cfg.sealed()
         self.watch = CollectiveWatch(cfg.distributed, self.comm, self.run_dir)
         self.data = load_data(cfg.data, self.comm, self.log)
         self.memory = PhasePeaks(self.device)
@@ -296,6 +297,8 @@ def train(cfg: Config, log: Log = print, progress: bool = True,
     ``oom_advice``: what an out-of-memory line adds after the bytes (``train/oom.py``;
     ``meshlm train`` passes the planner's estimate and levers)."""
     set_process_policies(cfg.run)  # malloc, threads
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    cfg = resolve_world(cfg, world)  # (the layout an out-of-memory line describes)
     try:
         with phase("construction"):
             trainer = Trainer(cfg, log=log, progress=progress)
