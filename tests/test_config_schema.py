@@ -26,7 +26,7 @@ from meshlm.config import (
     validate,
 )
 from meshlm.planner import workload
-from meshlm.schema import Choice, Range, jointly, key_of
+from meshlm.schema import Choice, Range, key_of
 
 # Keys whose message is worded by their own reader or layout rule rather than "is not one
 # of": it still lists every allowed value.
@@ -195,8 +195,9 @@ def test_rule_messages() -> None:
     assert Range(gt=0).problem("x", float("inf")) is None
     assert Choice(("a", "b")).problem("k", "c") == "k='c' is not one of a, b"
     assert Choice(("a",), what="preset").problem("k", "c") == "k='c' is not a preset (valid: a)"
-    assert jointly(Range(ge=0, lt=1), {"a": 0.5, "b": 1.0}) == "a=0.5, b=1.0 must lie in [0, 1)"
-    assert jointly(Range(ge=0, lt=1), {"a": 0.5}) is None
+    assert Choice((0, 1, 2), spoken=True).problem("z", 4) == "z=4 must be 0, 1 or 2"
+    assert Choice(("false", "true"), booleans=True).problem("r", "x") == (
+        "r='x': expected one of false, true (or a boolean)")
 
 
 def test_a_key_spelled_apart_from_its_field(tmp_path) -> None:  # noqa: ANN001

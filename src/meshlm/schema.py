@@ -151,11 +151,3 @@ def rules(section: type, prefix: str) -> dict[str, Rule]:
     """``{prefix.key: rule}`` of every field of the dataclass ``section`` that declares one."""
     return {f"{prefix}.{key_of(f)}": f.metadata[_RULE] for f in fields(section)
             if _RULE in f.metadata}
-
-
-def jointly(rule: Range, values: dict[str, Any]) -> str | None:
-    """One message for keys that share ``rule`` (``a=1, b=2 must lie in [0, 1)``) when any of
-    ``values`` (key -> value) breaks it; None when none does."""
-    if all(rule.allows(v) for v in values.values()):
-        return None
-    return ", ".join(f"{k}={v}" for k, v in values.items()) + f" {rule.requirement}"
