@@ -48,8 +48,8 @@ so they are counted here.
 the 16-bit one otherwise, fp8 runs too (as torchtitan reports them).
 
 Communication: under fp8, per float8 linear and micro-batch, the amax all-reduces (max) that
-make every shard cast with the one-process scale (:meth:`PrecisionCost.amax_reductions`;
-described, not timed by the planner); fp16: one 4-byte all-reduce per step. Memory: as above.
+make every shard cast with the one-process scale (a few values each; not timed by the
+planner); fp16: one 4-byte all-reduce per step. Memory: as above.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ CAST_BYTES = {"forward": 6.0, "backward": 6.0, "accumulate": 12.0}
 # bytes moved by memory-bound ops per byte meshlm's block saves, by compute dtype (counted;
 # module docstring)
 C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0}  # fp16: bf16's casts
-AMAX_BYTES = 4  # an amax or scale value: fp32
 
 
 @dataclass(frozen=True)
@@ -169,22 +168,6 @@ class PrecisionCost:
             return 0.0
         return fp8_linear_peak(m, k, n, self.act_bytes)
 
-    def amax_reductions(self, recipe: str, m: float, k: float, n: float, column: bool
-                        ) -> dict[str, tuple[float, float]]:
-        """fp32 values of the two amax all-reduces (max) one float8 linear makes per
-        micro-batch over each axis that shards what a scale covers (``parallel/float8.py``):
-        ``{"tp": (a, b), "cp": (a, b)}`` (``column``: column-parallel over tp, else
-        row-parallel); bytes: :data:`AMAX_BYTES` per value. Tensorwise: one value per tensor
-        (tp: ``W`` and ``dy`` or ``x``; cp: ``x`` and ``dy``). Rowwise: one per row of the
-        operands whose reduced dimension is sharded -- tp column-parallel the ``dx`` operands
-        (``dy``: m, ``W``: k), row-parallel the forward ones (``x``: m, ``W``: n); cp the
-        ``dW`` operands (``dy``: n, ``x``: k). Empty when the linears are not float8."""
-        if not self.float8_linears:
-            return {}
-        if recipe == "tensorwise":
-            return {"tp": (1.0, 1.0), "cp": (1.0, 1.0)}
-        return {"tp": (m, k) if column else (m, n), "cp": (n, k)}
-
 
 @functools.lru_cache(maxsize=64)
 def _with_rest(cost: PrecisionCost, fp8_rest: str) -> PrecisionCost:
@@ -232,6 +215,6 @@ PRECISION.register(PrecisionCost(
     "fp8", "decoder-block linears in float8 with dynamic scales, the rest in "
     "precision.fp8_rest", "fp8", None, "bf16", float8_linears=True, recipes=FP8_RECIPES))
 
-__all__ = ["AMAX_BYTES", "CAST_BYTES", "COMPUTE", "C_TRAFFIC", "FP8_CAST", "PRECISION",
+__all__ = ["CAST_BYTES", "COMPUTE", "C_TRAFFIC", "FP8_CAST", "PRECISION",
            "STATE_MODES", "ComputeDtype", "PrecisionCost", "Registry", "StatesCost",
            "fp8_linear_peak", "value_bytes"]
