@@ -34,7 +34,7 @@ import os
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -76,61 +76,25 @@ class Section:
         object.__setattr__(self, name, value)
 
 
-@dataclass
-class ModelSection(Section):
-    """``preset`` plus optional overrides of any :class:`ModelConfig` field, and where the
-    initial weights come from (``init_from``; not a shape field)."""
+def _model_section() -> type:
+    """``[model]``: ``preset``, an optional override of every :class:`ModelConfig` field but
+    the name and vocabulary (``data.vocab_size`` or the tokenizer's), read from ModelConfig
+    itself so that a new shape field is a key with no line here, and where the initial
+    weights come from (``init_from``; not a shape field): a Hugging Face folder (config.json
+    + safetensors: its shape replaces the preset's) or a meshlm run/checkpoint dir; "" ->
+    drawn from train.seed."""
+    hints = typing.get_type_hints(ModelConfig)
+    shape = [(f.name, hints[f.name] | None, None) for f in fields(ModelConfig)
+             if f.name not in _NOT_KEYS]
+    return make_dataclass(
+        "ModelSection",
+        [("preset", str, declare("small", Choice(tuple(PRESETS), what="preset"))), *shape,
+         ("init_from", str, "")],
+        bases=(Section,), namespace={"__module__": __name__, "__doc__": _model_section.__doc__})
 
-    preset: str = declare("small", Choice(tuple(PRESETS), what="preset"))
-    n_layers: int | None = None
-    dim: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    head_dim: int | None = None
-    rope_theta: float | None = None
-    max_seq_len: int | None = None
-    tie_embeddings: bool | None = None
-    init_std: float | None = None
-    moe_experts: int | None = None
-    moe_topk: int | None = None
-    moe_ffn_hidden: int | None = None
-    moe_shared_experts: int | None = None
-    moe_first_dense: int | None = None
-    moe_aux_loss_coef: float | None = None
-    moe_balance: str | None = None  # aux | seq_aux | bias
-    moe_bias_rate: float | None = None
-    moe_capacity: float | None = None  # 0: dropless
-    # the attention kernel: a name registered in models/attention.py (sdpa | eager | ...)
-    attention: str | None = None
-    sliding_window: int | None = None  # a query sees the last N keys (itself included); 0: all
-    # routing as published (models/config.py): softmax | sigmoid scores, renormalised top-k,
-    # group-limited top-k, routed output scale
-    moe_score: str | None = None
-    moe_norm_topk: bool | None = None
-    moe_n_group: int | None = None
-    moe_topk_group: int | None = None
-    moe_routed_scale: float | None = None
-    # multi-head latent attention (kv_lora_rank > 0) and YaRN rotary scaling (rope_factor > 1)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
-    rope_factor: float | None = None
-    rope_original_max_len: int | None = None
-    rope_beta_fast: float | None = None
-    rope_beta_slow: float | None = None
-    rope_mscale: float | None = None
-    rope_mscale_all_dim: float | None = None
-    qk_norm: bool | None = None  # per-head RMSNorm of queries and keys (Qwen3)
-    # multi-token prediction: depth (0: none) and the weight of its loss
-    mtp_depth: int | None = None
-    mtp_loss_weight: float | None = None
-    # A Hugging Face folder (config.json + safetensors: its shape replaces the preset's) or a
-    # meshlm run/checkpoint dir to take the initial weights from; "" -> drawn from train.seed.
-    init_from: str = ""
 
+_NOT_KEYS = ("name", "vocab_size")  # ModelConfig fields that are not [model] keys
+ModelSection = _model_section()
 
 # ModelSection fields that are not ModelConfig overrides.
 _NOT_SHAPE = ("preset", "init_from")
