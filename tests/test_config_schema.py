@@ -221,3 +221,24 @@ def test_a_key_spelled_apart_from_its_field(tmp_path) -> None:  # noqa: ANN001
         "unknown config key 'checkpoint.async_save' (valid keys in [checkpoint]: keep, async)")
     assert _message(["--checkpoint.async=maybe"]) == (
         "checkpoint.async='maybe': expected true or false")
+
+
+def test_every_key_is_declared_with_its_doc(capsys: pytest.CaptureFixture) -> None:
+    """Name, type, allowed values, default and a one-line doc: all on the key's field, and
+    ``meshlm train --keys`` prints them from there."""
+    from meshlm.cli import main
+    from meshlm.config import key_reference
+
+    reference = key_reference()
+    every = [f"{name}.{key_of(f)}" for name, s in SECTIONS.items()
+             for f in fields(s.default_factory)]  # type: ignore[arg-type]
+    assert [k for k, *_ in reference] == every
+    assert all(doc and "\n" not in doc for *_, doc in reference)
+    rows = dict((k, (d, a)) for k, d, a, _ in reference)
+    assert rows["parallel.zero"] == ("0", "0, 1, 2, 3")
+    assert rows["train.steps"] == ("500", "int that must be positive")
+    assert rows["model.n_layers"][0] == "preset's" and rows["checkpoint.async"][0] == "false"
+    assert main(["train", "--keys"]) == 0
+    out = capsys.readouterr().out
+    for key, default, accepts, doc in reference:
+        assert f"{key} = {default}  ({accepts})\n    {doc}\n" in out, key

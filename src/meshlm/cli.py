@@ -111,6 +111,13 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     """Validate everything, then train: in-process, under torchrun/SLURM, or on local workers."""
     from .world import detect_external_world
 
+    if args.keys:
+        from .config import key_reference
+
+        for key, default, accepts, doc in key_reference():
+            print(f"{key} = {default}  ({accepts})\n    {doc}")
+        return 0
+
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0")
     cfg = load_config(args.config, _split_overrides(rest))
@@ -514,8 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model (default: `small` on the default corpus)",
-                       epilog="overrides: --section.key=value, e.g. --train.steps=50")
+                       epilog="overrides: --section.key=value, e.g. --train.steps=50 "
+                              "(every key: meshlm train --keys)")
     p.add_argument("config", nargs="?", help="TOML config file")
+    p.add_argument("--keys", action="store_true",
+                   help="list every config key with its default, what it accepts and what it "
+                        "does, then exit")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved config and the memory estimate")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",

@@ -51,7 +51,7 @@ from .layout import (
 )
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
-from .schema import Choice, Range, Rule, declare, key_of, rules, section_keys
+from .schema import Choice, Range, Rule, declare, doc_of, key_of, rules, section_keys
 
 # precision.dtype and diloco.reduce_dtype: the dtypes meshlm computes and reduces in
 DTYPES = AUTOCAST_NAMES
@@ -84,12 +84,17 @@ def _model_section() -> type:
     + safetensors: its shape replaces the preset's) or a meshlm run/checkpoint dir; "" ->
     drawn from train.seed."""
     hints = typing.get_type_hints(ModelConfig)
-    shape = [(f.name, hints[f.name] | None, None) for f in fields(ModelConfig)
-             if f.name not in _NOT_KEYS]
+    shape = [(f.name, hints[f.name] | None,
+              declare(None, doc=doc_of(f) or f"the preset's {f.name}, overridden"))
+             for f in fields(ModelConfig) if f.name not in _NOT_KEYS]
     return make_dataclass(
         "ModelSection",
-        [("preset", str, declare("small", Choice(tuple(PRESETS), what="preset"))), *shape,
-         ("init_from", str, "")],
+        [("preset", str, declare("small", Choice(tuple(PRESETS), what="preset"),
+                                 doc="the model shape: a preset, or the shape of init_from")),
+         *shape,
+         ("init_from", str, declare("", doc="initial weights: a Hugging Face folder (its "
+                                            "config.json sets the shape) or a meshlm "
+                                            "checkpoint; \"\": drawn from train.seed"))],
         bases=(Section,), namespace={"__module__": __name__, "__doc__": _model_section.__doc__})
 
 
@@ -102,22 +107,30 @@ _NOT_SHAPE = ("preset", "init_from")
 
 @dataclass
 class DataSection(Section):
-    path: str = ""  # "" -> the embedded default corpus (this interpreter's standard library)
-    tokenizer: str = ""  # a tokenizer.json; "" -> train a byte-level BPE on the corpus (cached)
-    # size of the BPE trained when no tokenizer is given (token ids are stored as uint32)
-    vocab_size: int = declare(4096, Range(ge=260, note="256 bytes + special tokens",
-                                          most=2**32 - 1))
-    seq_len: int = declare(256, Range(ge=2))
-    # share of files held out for validation
-    val_fraction: float = declare(0.05, Range(gt=0, lt=1))
-    text_field: str = "text"  # JSONL field / Parquet column holding the text
-    cache_dir: str = ""  # "" -> $XDG_CACHE_HOME/meshlm or ~/.cache/meshlm
-    # prepared datasets (`meshlm prepare`) mixed by weight, "DIR_A:0.7,DIR_B:0.3" (weights
-    # are normalised); instead of data.path
-    mix: str = ""
-    # attention stays inside each document of a packed sequence and RoPE positions restart at
-    # each document (Llama 3's document masking)
-    doc_mask: bool = False
+    path: str = declare(
+        "",
+        doc="the training data: a folder made by meshlm prepare, text / JSONL / Parquet files or "
+            "folders; \"\": the embedded default corpus (this interpreter's standard library)")
+    tokenizer: str = declare(
+        "",
+        doc="a Hugging Face tokenizer.json; \"\": train a byte-level BPE on the corpus (cached)")
+    vocab_size: int = declare(
+        4096, Range(ge=260, note="256 bytes + special tokens", most=2**32 - 1),
+        doc="size of the BPE trained when no tokenizer is given (token ids are stored as uint32)")
+    seq_len: int = declare(256, Range(ge=2), doc="tokens per training sequence")
+    val_fraction: float = declare(
+        0.05, Range(gt=0, lt=1),
+        doc="share of files held out for validation")
+    text_field: str = declare("text", doc="JSONL field / Parquet column holding the text")
+    cache_dir: str = declare("", doc="tokenizer and token cache; \"\": $XDG_CACHE_HOME/meshlm or ~/.cache/meshlm")
+    mix: str = declare(
+        "",
+        doc="prepared datasets (`meshlm prepare`) mixed by weight, \"DIR_A:0.7,DIR_B:0.3\" "
+            "(weights are normalised); instead of data.path")
+    doc_mask: bool = declare(
+        False,
+        doc="attention stays inside each document of a packed sequence and RoPE positions restart "
+            "at each document (Llama 3's document masking)")
 
 
 # The layout's defaults, declared once on :class:`Layout` (dp differs: 0 here, inferred).
@@ -126,51 +139,74 @@ _LAYOUT: dict[str, Any] = {f.name: f.default for f in fields(Layout)}
 
 @dataclass
 class TrainSection(Section):
-    steps: int = declare(500, Range(gt=0))
-    global_batch: int = declare(16, Range(gt=0))  # sequences per optimizer step
-    # sequences per forward/backward on one data-parallel rank; 0 -> global_batch / dp, made
-    # smaller (a divisor) when the planner says it does not fit the device (meshlm train)
-    micro_batch: int = declare(0, Range(gt=0, zero="global_batch / parallel.dp"))
-    seed: int = declare(1234, Range(ge=0))
-    # adamw | sgd (SGD with momentum beta1 and L2 weight decay: linear in the gradient, so
-    # e.g. DiLoCo with one inner step and outer lr 1 is exactly synchronous training)
-    optimizer: str = declare("adamw", Choice(("adamw", "sgd")))
-    # AdamW's kernels: auto (torch's fused AdamW where it has one for the device: CUDA, CPU) |
-    # fused | foreach (multi-tensor; a temporary as large as the moments); see optim.py
-    adamw_impl: str = declare("auto", Choice(("auto", "fused", "foreach")))
-    lr: float = 3e-3  # lr > 0 and 0 <= min_lr <= lr (checked together)
-    min_lr: float = 3e-4
-    warmup_steps: int = declare(50, Range(ge=0))
-    weight_decay: float = declare(0.1, Range(ge=0))
-    beta1: float = declare(0.9, Range(ge=0, lt=1))
-    beta2: float = declare(0.95, Range(ge=0, lt=1))
-    eps: float = declare(1e-8, Range(gt=0))
-    grad_clip: float = declare(1.0, Range(ge=0))  # 0 disables clipping
-    eval_every: int = declare(100, Range(ge=0))  # 0 disables evaluation
-    eval_batches: int = declare(8, Range(ge=0))  # (>= 1 when eval_every > 0)
-    # sequences per evaluation batch (independent of the layout)
-    eval_batch_size: int = declare(8, Range(ge=1))
-    log_every: int = declare(10, Range(ge=1))
-    checkpoint_every: int = declare(0, Range(ge=0))  # 0 -> only at the end
-    # per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)
-    peak_flops: float = declare(0.0, Range(ge=0, note="0: measured or datasheet"))
-    # activation recomputation: none | selective (attention core) | op (every other matmul
-    # output kept) | full (whole decoder layers); see parallel/recompute.py
-    recompute: str = declare(_LAYOUT["recompute"], Choice(RECOMPUTE))  # (checked by the layout)
-    # torch (whole logits) | chunked (LM head + loss over token chunks)
-    loss: str = declare("torch", Choice(("torch", "chunked")))
-    # torch.compile each decoder block, the final norm + head and the loss after
-    # parallelisation (inductor; needs a C++ compiler on CPU); see parallel/compile.py
-    compile: bool = False
-    loss_chunk: int = declare(1024, Range(ge=1))  # tokens per chunk of the chunked loss
-    # a non-finite loss or gradient norm: stop (error, nothing saved) | skip (drop the step) |
-    # rollback (reload the last checkpoint, skip the offending batches); see train/nonfinite.py
-    on_nonfinite: str = declare("stop", Choice(("stop", "skip", "rollback")))
-    # consecutive skipped / rolled-back steps that end the run
-    max_skips: int = declare(10, Range(ge=1))
-    # global batches never trained on, e.g. "120,121" (Megatron's --iterations-to-skip):
-    # step k takes the k-th batch not listed; rollback adds the batches it skips
-    skip_batches: str = ""
+    steps: int = declare(500, Range(gt=0), doc="optimizer steps")
+    global_batch: int = declare(16, Range(gt=0), doc="sequences per optimizer step")
+    micro_batch: int = declare(
+        0, Range(gt=0, zero="global_batch / parallel.dp"),
+        doc="sequences per forward/backward on one data-parallel rank; 0 -> global_batch / dp, "
+            "made smaller (a divisor) when the planner says it does not fit the device (meshlm "
+            "train)")
+    seed: int = declare(1234, Range(ge=0), doc="initial weights and data order")
+    optimizer: str = declare(
+        "adamw", Choice(("adamw", "sgd")),
+        doc="adamw | sgd (SGD with momentum beta1 and L2 weight decay: linear in the gradient, so "
+            "e.g. DiLoCo with one inner step and outer lr 1 is exactly synchronous training)")
+    adamw_impl: str = declare(
+        "auto", Choice(("auto", "fused", "foreach")),
+        doc="AdamW's kernels: auto (torch's fused AdamW where it has one for the device: CUDA, "
+            "CPU) | fused | foreach (multi-tensor; a temporary as large as the moments); see "
+            "optim.py")
+    lr: float = declare(3e-3, doc="peak learning rate (lr > 0 and 0 <= min_lr <= lr)")
+    min_lr: float = declare(3e-4, doc="learning rate at the end of the cosine decay (0 <= min_lr <= lr)")
+    warmup_steps: int = declare(
+        50, Range(ge=0),
+        doc="linear warmup steps, then cosine decay to min_lr")
+    weight_decay: float = declare(
+        0.1, Range(ge=0),
+        doc="AdamW's decoupled weight decay (matrices only)")
+    beta1: float = declare(
+        0.9, Range(ge=0, lt=1),
+        doc="AdamW's first-moment decay (SGD's momentum)")
+    beta2: float = declare(0.95, Range(ge=0, lt=1), doc="AdamW's second-moment decay")
+    eps: float = declare(1e-8, Range(gt=0), doc="AdamW's epsilon")
+    grad_clip: float = declare(1.0, Range(ge=0), doc="clip the global gradient norm to this (0: no clipping)")
+    eval_every: int = declare(100, Range(ge=0), doc="validation loss every N steps (0: no evaluation)")
+    eval_batches: int = declare(8, Range(ge=0), doc="batches of the fixed validation set (>= 1 when eval_every > 0)")
+    eval_batch_size: int = declare(
+        8, Range(ge=1),
+        doc="sequences per evaluation batch (independent of the layout)")
+    log_every: int = declare(
+        10, Range(ge=1),
+        doc="progress lines every N steps when not on a terminal")
+    checkpoint_every: int = declare(0, Range(ge=0), doc="checkpoint every N steps (0: only at the end)")
+    peak_flops: float = declare(
+        0.0, Range(ge=0, note="0: measured or datasheet"),
+        doc="per-rank peak FLOP/s for MFU; 0 -> measured (CPU) / datasheet (GPU)")
+    recompute: str = declare(
+        _LAYOUT["recompute"], Choice(RECOMPUTE),
+        doc="activation recomputation: none | selective (attention core) | op (every other matmul "
+            "output kept) | full (whole decoder layers); see parallel/recompute.py (checked by the"
+            " layout)")
+    loss: str = declare(
+        "torch", Choice(("torch", "chunked")),
+        doc="torch (whole logits) | chunked (LM head + loss over token chunks)")
+    compile: bool = declare(
+        False,
+        doc="torch.compile each decoder block, the final norm + head and the loss after "
+            "parallelisation (inductor; needs a C++ compiler on CPU); see parallel/compile.py")
+    loss_chunk: int = declare(1024, Range(ge=1), doc="tokens per chunk of the chunked loss")
+    on_nonfinite: str = declare(
+        "stop", Choice(("stop", "skip", "rollback")),
+        doc="a non-finite loss or gradient norm: stop (error, nothing saved) | skip (drop the "
+            "step) | rollback (reload the last checkpoint, skip the offending batches); see "
+            "train/nonfinite.py")
+    max_skips: int = declare(
+        10, Range(ge=1),
+        doc="consecutive skipped / rolled-back steps that end the run")
+    skip_batches: str = declare(
+        "",
+        doc="global batches never trained on, e.g. \"120,121\" (Megatron's --iterations-to-skip): "
+            "step k takes the k-th batch not listed; rollback adds the batches it skips")
 
 
 @dataclass
@@ -178,96 +214,132 @@ class ParallelSection(Section):
     # The layout's keys (all but offload_dir, bucket_mb, auto): their defaults and named values
     # come from meshlm.layout; validate checks each against its rule, then Layout.problems
     # how they combine with each other and the model.
-    # 0 -> inferred: world / (pp * cp * tp) under torchrun or SLURM, else 1
-    dp: int = declare(0, Range(ge=1, zero="inferred from the world size"))
-    tp: int = declare(_LAYOUT["tp"], Range(ge=1))
-    sp: bool = _LAYOUT["sp"]
-    pp: int = declare(_LAYOUT["pp"], Range(ge=1))
-    pp_schedule: str = declare(_LAYOUT["pp_schedule"], Choice(SCHEDULES))
-    pp_virtual: int = declare(_LAYOUT["pp_virtual"], Range(ge=1))
-    # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
-    pp_layers: str = _LAYOUT["pp_layers"]
-    cp: int = declare(_LAYOUT["cp"], Range(ge=1))
-    # zigzag | ring | ulysses (context-parallel attention)
-    cp_attention: str = declare(_LAYOUT["cp_attention"], Choice(CP_MODES))
-    ep: int = declare(_LAYOUT["ep"], Range(ge=1))
-    zero: int = declare(_LAYOUT["zero"], Choice(ZERO_STAGES, spoken=True))
-    # optimizer states: none | cpu (host memory, GPU runs) | disk (memmap)
-    offload: str = declare(_LAYOUT["offload"], Choice(OFFLOADS))
-    offload_dir: str = ""  # where offload=disk keeps them; "" -> <run.dir>/offload
-    bucket_mb: float = declare(25.0, Range(gt=0))  # gradient bucket size of DDP and ZeRO-1/2
-    auto: bool = False  # let the planner pick the layout of the world (see meshlm plan)
-    # DiLoCo: islands of the inner layout above, synchronised every diloco.inner_steps steps
-    # (world = islands * pp * dp * cp * tp); 1 = plain synchronous training
-    islands: int = declare(_LAYOUT["islands"], Range(ge=1))
-    # hybrid sharding (HSDP): ZeRO shards over groups of dp_shard dp ranks (within a node),
-    # replicated dp / dp_shard times (across nodes); 0 -> all of dp (plain ZeRO)
-    dp_shard: int = declare(_LAYOUT["dp_shard"], Range(ge=1, zero="all of dp"))
+    dp: int = declare(
+        0, Range(ge=1, zero="inferred from the world size"),
+        doc="data-parallel ranks; 0: inferred, world / (pp * cp * tp) under torchrun or SLURM, "
+            "else 1")
+    tp: int = declare(_LAYOUT["tp"], Range(ge=1), doc="tensor-parallel ranks")
+    sp: bool = declare(_LAYOUT["sp"], doc="sequence parallelism on top of tp")
+    pp: int = declare(_LAYOUT["pp"], Range(ge=1), doc="pipeline stages (ranks)")
+    pp_schedule: str = declare(_LAYOUT["pp_schedule"], Choice(SCHEDULES), doc="pipeline schedule")
+    pp_virtual: int = declare(
+        _LAYOUT["pp_virtual"], Range(ge=1),
+        doc="model chunks per pipeline rank (interleaved)")
+    pp_layers: str = declare(
+        _LAYOUT["pp_layers"],
+        doc="explicit layers per stage, e.g. \"3,3,2\"; \"\" -> balanced by count")
+    cp: int = declare(_LAYOUT["cp"], Range(ge=1), doc="context-parallel ranks")
+    cp_attention: str = declare(
+        _LAYOUT["cp_attention"], Choice(CP_MODES),
+        doc="context-parallel attention: zigzag | ring | ulysses")
+    ep: int = declare(_LAYOUT["ep"], Range(ge=1), doc="expert-parallel ranks (inside dp x cp)")
+    zero: int = declare(
+        _LAYOUT["zero"], Choice(ZERO_STAGES, spoken=True),
+        doc="ZeRO stage: 0 DDP, 1 optimizer states, 2 + gradients, 3 + weights")
+    offload: str = declare(
+        _LAYOUT["offload"], Choice(OFFLOADS),
+        doc="where AdamW moments live: none | cpu (host memory, GPU runs) | disk (memmap)")
+    offload_dir: str = declare("", doc="where offload=disk keeps the moments; \"\": <run.dir>/offload")
+    bucket_mb: float = declare(25.0, Range(gt=0), doc="gradient bucket size of DDP and ZeRO-1/2")
+    auto: bool = declare(
+        False,
+        doc="let the planner pick the layout of the world (see meshlm plan)")
+    islands: int = declare(
+        _LAYOUT["islands"], Range(ge=1),
+        doc="DiLoCo: islands of the inner layout above, synchronised every diloco.inner_steps "
+            "steps (world = islands * pp * dp * cp * tp); 1 = plain synchronous training")
+    dp_shard: int = declare(
+        _LAYOUT["dp_shard"], Range(ge=1, zero="all of dp"),
+        doc="hybrid sharding (HSDP): ZeRO shards over groups of dp_shard dp ranks (within a node),"
+            " replicated dp / dp_shard times (across nodes); 0 -> all of dp (plain ZeRO)")
 
 
 @dataclass
 class PrecisionSection(Section):
-    # fp8: the decoder blocks' linears in float8 (needs torchao: pip install "meshlm[fp8]"),
-    # the rest in fp8_rest
-    dtype: str = declare("fp32", Choice(PRECISIONS))
-    # fp8 scaling (torchao's recipes): tensorwise (one scale per tensor) | rowwise (per row)
-    fp8_recipe: str = declare("tensorwise", Choice(FP8_RECIPES))
-    # under fp8, the dtype of everything outside the float8 linears: bf16, or fp32 (a
-    # numerics reference; also the fast one on CPUs without native bf16 matmul)
-    fp8_rest: str = declare("bf16", Choice(FP8_REST))
-    # dtype of gradient reductions: fp32 | bf16 (half traffic)
-    grad_reduce_dtype: str = declare("fp32", Choice(tuple(d for d in DTYPES if d != "fp16")))
-    loss_scale: float = declare(65536.0, Range(gt=0))  # fp16: initial dynamic loss scale
-    # fp16: steps without overflow before the scale doubles
-    loss_scale_window: int = declare(1000, Range(ge=1))
+    dtype: str = declare(
+        "fp32", Choice(PRECISIONS),
+        doc="compute precision: fp32 | bf16 | fp16 | fp8 (the decoder blocks' linears in float8, "
+            "needs torchao: pip install \"meshlm[fp8]\"; the rest in fp8_rest)")
+    fp8_recipe: str = declare(
+        "tensorwise", Choice(FP8_RECIPES),
+        doc="fp8 scaling (torchao's recipes): tensorwise (one scale per tensor) | rowwise (per "
+            "row)")
+    fp8_rest: str = declare(
+        "bf16", Choice(FP8_REST),
+        doc="under fp8, the dtype of everything outside the float8 linears: bf16, or fp32 (a "
+            "numerics reference; also the fast one on CPUs without native bf16 matmul)")
+    grad_reduce_dtype: str = declare(
+        "fp32", Choice(tuple(d for d in DTYPES if d != "fp16")),
+        doc="dtype of gradient reductions: fp32 | bf16 (half traffic)")
+    loss_scale: float = declare(65536.0, Range(gt=0), doc="fp16: initial dynamic loss scale")
+    loss_scale_window: int = declare(
+        1000, Range(ge=1),
+        doc="fp16: steps without overflow before the scale doubles")
 
 
 @dataclass
 class ProfileSection(Section):
-    # optimizer steps to record with torch.profiler, "3-5" or "4"; "" -> no profiling
-    steps: str = ""
+    steps: str = declare(
+        "",
+        doc="optimizer steps to record with torch.profiler, \"3-5\" or \"4\"; \"\" -> no profiling")
 
 
 @dataclass
 class DistributedSection(Section):
-    # seconds a collective may wait for its peers before the job stops with a diagnosis (after
-    # the first step); start-up and the first step get init_timeout_s (data, compilation)
-    timeout_s: float = declare(600.0, Range(gt=0))
-    init_timeout_s: float = declare(1800.0, Range(gt=0))
-    # collectives each rank's flight recorder keeps (run.dir/flight)
-    flight_records: int = declare(256, Range(ge=1))
-    # a rank whose own work per step (step time minus time waiting in collectives) exceeds
-    # its peers' median by this fraction, straggler_steps steps in a row, is named in the
-    # log (train/stragglers.py); 0 -> no detection (the per-rank times are still recorded)
-    straggler_threshold: float = declare(0.2, Range(ge=0, note="0: no straggler detection"))
-    straggler_steps: int = declare(5, Range(ge=1))
+    timeout_s: float = declare(
+        600.0, Range(gt=0),
+        doc="seconds a collective may wait for its peers before the job stops with a diagnosis "
+            "(after the first step); start-up and the first step get init_timeout_s (data, "
+            "compilation)")
+    init_timeout_s: float = declare(
+        1800.0, Range(gt=0),
+        doc="how long a collective waits at start-up and in the first step")
+    flight_records: int = declare(
+        256, Range(ge=1),
+        doc="collectives each rank's flight recorder keeps (run.dir/flight)")
+    straggler_threshold: float = declare(
+        0.2, Range(ge=0, note="0: no straggler detection"),
+        doc="a rank whose own work per step (step time minus time waiting in collectives) exceeds "
+            "its peers' median by this fraction, straggler_steps steps in a row, is named in the "
+            "log (train/stragglers.py); 0 -> no detection (the per-rank times are still recorded)")
+    straggler_steps: int = declare(
+        5, Range(ge=1),
+        doc="steps in a row a rank must be slow to be named a straggler")
 
 
 @dataclass
 class DilocoSection(Section):
-    # DiLoCo (Douillard et al. 2023) across parallel.islands > 1 islands; see parallel/diloco.py
-    # H: optimizer steps each island takes between synchronisations
-    inner_steps: int = declare(50, Range(ge=1))
-    # outer Nesterov SGD on the averaged pseudo-gradient
-    outer_lr: float = declare(0.7, Range(gt=0, finite=True))
-    # 0: plain SGD (outer_lr 1 then averages the islands' weights)
-    outer_momentum: float = declare(0.9, Range(ge=0, lt=1))
-    # dtype of the cross-island all-reduce (any of precision.dtype's)
-    reduce_dtype: str = declare("fp32", Choice(DTYPES))
-    # Streaming DiLoCo (Douillard et al. 2025): the layers split into F fragments that
-    # synchronise at staggered steps (each every inner_steps), so peak traffic falls by F;
-    # 1 <= F <= model.n_layers and F divides inner_steps (checked with those keys)
-    fragments: int = 1
+    inner_steps: int = declare(
+        50, Range(ge=1),
+        doc="DiLoCo's H (parallel.islands > 1): optimizer steps each island takes between "
+            "synchronisations")
+    outer_lr: float = declare(
+        0.7, Range(gt=0, finite=True),
+        doc="DiLoCo's outer Nesterov SGD learning rate on the averaged pseudo-gradient")
+    outer_momentum: float = declare(
+        0.9, Range(ge=0, lt=1),
+        doc="DiLoCo's outer momentum (0: plain SGD; outer_lr 1 then averages the islands' "
+            "weights)")
+    reduce_dtype: str = declare(
+        "fp32", Choice(DTYPES),
+        doc="dtype of the cross-island all-reduce (any of precision.dtype's)")
+    fragments: int = declare(
+        1,
+        doc="Streaming DiLoCo (Douillard et al. 2025): the layers split into F fragments that "
+            "synchronise at staggered steps (each every inner_steps), so peak traffic falls by F; "
+            "1 <= F <= model.n_layers and F divides inner_steps (checked with those keys)")
 
 
 @dataclass
 class CheckpointSection(Section):
-    # keep the last K complete checkpoints; 0 -> keep all
-    keep: int = declare(0, Range(ge=0, note="0 keeps every checkpoint"))
-    # key ``checkpoint.async`` (a Python keyword, hence the field's name): the step loop goes
-    # on while a background thread writes the shards copied to host memory at the save
-    # (checkpoint/async_save.py); the checkpoint is complete once its index is written
-    async_save: bool = declare(False, key="async")
+    keep: int = declare(
+        0, Range(ge=0, note="0 keeps every checkpoint"),
+        doc="keep the last K complete checkpoints (0: keep all)")
+    async_save: bool = declare(
+        False, key="async",
+        doc="asynchronous saves: the step loop goes on while a background thread writes the "
+            "shards copied to host memory (checkpoint/async_save.py); complete once its index is "
+            "written")
 
 
 RESUME_MODES = ("false", "true", "auto")
@@ -276,22 +348,29 @@ RESUME_RULE = Choice(RESUME_MODES, booleans=True)
 
 @dataclass
 class RunSection(Section):
-    dir: str = ""  # "" -> runs/<preset>-<timestamp>
-    # "true": continue from the latest checkpoint in run.dir (there must be one); "auto": the
-    # same when there is one, else start fresh; "false": a new run (run.dir must be empty)
-    resume: str = declare("false", RESUME_RULE)
-    # tokens sampled at the end of training (0: none)
-    sample_tokens: int = declare(120, Range(ge=0))
-    sample_prompt: str = "def "
-    tensorboard: bool = False
-    # CPU memory (glibc): 0 -> malloc's own policy (fast); N -> every buffer above N KiB is
-    # mmapped and returned to the OS when freed, so peak RSS measures live memory and stays
-    # flat step after step, at the cost of page faults (small CPU runs: ~1.6x slower steps)
-    malloc_mmap_kb: int = declare(0, Range(ge=0, note="0: malloc's own policy"))
-    # CPU memory (glibc): true -> freed buffers stay in the process (no mmap below 1 GiB, no
-    # trim), so a step reuses last step's pages instead of faulting in fresh ones: eager CPU
-    # steps ~10 % faster, compiled ones about the same; peak RSS then counts freed memory too
-    malloc_keep: bool = False
+    dir: str = declare("", doc="the run directory; \"\": runs/<preset>-<timestamp>")
+    resume: str = declare(
+        "false", RESUME_RULE,
+        doc="\"true\": continue from the latest checkpoint in run.dir (there must be one); "
+            "\"auto\": the same when there is one, else start fresh; \"false\": a new run (run.dir"
+            " must be empty)")
+    sample_tokens: int = declare(
+        120, Range(ge=0),
+        doc="tokens sampled at the end of training (0: none)")
+    sample_prompt: str = declare("def ", doc="prompt of the sample printed at the end of training")
+    tensorboard: bool = declare(False, doc="also write TensorBoard scalars")
+    malloc_mmap_kb: int = declare(
+        0, Range(ge=0, note="0: malloc's own policy"),
+        doc="CPU memory (glibc): 0 -> malloc's own policy (fast); N -> every buffer above N KiB is"
+            " mmapped and returned to the OS when freed, so peak RSS measures live memory and "
+            "stays flat step after step, at the cost of page faults (small CPU runs: ~1.6x slower "
+            "steps)")
+    malloc_keep: bool = declare(
+        False,
+        doc="CPU memory (glibc): true -> freed buffers stay in the process (no mmap below 1 GiB, "
+            "no trim), so a step reuses last step's pages instead of faulting in fresh ones: eager"
+            " CPU steps ~10 % faster, compiled ones about the same; peak RSS then counts freed "
+            "memory too")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # run.resume is a mode: a spelling of one set in code (True, "TRUE") is stored as it
@@ -856,6 +935,25 @@ def resolve_world(cfg: Config, world_size: int | None) -> Config:
         problems = training_problems(cfg, cfg.layout())
         _check(not problems, problems[0] if problems else "")
     return cfg
+
+
+# ------------------------------------------------------------------ reference
+def key_reference() -> list[tuple[str, str, str, str]]:
+    """Every key as declared: (``section.key``, its default, what it accepts, its one-line
+    doc), in declaration order -- what ``meshlm train --keys`` prints."""
+    out = []
+    for name, section in SECTIONS.items():
+        hints = typing.get_type_hints(section.default_factory)  # type: ignore[arg-type]
+        for f in fields(section.default_factory):  # type: ignore[arg-type]
+            dotted = f"{name}.{key_of(f)}"
+            rule = RULES.get(dotted)
+            base, optional = _base_type(hints[f.name])
+            accepts = (rule.listed if isinstance(rule, Choice) else
+                       f"{base.__name__} that {rule.requirement}" if isinstance(rule, Range)
+                       else base.__name__)
+            default = "preset's" if optional and f.default is None else _toml_value(f.default)
+            out.append((dotted, default, accepts, doc_of(f)))
+    return out
 
 
 # ------------------------------------------------------------------ saving

@@ -26,6 +26,7 @@ T = TypeVar("T")
 
 _RULE = "rule"  # the field metadata entry holding a key's rule
 _KEY = "key"  # the field metadata entry holding the key's spelling, where not the field name
+_DOC = "doc"  # the field metadata entry holding the key's one-line doc
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,15 @@ class Range:
 Rule = Choice | Range
 
 
-def declare(default: T, rule: Rule | None = None, key: str = "") -> T:
-    """A config field with its ``default`` and the ``rule`` its values obey; ``key``: how the
-    key is spelled in TOML and on the command line when that cannot be the field's name."""
+def declare(default: T, rule: Rule | None = None, key: str = "", doc: str = "") -> T:
+    """A config field with its ``default``, the ``rule`` its values obey and its one-line
+    ``doc``; ``key``: how the key is spelled in TOML and on the command line when that cannot
+    be the field's name."""
     meta: dict[str, Any] = {_RULE: rule} if rule is not None else {}
     if key:
         meta[_KEY] = key
+    if doc:
+        meta[_DOC] = doc
     out: Any = field(default=default, metadata=meta)
     return out
 
@@ -140,6 +144,11 @@ def declare(default: T, rule: Rule | None = None, key: str = "") -> T:
 def key_of(f: Field) -> str:
     """The key a dataclass field is spelled as in TOML and overrides (its name by default)."""
     return f.metadata.get(_KEY, f.name)
+
+
+def doc_of(f: Field) -> str:
+    """The one-line doc a field's key is declared with ("" when none)."""
+    return f.metadata.get(_DOC, "")
 
 
 def section_keys(section: Any) -> dict[str, str]:
