@@ -13,7 +13,10 @@ How a row becomes a question (the same rules for every row, any CSV with these c
 - model: layers, hidden, heads, vocab and seq_len are required; a blank ffn_hidden is 4 x
   hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
   (3 matrices) or GELU (2) nor whether embeddings are tied: the combination whose parameter
-  count is closest to ``params_B`` is taken.
+  count is closest to ``params_B`` is taken. What its columns cannot say -- an explicit head
+  width, the experts' width, shared experts and dense first layers, multi-head latent
+  attention, query/key norms, multi-token prediction, the routing -- comes from the
+  catalogue entry the model name names (``meshlm.models.published``), flagged as filled.
 - hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe,
   H800, H200, B200, MI300X; an H100 whose text says HBM2e and not PCIe is the 96 GB HBM2e SXM
   part at 500 W, the only SXM H100 with HBM2e -- torchtitan's); a memory size ("96GB"), a
@@ -37,7 +40,10 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   mixed precision (2 + 2 + 12 bytes) for every row. The loss is torch's cross-entropy
   unless the row says "fused" or comes from llm-foundry, whose MPT model defaults to
   flash-attn's fused cross-entropy.
-- metric: reported MFU if given, else TFLOP/s per GPU, else tokens/s per GPU, else step time.
+- metric: reported MFU if given, else TFLOP/s per GPU, else tokens/s per GPU, else step time;
+  a row that reports none of them but whose notes give ``derived tokens/s per GPU N`` (a
+  throughput the source states in other units, e.g. GPU-hours per trillion tokens) is
+  compared with that, flagged as a rule.
   FLOP conventions from the notes: "96Bslh" / "incl. recompute" / "counts recompute" /
   "HFU-like" rows count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (Narayanan et al. 2021),
   "72Bslh" rows ``72 B s l h^2 (1 + s/6h + V/12lh)``, others 6N + attention (PaLM); the peak
@@ -74,6 +80,14 @@ SHAPE_FIELDS = {"layers": "n_layers", "hidden": "dim", "ffn_hidden": "ffn_hidden
                 "heads": "n_heads", "kv_heads": "n_kv_heads", "vocab": "vocab_size",
                 "seq_len": "max_seq_len"}
 DEFAULTS = {"vocab": 50257, "seq_len": 2048}
+# Shape fields no CSV column holds, taken from the catalogue entry a row's model names (those
+# that differ from ModelConfig's defaults: every older catalogue entry has the defaults)
+CATALOGUE_ONLY = ("head_dim", "moe_ffn_hidden", "moe_shared_experts", "moe_first_dense",
+                  "moe_aux_loss_coef", "moe_balance", "moe_score", "moe_norm_topk",
+                  "moe_n_group", "moe_topk_group", "moe_routed_scale", "q_lora_rank",
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "qk_norm", "mtp_depth", "mtp_loss_weight")
+DERIVED_TPS = re.compile(r"derived tokens/s per GPU\s*([\d.]+)", re.IGNORECASE)
 
 
 @dataclass
@@ -186,6 +200,17 @@ def complete_shape(raw: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]
     return out, filled
 
 
+def catalogue_extras(name: str) -> tuple[dict[str, Any], str]:
+    """Shape fields of :data:`CATALOGUE_ONLY` the model ``name`` names, where they differ from
+    ModelConfig's defaults, and the catalogue entry they come from ("" when none)."""
+    key = match_model(name)
+    if key is None:
+        return {}, ""
+    cfg, base = MODELS[key].config, ModelConfig()
+    extras = {f: getattr(cfg, f) for f in CATALOGUE_ONLY if getattr(cfg, f) != getattr(base, f)}
+    return extras, f"{key} ({MODELS[key].source.split(',')[0]})" if extras else ""
+
+
 def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
     dims = {k: _int(raw, k) for k in ("layers", "hidden", "heads", "vocab", "seq_len")}
     missing = [k for k, v in dims.items() if not v]
@@ -196,6 +221,7 @@ def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
     kv = _int(raw, "kv_heads") or dims["heads"]
     experts, topk = _int(raw, "moe_experts") or 0, _int(raw, "moe_topk") or 2
     target = (_num(raw, "params_B") or 0) * 1e9
+    extras, _ = catalogue_extras(raw.get("model_name", ""))
     best: tuple[float, ModelSpec] | None = None
     for gated in (True, False):
         for tied in (True, False):
@@ -203,7 +229,8 @@ def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
                 cfg = ModelConfig(name=name, vocab_size=dims["vocab"], dim=h,
                                   n_layers=dims["layers"], n_heads=dims["heads"], n_kv_heads=kv,
                                   ffn_hidden=ffn, max_seq_len=dims["seq_len"],
-                                  tie_embeddings=tied, moe_experts=experts, moe_topk=topk)
+                                  tie_embeddings=tied, moe_experts=experts, moe_topk=topk,
+                                  **extras)
             except ValueError as e:
                 return f"model shape invalid: {e}"
             spec = ModelSpec(cfg, gated_mlp=gated)
@@ -321,10 +348,17 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
         if value is not None:
             row.metric, row.reported = metric, value / (100 if metric == "mfu" else 1)
             break
+    derived = DERIVED_TPS.search(raw.get("notes", ""))
+    if not row.metric and derived:  # a throughput the source states in other units
+        row.metric, row.reported = "tokens_per_s_per_gpu", float(derived.group(1))
+        row.rules.append("throughput derived from the source's figures (notes)")
     if not row.metric:
         row.reason = "no reported throughput, MFU or step time"
         return row
     raw, row.filled = complete_shape(raw)
+    extras, origin = catalogue_extras(raw.get("model_name", ""))
+    if extras:  # shape fields no column holds (module docstring)
+        row.filled[", ".join(extras)] = origin
     row.raw = raw
     spec = build_model(raw, raw.get("model_name", f"row{index}"))
     if isinstance(spec, str):

@@ -25,7 +25,8 @@ def test_param_count_matches_meta_model(name: str) -> None:
     cfg = PRESETS[name]
     model = build_model(cfg, device="meta")  # shapes only: nothing allocated
     assert next(model.parameters()).device.type == "meta"
-    assert model.num_params() == cfg.num_params()
+    # multi-token prediction's modules are built but not in the published-style total
+    assert model.num_params() == cfg.num_params() + cfg.mtp_params()
 
 
 @pytest.mark.parametrize("name,billions", sorted(PUBLISHED.items()))

@@ -41,9 +41,12 @@ def weight_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def is_copy(t: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """Whether ``t`` is a 16-bit copy of a weight matrix, as is or transposed (as CPU
-    autocast's linear saves it): compared by value, not by shape."""
-    if t.dtype != torch.bfloat16 or t.ndim != 2:
+    autocast's linear saves it), or of a stack of expert matrices (the grouped experts cast
+    theirs, ``models/moe.py``): compared by value, not by shape."""
+    if t.dtype != torch.bfloat16 or t.ndim not in (2, 3):
         return False
+    if t.ndim == 3:
+        return all(is_copy(m, weights) for m in t)
     return any((t.shape == w.shape and torch.equal(t, w))
                or (t.shape == w.t().shape and torch.equal(t, w.t())) for w in weights)
 
@@ -100,14 +103,14 @@ def test_fp8_profile_matches_saved_tensors_of_the_real_model(recipe: str) -> Non
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_moe_copies_only_router_experts_and_head(recipe: str) -> None:
-    """A MoE model: the router and the stacked routed experts keep their bf16 autocast copies,
+    """A MoE model: the stacked routed experts keep their bf16 copies, the router (fp32) and
     the attention and the shared expert (float8) none; the activations are bf16 autocast's."""
     cfg = PRESETS["tiny-moe"]
     b, s = 2, 24
     fp8, bf16 = saved(cfg, b, s, recipe), saved(cfg, b, s, None)
     items = planned(cfg, b, s, dtype="fp8")
     assert items["weight copies"] == pytest.approx(fp8["weight copies"], rel=0.01)
-    per_layer = cfg.dim * cfg.moe_experts * (1 + 3 * cfg.moe_ffn_hidden)
+    per_layer = cfg.dim * cfg.moe_experts * 3 * cfg.moe_ffn_hidden
     assert fp8["weight copies"] == 2 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.dim)
     # bf16 autocast's activations, plus, under tensorwise, the two one-element scales (x's and
     # W's) each float8 linear keeps from forward for backward

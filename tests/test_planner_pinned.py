@@ -78,7 +78,9 @@ def _differences(got: Any, want: Any, where: str) -> list[str]:
 def test_planner_output_is_pinned() -> None:
     want = json.loads(PINNED.read_text())
     got = current()
-    assert len(want["published"]) == 100 and len(want["h200"]) == 4
+    # the 100 rows pinned before the techniques' costs moved, and DeepSeek-V3's (row 100,
+    # issue 49), added with the earlier 100 byte for byte unchanged
+    assert len(want["published"]) == 101 and len(want["h200"]) == 4
     predicted = [r for r in want["published"].values() if "reason" not in r]
     assert len(predicted) >= 95  # the file pins predictions, not only reasons
     diffs = _differences(got, want, "planner")

@@ -278,7 +278,11 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
             "preset": name, "params": mc.num_params(), "active_params": mc.num_params(active=True),
             "layers": mc.n_layers, "dim": mc.dim, "heads": mc.n_heads, "kv_heads": mc.n_kv_heads,
             "experts": mc.moe_experts, "flops_per_token": mc.flops_per_token(args.seq_len),
-            "vocab": mc.vocab_size,
+            "vocab": mc.vocab_size, "attention": "MLA" if mc.is_mla else "GQA",
+            # multi-token prediction: apart from the totals (published totals leave it out);
+            # its embedding and head are the model's, its FLOPs are in flops_per_token
+            "mtp_depth": mc.mtp_depth, "mtp_params": mc.mtp_params(),
+            "mtp_active_params": mc.mtp_params(active=True),
         })
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -288,15 +292,20 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
 
     table = Table(title=f"meshlm {__version__} presets (training FLOPs/token at seq {args.seq_len})")
     table.caption = ("params at each preset's vocabulary (vocab); meshlm train sizes the "
-                     "embedding and head to its tokenizer's (the default corpus: 4096 ids)")
-    cols = ("preset", "params", "active", "vocab", "layers", "dim", "heads/kv", "experts",
-            "FLOPs/token")
+                     "embedding and head to its tokenizer's (the default corpus: 4096 ids); "
+                     "params and active leave out multi-token prediction (MTP: its own "
+                     "parameters, total / active; its FLOPs are in FLOPs/token)")
+    cols = ("preset", "params", "active", "MTP", "vocab", "layers", "dim", "heads/kv",
+            "experts", "FLOPs/token")
     for col in cols:
         table.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
-            r["preset"], _human(r["params"]), _human(r["active_params"]), f"{r['vocab']:,}",
-            str(r["layers"]), str(r["dim"]), f"{r['heads']}/{r['kv_heads']}",
+            r["preset"], _human(r["params"]), _human(r["active_params"]),
+            (f"{_human(r['mtp_params'])} / {_human(r['mtp_active_params'])}"
+             if r["mtp_depth"] else "-"), f"{r['vocab']:,}",
+            str(r["layers"]), str(r["dim"]),
+            f"{r['heads']}/{r['kv_heads']}" + (" MLA" if r["attention"] == "MLA" else ""),
             str(r["experts"] or "-"), _human(r["flops_per_token"]),
         )
     Console(width=None if sys.stdout.isatty() else 140).print(table)
@@ -338,11 +347,12 @@ def cmd_generate(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
-    """A meshlm checkpoint -> a Hugging Face folder (LlamaForCausalLM / MixtralForCausalLM),
-    one tensor at a time from the sharded files."""
+    """A meshlm checkpoint -> a Hugging Face folder (LlamaForCausalLM, MixtralForCausalLM,
+    Qwen3(Moe)ForCausalLM or DeepseekV3ForCausalLM: ``models/hf_config.py``), one tensor at a
+    time from the sharded files."""
     import shutil
 
-    from .checkpoint.hf import write_hf
+    from .checkpoint.hf import hf_architecture, write_hf
     from .checkpoint.loading import checkpoint_model_config, resolve_checkpoint
     from .checkpoint.sharded import ShardedCheckpoint, check_model
     from .models.llama import build_model
@@ -369,7 +379,8 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
             if out.exists() and any(out.iterdir()):  # (written meanwhile by another)
                 raise ConfigError(refusal)
             try:
-                write_hf(out, cfg, ckpt.source("weight"), int(args.max_shard_mb * 2**20))
+                write_hf(out, cfg, ckpt.source("weight"), int(args.max_shard_mb * 2**20),
+                         expert_biases=ckpt.trainer.get("moe_bias"))
             except (ValueError, OSError) as e:
                 if created is not None:
                     shutil.rmtree(created, ignore_errors=True)
@@ -378,7 +389,7 @@ def cmd_convert(args: argparse.Namespace, rest: list[str]) -> int:
                                   else why) from None
             if (ckpt.directory / "tokenizer.json").is_file():
                 shutil.copyfile(ckpt.directory / "tokenizer.json", out / "tokenizer.json")
-    print(f"wrote {out} ({'Mixtral' if cfg.moe_experts else 'Llama'}ForCausalLM, "
+    print(f"wrote {out} ({hf_architecture(cfg)}, "
           f"{cfg.num_params() / 1e6:.1f} M parameters) from {ckpt.directory}")
     return 0
 
@@ -592,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="run dir or checkpoint dir")
     p.add_argument("--to-hf", required=True, metavar="OUT",
                    help="new (or empty) folder, created if missing: config.json + "
-                        "safetensors (LlamaForCausalLM or MixtralForCausalLM)")
+                        "safetensors (Llama, Mixtral, Qwen3, Qwen3-MoE or DeepSeek-V3 "
+                        "ForCausalLM, as the model's shape asks)")
     p.add_argument("--max-shard-mb", type=float, default=5120,
                    help="split the weights into files of at most this size (default 5120)")
     p.set_defaults(func=cmd_convert)

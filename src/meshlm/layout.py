@@ -233,14 +233,17 @@ class Layout:
         return out
 
     def _model_problems(self, c: ModelConfig, strict: bool, k: _Names) -> list[str]:
+        # (multi-head latent attention has a key and a value head per query head: n_kv_heads
+        # plays no part)
+        heads = (("n_heads", "query heads"),) if c.is_mla else (
+            ("n_heads", "query heads"), ("n_kv_heads", "KV heads"))
         out = [f"{k('tp')}={self.tp} does not divide {k(key)}={getattr(c, key)}"
-               for key in ("n_heads", "n_kv_heads", "ffn_hidden") if getattr(c, key) % self.tp]
+               for key in (*(h for h, _ in heads), "ffn_hidden") if getattr(c, key) % self.tp]
         if self.cp > 1 and self.cp_attention == "ulysses" and not out:
             out += [f"{k('cp_attention')}=ulysses: {k('cp')}={self.cp} does not divide the "
                     f"{getattr(c, key) // self.tp} {what} of each tp rank ({k(key)}="
                     f"{getattr(c, key)} / {k.leaf('tp')}={self.tp}); use zigzag or ring"
-                    for key, what in (("n_heads", "query heads"), ("n_kv_heads", "KV heads"))
-                    if (getattr(c, key) // self.tp) % self.cp]
+                    for key, what in heads if (getattr(c, key) // self.tp) % self.cp]
         if c.is_moe and c.expert_hidden % self.tp:
             out.append(f"{k('tp')}={self.tp} does not divide the expert width "
                        f"{k('moe_ffn_hidden')}={c.expert_hidden}")

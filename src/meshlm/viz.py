@@ -211,10 +211,27 @@ def _human_bytes(n: float) -> str:
 
 def plot_router(steps: list[int], max_over_mean: dict[str, list[float]],
                 last_load: dict[str, list[int]], path: str | Path) -> None:
-    """MoE routing: each layer's max/mean expert load per step, and the last step's tokens
-    per expert (layers x experts, as a multiple of the layer's mean)."""
+    """MoE routing: a heat map of each layer's max/mean expert load per step (layers x
+    steps), the same as lines, and the last step's tokens per expert (layers x experts, as a
+    multiple of the layer's mean)."""
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    from matplotlib.ticker import MaxNLocator
+
+    fig = plt.figure(figsize=(11, 7.5))
+    grid = fig.add_gridspec(2, 2, height_ratios=(1, 1))
+    heat, left, right = (fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]),
+                         fig.add_subplot(grid[1, 1]))
+    layers = list(max_over_mean)
+    n = len(steps)
+    grid_rows = [[float("nan")] * (n - len(s)) + list(s) for s in max_over_mean.values()]
+    first, last = (steps[0], steps[-1]) if steps else (0, 0)
+    im = heat.imshow(grid_rows, aspect="auto", cmap="magma", vmin=1.0, interpolation="nearest",
+                     extent=(first - 0.5, last + 0.5, len(layers) - 0.5, -0.5))
+    heat.set_yticks(range(len(layers)), [f"layer {k}" for k in layers])
+    heat.xaxis.set_major_locator(MaxNLocator(integer=True))
+    heat.set_xlabel("step")
+    heat.set_title("max / mean tokens per expert, per layer and step")
+    fig.colorbar(im, ax=heat)
     for layer, series in max_over_mean.items():
         left.plot(steps[-len(series):], series, lw=1.0, label=f"layer {layer}")
     left.axhline(1.0, color="black", lw=0.6, ls="--")
@@ -224,14 +241,11 @@ def plot_router(steps: list[int], max_over_mean: dict[str, list[float]],
     left.grid(alpha=0.3)
     if len(max_over_mean) <= 12:
         left.legend(fontsize=7)
-    layers = list(last_load)
     rows = [[v / (sum(load) / len(load)) if sum(load) else 0.0 for v in load]
             for load in last_load.values()]
-    from matplotlib.ticker import MaxNLocator
-
     im = right.imshow(rows, aspect="auto", cmap="viridis", vmin=0)
     right.xaxis.set_major_locator(MaxNLocator(integer=True))
-    right.set_yticks(range(len(layers)), [f"layer {k}" for k in layers])
+    right.set_yticks(range(len(last_load)), [f"layer {k}" for k in last_load])
     right.set_xlabel("expert")
     right.set_title("last step: tokens per expert / mean")
     fig.colorbar(im, ax=right)

@@ -1,26 +1,44 @@
-"""Hugging Face interop: read and write ``LlamaForCausalLM`` / ``MixtralForCausalLM`` folders.
+"""Hugging Face interop: read and write ``LlamaForCausalLM``, ``MixtralForCausalLM``,
+``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and ``DeepseekV3ForCausalLM`` folders.
 
 An HF folder is ``config.json`` plus safetensors weights, either one ``model.safetensors`` or
-shards listed by ``model.safetensors.index.json``. meshlm's Llama uses HF's "rotate half" rotary
-convention, so weights convert by renaming only (no q/k permutation); the one reshaping is
-Mixtral's experts, stored per expert by HF (``block_sparse_moe.experts.{e}.w1.weight``, 2-D) and
-stacked along dim 0 by meshlm (``feed_forward.experts.w1``, 3-D).
+shards listed by ``model.safetensors.index.json``. meshlm uses HF's "rotate half" rotary
+convention, so most weights convert by renaming only (``hf_names.py`` has the table); the
+reshapings are:
+
+- experts, stored per expert by HF (``mlp.experts.{e}.gate_proj.weight``, Mixtral's
+  ``block_sparse_moe.experts.{e}.w1.weight``, 2-D) and stacked along dim 0 by meshlm
+  (``feed_forward.experts.w1``, 3-D);
+- DeepSeek-V3's rotary rows, interleaved pairs (2i, 2i + 1) in its checkpoints
+  (``rope_interleave``): the rotary output rows of ``q_proj`` / ``q_b_proj`` (per head) and
+  ``kv_a_proj_with_mqa`` are reordered to meshlm's rotate-half at load and back at save
+  (``models/mla.py``);
+- DeepSeek-V3's multi-token prediction layers, decoder layers ``n_layers + k`` of its files
+  (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's weights), whose copies
+  of the embedding and the head (``embed_tokens``, ``shared_head.head``) are checked equal to
+  the model's at load (each rank the boxes it reads) and written at save;
+- DeepSeek-V3's ``e_score_correction_bias``, the MoE's auxiliary-loss-free selection bias: not
+  a parameter in meshlm (the checkpoint's ``moe_bias`` table): :meth:`HFSource.expert_biases`
+  and :func:`write_hf`'s ``expert_biases``;
+- FP8 block-quantised weights (DeepSeek-V3 as published: ``quantization_config`` ``fp8``,
+  ``weight_scale_inv`` per block) are dequantised as read, box by box.
 
 - :func:`model_config_from_hf` / :func:`hf_config_from_model`: config.json <-> ModelConfig,
   refusing (``ValueError`` naming the field) whatever the other side cannot express.
-- :func:`hf_name` / :func:`meshlm_name`: parameter names both ways.
+- :func:`hf_name` / :func:`meshlm_name`: Llama/Mixtral parameter names both ways
+  (:class:`~meshlm.checkpoint.hf_names.HFNames` for every architecture).
 - :class:`HFSource`: a :class:`~meshlm.distributed.source.TensorSource` over an HF folder.
 - :func:`write_hf`: an HF folder from any TensorSource.
 
-Files written by transformers 5.x: ``save_pretrained`` reverts its in-memory Mixtral layout
-(``mlp.gate``, fused ``mlp.experts.gate_up_proj`` (E, 2F, H) and ``mlp.experts.down_proj``
-(E, H, F)) to the per-expert ``block_sparse_moe`` names above, which every version loads; a
-folder saved in the fused layout (``save_original_format=False``) is read too. :func:`write_hf`
-writes the per-expert names.
+Files written by transformers 5.x: ``save_pretrained`` reverts its in-memory MoE layout
+(fused ``mlp.experts.gate_up_proj`` (E, 2F, H) and ``mlp.experts.down_proj`` (E, H, F)) to the
+per-expert names above, which every version loads; a folder saved in the fused layout
+(``save_original_format=False``) is read too. :func:`write_hf` writes the per-expert names.
 
 No communication: everything runs on the calling process. Memory: :meth:`HFSource.read` holds
 the requested box only (it reads it with ``get_slice``; for stacked experts, only the experts
-inside the box); :func:`write_hf` holds one global tensor of the source at a time and streams it
+inside the box; for reordered rotary rows, at most one head's rotary rows more; a copy's same
+box to compare); :func:`write_hf` holds one global tensor of the source at a time and streams it
 to disk. Nothing is unpickled: weights are read from safetensors only.
 """
 
@@ -31,6 +49,7 @@ import math
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -48,13 +67,17 @@ from ..models.hf_config import (  # noqa: F401 - re-exported
     _DEFAULT_THETA,
     _MODEL_TYPE_OF_ARCH,
     CONFIG_FILE,
+    DEEPSEEK_V3,
     INDEX_FILE,
     LLAMA,
     MIXTRAL,
+    QWEN3,
+    QWEN3_MOE,
     SINGLE_FILE,
     _architecture,
     _hf_dict,
     _rope_theta,
+    hf_architecture,
     hf_config_from_model,
     is_hf_folder,
     model_config_from_hf,
@@ -62,13 +85,13 @@ from ..models.hf_config import (  # noqa: F401 - re-exported
 from ..models.hf_config import (
     _read_json as _read_config_json,
 )
+from ..models.mla import half_to_interleaved, interleaved_to_half
+from .hf_names import GLOBAL as _GLOBAL
+from .hf_names import HFNames
 from .state import CheckpointError
 
-_GLOBAL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# ---------------------------------------------------------------------------------- names
+# (Llama / Mixtral, the cfg-less functions below; HFNames has every architecture's)
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -91,16 +114,18 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight$")
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"  # 5.x fused: (E, 2F, H), gate rows then up rows
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")
+_SCALE_INV = "_scale_inv"  # FP8 block scales: ``<key>_scale_inv`` beside ``<key>``
 
 
 def is_stacked_expert(name: str) -> bool:
-    """True for meshlm's stacked expert tensors ``layers.{i}.feed_forward.experts.w{1,2,3}``."""
-    m = _MESHLM_LAYER.match(name)
+    """True for meshlm's stacked expert tensors ``layers.{i}.feed_forward.experts.w{1,2,3}``
+    (and those of multi-token prediction blocks, ``mtp.{k}.block.feed_forward.experts.*``)."""
+    m = _MESHLM_LAYER.match(name) or re.match(r"^mtp\.(\d+)\.block\.(.+)$", name)
     return bool(m) and m.group(2) in {f"feed_forward.experts.{w}" for w in _EXPERT_PROJ}
 
 
 def hf_name(name: str, expert: int | None = None) -> str:
-    """The HF name of meshlm parameter ``name``.
+    """The HF Llama/Mixtral name of meshlm parameter ``name``.
 
     Stacked expert tensors map to one HF tensor per expert: pass ``expert`` for them.
     """
@@ -120,7 +145,8 @@ def hf_name(name: str, expert: int | None = None) -> str:
 
 
 def meshlm_name(name: str) -> tuple[str, int | None]:
-    """(meshlm name, expert index or None) of HF tensor ``name`` (inverse of :func:`hf_name`).
+    """(meshlm name, expert index or None) of HF Llama/Mixtral tensor ``name`` (inverse of
+    :func:`hf_name`).
 
     Reads the 5.x in-memory names too (``mlp.gate``, fused ``mlp.experts.down_proj``); the fused
     ``mlp.experts.gate_up_proj`` holds two meshlm tensors (w1 and w3) and raises ValueError.
@@ -148,6 +174,20 @@ def iter_meshlm_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+    """Layer ids of the MoE blocks of the one-process model (multi-token prediction's blocks,
+    ``n_layers + k``, last): the rows of the selection-bias table that are not zero."""
+    return [i for i in range(cfg.n_layers + cfg.mtp_depth) if cfg.is_moe_layer(i)]
+
+
+def rope_rows_index(rows: tuple[int, int, int]) -> torch.Tensor:
+    """HF row of each meshlm row of a weight whose rotary rows DeepSeek stores interleaved
+    (``rows``: blocks, plain rows, rotary rows per block)."""
+    blocks, nope, rope = rows
+    n = blocks * (nope + rope)
+    return interleaved_to_half(torch.arange(n).unsqueeze(1), blocks, nope, rope).squeeze(1)
+
+
 # ---------------------------------------------------------------------------------- reading
 
 
@@ -157,11 +197,15 @@ class _Recipe:
 
     ``keys``: one HF key, or (``stacked``) one per expert, ``keys[e]`` holding expert ``e``.
     ``offset``: first row along dim 1 (fused ``gate_up_proj``: 0 for w1, F for w3).
+    ``rope``: (blocks, plain, rotary) rows when the rotary rows are stored interleaved.
+    ``copies``: HF keys holding a copy of the tensor (checked equal when read).
     """
 
     keys: tuple[str, ...]
     stacked: bool = False
     offset: int = 0
+    rope: tuple[int, int, int] | None = None
+    copies: tuple[str, ...] = ()
 
 
 def _norm_box(box: Box, shape: tuple[int, ...], name: str) -> tuple[slice, ...]:
@@ -189,12 +233,31 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(str(e)) from None
 
 
+def _fp8_block(hf_config: dict[str, Any], path: Path) -> tuple[int, int] | None:
+    """The (rows, columns) block of FP8 block-quantised weights (DeepSeek-V3 as published),
+    None without quantisation; CheckpointError for a quantisation meshlm does not read."""
+    q = hf_config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or \
+            q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"{path / CONFIG_FILE}: quantization_config={q}: meshlm reads "
+                              "unquantised weights or DeepSeek's FP8 (fp8, e4m3, dynamic, "
+                              "weight_block_size) only")
+    block = q.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise CheckpointError(f"{path / CONFIG_FILE}: quantization_config.weight_block_size="
+                              f"{block}: expected two positive integers")
+    return block[0], block[1]
+
+
 class HFSource:
     """TensorSource over an HF folder: meshlm names in, fp32 boxes out (see module docstring).
 
     ``cfg``: the meshlm model to fill (default: :func:`model_config_from_hf` of the folder). It
-    may untie a tied HF head (``output.weight`` then reads ``model.embed_tokens.weight``). The
-    folder is checked on construction: a missing file, a missing or extra tensor or a wrong
+    may untie a tied HF head (``output.weight`` then reads ``model.embed_tokens.weight``) and
+    leave out DeepSeek-V3's multi-token prediction layers (``mtp_depth`` below the folder's).
+    The folder is checked on construction: a missing file, a missing or extra tensor or a wrong
     shape raises :class:`CheckpointError` naming it.
     """
 
@@ -204,14 +267,25 @@ class HFSource:
             raise CheckpointError(f"{self.path} is not a folder")
         self.hf_config = _read_json(self.path / CONFIG_FILE)
         try:
-            self.cfg = cfg if cfg is not None else model_config_from_hf(self.hf_config)
+            self.arch = _architecture(self.hf_config)
+            self.cfg = cfg if cfg is not None else model_config_from_hf(self.path)
         except ValueError as e:
             raise CheckpointError(f"{self.path / CONFIG_FILE}: {e}") from None
+        self.hf_names = HFNames(self.cfg, self.arch,
+                             bool(self.hf_config.get("rope_interleave", True)))
+        self._fp8 = _fp8_block(self.hf_config, self.path)
         self._handles: dict[Path, Any] = {}
         self._file_of, self._hf_shape = self._scan_files()
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._recipes: dict[str, _Recipe] = {}
+        self._biases: list[list[float]] | None = None
         self._plan()
+
+    def for_model(self, cfg: ModelConfig) -> HFSource:
+        """This folder read into the model ``cfg`` (the folder's shape with overrides)."""
+        if cfg == self.cfg:
+            return self
+        return HFSource(self.path, cfg)
 
     # -------------------------------------------------------------- construction
     def _open(self, file: Path) -> Any:
@@ -254,12 +328,19 @@ class HFSource:
         if self._hf_shape[key] != shape:
             raise CheckpointError(f"{self._file_of[key]}: tensor {key!r} has shape "
                                   f"{self._hf_shape[key]}, the model expects {shape}")
+        if self._fp8 is not None and key + _SCALE_INV in self._hf_shape:
+            blocks = tuple(-(-n // b) for n, b in zip(shape, self._fp8, strict=False))
+            if len(shape) != 2 or self._hf_shape[key + _SCALE_INV] != blocks:
+                raise CheckpointError(f"{self._file_of[key + _SCALE_INV]}: tensor "
+                                      f"{key + _SCALE_INV!r} has shape "
+                                      f"{self._hf_shape[key + _SCALE_INV]}, expected {blocks} "
+                                      f"(blocks of {self._fp8} over {shape})")
 
     def _plan(self) -> None:
         hf_ties = bool(self.hf_config.get("tie_word_embeddings", False))
         used: set[str] = set()
         for name, shape in iter_meshlm_names(self.cfg):
-            if is_stacked_expert(name):
+            if self.hf_names.is_stacked_expert(name):
                 recipe = self._expert_recipe(name, shape)
             elif name == "output.weight" and (hf_ties or "lm_head.weight" not in self._hf_shape):
                 if not hf_ties:
@@ -267,43 +348,86 @@ class HFSource:
                 recipe = _Recipe(("model.embed_tokens.weight",))
                 self._require(recipe.keys[0], shape)
             else:
-                recipe = _Recipe((hf_name(name),))
-                if name.endswith("feed_forward.router.weight") and recipe.keys[0] not in \
-                        self._hf_shape:
-                    recipe = _Recipe((recipe.keys[0].replace(".block_sparse_moe.", ".mlp."),))
-                self._require(recipe.keys[0], shape)
+                recipe = self._plain_recipe(name, shape)
+            copies = tuple(k for k in self.hf_names.copies(name) if k in self._hf_shape)
+            for k in copies:
+                self._require(k, shape)
+            if copies:
+                recipe = _Recipe(recipe.keys, recipe.stacked, recipe.offset, recipe.rope, copies)
             self._recipes[name], self._shapes[name] = recipe, shape
-            used.update(recipe.keys)
+            used.update(recipe.keys + copies)
         if self.cfg.tie_embeddings and not hf_ties and "lm_head.weight" in self._hf_shape:
             raise CheckpointError(f"{self.path}: the model ties its head but the folder holds a "
                                   "separate 'lm_head.weight' (tie_word_embeddings is false)")
         used.add("lm_head.weight")  # a tied HF head may be stored anyway
-        extra = sorted(k for k in self._hf_shape if k not in used and not _IGNORED.search(k))
+        used.update(self._plan_biases())
+        used.update(k + _SCALE_INV for k in list(used))
+        extra = sorted(k for k in self._hf_shape
+                       if k not in used and not _IGNORED.search(k) and not self._dropped(k))
         if extra:
             raise CheckpointError(f"{self.path}: tensors the model has no place for: {extra[:3]}"
                                   + (f" (+{len(extra) - 3} more)" if len(extra) > 3 else ""))
 
+    def _plain_recipe(self, name: str, shape: tuple[int, ...]) -> _Recipe:
+        try:
+            key = self.hf_names.key(name)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+        if name.endswith("feed_forward.router.weight") and key not in self._hf_shape:
+            for a, b in ((".block_sparse_moe.", ".mlp."), (".mlp.", ".block_sparse_moe.")):
+                if a in key and key.replace(a, b) in self._hf_shape:
+                    key = key.replace(a, b)
+                    break
+        self._require(key, shape)
+        return _Recipe((key,), rope=self.hf_names.rope_rows(name))
+
+    def _dropped(self, key: str) -> bool:
+        """A key of a multi-token prediction layer the folder declares but the model leaves
+        out (``mtp_depth`` below ``num_nextn_predict_layers``)."""
+        layer = self.hf_names.mtp_layer(key)
+        if layer is None or self.arch != DEEPSEEK_V3:
+            return False
+        declared = self.hf_config.get("num_nextn_predict_layers") or 0
+        return self.cfg.n_layers + self.cfg.mtp_depth <= layer < self.cfg.n_layers + declared
+
+    def _plan_biases(self) -> list[str]:
+        """Read DeepSeek-V3's selection biases (one tiny vector per MoE layer) into the table
+        :meth:`expert_biases` returns; the keys read."""
+        if self.arch != DEEPSEEK_V3 or not self.cfg.is_moe:
+            return []
+        rows = self.cfg.n_layers + self.cfg.mtp_depth
+        table = [[0.0] * self.cfg.moe_experts for _ in range(rows)]
+        keys = []
+        for i in moe_layer_ids(self.cfg):
+            key = self.hf_names.bias_key(i)
+            assert key is not None
+            self._require(key, (self.cfg.moe_experts,))
+            table[i] = self._slice(key, (slice(0, self.cfg.moe_experts, 1),)).double().tolist()
+            keys.append(key)
+        if self.cfg.moe_balance != "bias" and any(any(r) for r in table):
+            raise CheckpointError(f"{self.path}: the MoE layers' e_score_correction_bias is not "
+                                  f"zero but model.moe_balance={self.cfg.moe_balance!r}: "
+                                  "selecting by it needs model.moe_balance='bias'")
+        self._biases = table if self.cfg.moe_balance == "bias" else None
+        return keys
+
     def _expert_recipe(self, name: str, shape: tuple[int, ...]) -> _Recipe:
         n_exp, rows, cols = shape
-        layer, proj = name.split(".")[1], name.rsplit(".", 1)[1]
-        for block in ("block_sparse_moe", "mlp"):
-            keys = tuple(f"model.layers.{layer}.{block}.experts.{e}.{proj}.weight"
-                         for e in range(n_exp))
-            if keys[0] in self._hf_shape:
-                for k in keys:
+        keys = tuple(self.hf_names.expert_key(name, e) for e in range(n_exp))
+        alternatives = [keys]
+        if self.arch == MIXTRAL:  # (the same letters under mlp.)
+            alternatives.append(tuple(k.replace(".block_sparse_moe.", ".mlp.") for k in keys))
+        for option in alternatives:
+            if option[0] in self._hf_shape:
+                for k in option:
                     self._require(k, (rows, cols))
-                return _Recipe(keys, stacked=True)
-        if proj == "w2":
-            key = f"model.layers.{layer}.mlp.experts.down_proj"
-            if key in self._hf_shape:
-                self._require(key, shape)
-                return _Recipe((key,))
-        else:
-            key = f"model.layers.{layer}.{_FUSED_GATE_UP}"
-            if key in self._hf_shape:
-                self._require(key, (n_exp, 2 * rows, cols))
-                return _Recipe((key,), offset=0 if proj == "w1" else rows)
-        raise CheckpointError(f"{self.path}: missing tensor {hf_name(name, 0)!r}")
+                return _Recipe(option, stacked=True)
+        fused = self.hf_names.fused_expert(name)
+        if fused is not None and fused[0] in self._hf_shape:
+            key, half = fused
+            self._require(key, shape if key.endswith("down_proj") else (n_exp, 2 * rows, cols))
+            return _Recipe((key,), offset=half * rows)
+        raise CheckpointError(f"{self.path}: missing tensor {keys[0]!r}")
 
     # -------------------------------------------------------------- TensorSource
     def model_config(self) -> ModelConfig:
@@ -316,6 +440,12 @@ class HFSource:
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         return self._shapes.get(name)
+
+    def expert_biases(self) -> list[list[float]] | None:
+        """DeepSeek-V3's ``e_score_correction_bias`` per layer (rows ``n_layers + mtp_depth``,
+        zeros for dense layers; :meth:`~meshlm.models.llama.Transformer.set_expert_biases`),
+        None for other architectures or when the model does not balance by bias."""
+        return self._biases
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         """fp32 values of ``name`` inside ``box``; reads only that box from disk."""
@@ -334,13 +464,36 @@ class HFSource:
             s1 = b[1]
             b = (b[0], slice(s1.start + recipe.offset, s1.stop + recipe.offset, s1.step), *b[2:])
             t = self._slice(recipe.keys[0], b)
+        elif recipe.rope is not None:
+            t = self._rows(recipe.keys[0], rope_rows_index(recipe.rope)[b[0]], b[1:])
         else:
             t = self._slice(recipe.keys[0], b)
+        for key in recipe.copies:
+            if not torch.equal(self._slice(key, b), t):
+                raise CheckpointError(f"{self._file_of[key]}: {key!r} is not a copy of "
+                                      f"{recipe.keys[0]!r} (meshlm's multi-token prediction "
+                                      "shares the model's embedding and head)")
         return t.to(torch.float32).contiguous()
 
+    def _rows(self, key: str, rows: torch.Tensor, rest: tuple[slice, ...]) -> torch.Tensor:
+        """Rows ``rows`` (any order) of HF tensor ``key`` over ``rest``: the covering range is
+        read and the rows picked from it."""
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        return self._slice(key, (slice(lo, hi, 1), *rest))[rows - lo]
+
     def _slice(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
-        """``box`` of HF tensor ``key``, read through ``get_slice`` (nothing else is loaded)."""
-        return self._open(self._file_of[key]).get_slice(key)[box]
+        """``box`` of HF tensor ``key``, read through ``get_slice`` (nothing else is loaded);
+        FP8 block-quantised weights come back dequantised (fp32)."""
+        t = self._open(self._file_of[key]).get_slice(key)[box]
+        scale_key = key + _SCALE_INV
+        if self._fp8 is None or scale_key not in self._hf_shape or len(box) != 2:
+            return t
+        rows = torch.arange(box[0].start, box[0].stop, box[0].step) // self._fp8[0]
+        cols = torch.arange(box[1].start, box[1].stop, box[1].step) // self._fp8[1]
+        scale = self._open(self._file_of[scale_key]).get_slice(scale_key)[
+            int(rows[0]):int(rows[-1]) + 1, int(cols[0]):int(cols[-1]) + 1].float()
+        scale = scale[rows - rows[0]][:, cols - cols[0]]
+        return t.float() * scale
 
     def close(self) -> None:
         """Drop the open safetensors files."""
@@ -358,12 +511,15 @@ class HFSource:
 
 @dataclass(frozen=True)
 class _Entry:
-    """One HF tensor to write: its key, the meshlm tensor it comes from, and which expert."""
+    """One HF tensor to write: its key, the meshlm tensor it comes from (None: ``value``), which
+    expert, its rotary rows to interleave, or its value (a selection bias)."""
 
     key: str
-    source: str
+    source: str | None
     expert: int | None
     shape: tuple[int, ...]
+    rope: tuple[int, int, int] | None = None
+    value: tuple[float, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -398,20 +554,10 @@ def _write_tensor(f: BinaryIO, t: torch.Tensor, e: _Entry) -> None:
     f.write(t.numpy().astype("<f4", copy=False).data)  # no copy of a contiguous tensor
 
 
-def write_hf(out_dir: str | Path, cfg: ModelConfig, source: TensorSource,
-             max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``source``'s weights of model ``cfg`` as an HF folder at ``out_dir``; returns it.
-
-    ``config.json`` is :func:`hf_config_from_model`; weights are fp32 under HF names, one
-    ``model.safetensors`` or, above ``max_shard_bytes`` in all, ``model-0000k-of-0000n``
-    shards plus ``model.safetensors.index.json``. The folder is written beside ``out_dir`` and
-    renamed when complete. Refuses (ValueError) a non-empty ``out_dir``.
-    """
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} exists and is not empty; refusing to overwrite it")
-    hf_cfg = hf_config_from_model(cfg)
-
+def _entries(cfg: ModelConfig, source: TensorSource,
+             expert_biases: Sequence[Sequence[float]] | None) -> list[_Entry]:
+    """The HF tensors of model ``cfg`` (checked against ``source``'s shapes)."""
+    names = HFNames(cfg, hf_architecture(cfg))
     entries: list[_Entry] = []
     for name, shape in iter_meshlm_names(cfg):
         got = source.shape(name)
@@ -420,10 +566,44 @@ def write_hf(out_dir: str | Path, cfg: ModelConfig, source: TensorSource,
         if tuple(got) != shape:
             raise CheckpointError(f"tensor {name!r}: the source has shape {tuple(got)}, "
                                   f"the model {shape}")
-        if is_stacked_expert(name):
-            entries += [_Entry(hf_name(name, e), name, e, shape[1:]) for e in range(shape[0])]
+        if names.is_stacked_expert(name):
+            entries += [_Entry(names.expert_key(name, e), name, e, shape[1:])
+                        for e in range(shape[0])]
         else:
-            entries.append(_Entry(hf_name(name), name, None, shape))
+            entries.append(_Entry(names.key(name), name, None, shape, names.rope_rows(name)))
+        entries += [_Entry(k, name, None, shape) for k in names.copies(name)]
+    if names.arch == DEEPSEEK_V3 and cfg.is_moe:  # (every MoE layer has its bias buffer)
+        rows = cfg.n_layers + cfg.mtp_depth
+        if expert_biases is not None and (len(expert_biases) < rows or any(
+                len(expert_biases[i]) != cfg.moe_experts for i in moe_layer_ids(cfg))):
+            raise CheckpointError(f"expert_biases: expected {rows} rows of {cfg.moe_experts} "
+                                  "(one per layer, multi-token prediction's last)")
+        for i in moe_layer_ids(cfg):
+            value = (tuple(float(x) for x in expert_biases[i]) if expert_biases is not None
+                     else (0.0,) * cfg.moe_experts)
+            key = names.bias_key(i)
+            assert key is not None
+            entries.append(_Entry(key, None, None, (cfg.moe_experts,), value=value))
+    return entries
+
+
+def write_hf(out_dir: str | Path, cfg: ModelConfig, source: TensorSource,
+             max_shard_bytes: int = 5 * 2**30,
+             expert_biases: Sequence[Sequence[float]] | None = None) -> Path:
+    """Write ``source``'s weights of model ``cfg`` as an HF folder at ``out_dir``; returns it.
+
+    ``config.json`` is :func:`hf_config_from_model`; weights are fp32 under HF names, one
+    ``model.safetensors`` or, above ``max_shard_bytes`` in all, ``model-0000k-of-0000n``
+    shards plus ``model.safetensors.index.json``. ``expert_biases``: the MoE selection biases
+    per layer (a checkpoint's ``moe_bias``), written as DeepSeek-V3's
+    ``e_score_correction_bias`` (None: zeros). The folder is written beside ``out_dir`` and
+    renamed when complete. Refuses (ValueError) a non-empty ``out_dir``.
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not empty; refusing to overwrite it")
+    hf_cfg = hf_config_from_model(cfg)
+    entries = _entries(cfg, source, expert_biases)
 
     shards: list[list[_Entry]] = [[]]
     size = 0
@@ -440,12 +620,17 @@ def write_hf(out_dir: str | Path, cfg: ModelConfig, source: TensorSource,
     full: dict[str, torch.Tensor] = {}  # the one global tensor being written
 
     def tensor_of(e: _Entry) -> torch.Tensor:
+        if e.value is not None:
+            return torch.tensor(e.value, dtype=torch.float32)
+        assert e.source is not None
         if e.source not in full:
             full.clear()
             shape = tuple(source.shape(e.source) or ())
             t = source.read(e.source, tuple(slice(0, k) for k in shape))
             full[e.source] = t.detach().to("cpu", torch.float32).contiguous()
         t = full[e.source]
+        if e.rope is not None:
+            return half_to_interleaved(t, *e.rope).contiguous()
         return t if e.expert is None else t[e.expert]
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """``meshlm.load_model``: the plain one-process model from a checkpoint or a Hugging Face folder.
 
 Accepts a run directory, its ``checkpoints/`` directory, one ``step_*`` checkpoint or a Hugging
-Face Llama/Mixtral folder. The model is built on the meta device and each parameter is read
-once from the sharded files (or the HF safetensors): peak memory is the model plus one tensor.
+Face folder (Llama, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3: ``checkpoint/hf.py``). The model
+is built on the meta device and each parameter is read once from the sharded files (or the HF
+safetensors): peak memory is the model plus one tensor.
 Nothing is unpickled. No communication.
 """
 
@@ -80,8 +81,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Transfor
     if p.is_dir() and is_hf_folder(p):
         from .hf import HFSource
 
-        src = HFSource(p)
-        return model_from_source(src.model_config(), src, device).eval()
+        with HFSource(p) as src:
+            model = model_from_source(src.model_config(), src, device).eval()
+            model.set_expert_biases(src.expert_biases())  # (DeepSeek-V3's)
+            return model
     with ShardedCheckpoint(resolve_checkpoint(p)) as ckpt:
         cfg = checkpoint_model_config(ckpt)
         expected = {n: tuple(q.shape) for n, q in build_model(cfg, device="meta").named_parameters()}

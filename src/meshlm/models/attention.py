@@ -1,7 +1,8 @@
 """Attention kernels: what fills ``Attention.kernel``, and the one list of them.
 
-Every kernel computes, for (B, nh, s_q, hd) queries on (B, nkv, s_k, hd) keys and values
-(grouped-query heads: nh a multiple of nkv), ``softmax(q k^T / sqrt(hd) + M) v`` with M = 0
+Every kernel computes, for (B, nh, s_q, hd) queries on (B, nkv, s_k, hd) keys and
+(B, nkv, s_k, hd_v) values (grouped-query heads: nh a multiple of nkv; hd_v = hd but for
+multi-head latent attention, ``models/mla.py``), ``softmax(q k^T / sqrt(hd) + M) v`` with M = 0
 where the query may see the key and -inf elsewhere. Which keys a query sees is the model's rule,
 described by a :class:`Mask`: a key at global position j is visible from a query at position i
 when j <= i (causal), i - j < W when the model has a sliding window (``model.sliding_window``

@@ -16,7 +16,9 @@ they are the block paths of the attention kernels ``sdpa`` (``flash`` on CPU) an
 (``math``) of :mod:`.attention`, not kernels of their own:
 
 - ``flash``: ATen's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
-  backward). Scores are never materialised: memory O(block rows x head dim).
+  backward). Scores are never materialised: memory O(block rows x head dim). It takes one head
+  size: value heads narrower than the query/key heads (multi-head latent attention) are
+  zero-padded to their width -- zero output columns, sliced off -- and the reverse.
 - ``math``: explicit matmuls in fp32; materialises one block of scores per head,
   (B, nh, s_q, s_k). Used on every other device (GPU-only path: the CUDA flash kernels'
   log-sum-exp outputs are not wired; untested here) and as a reference on CPU.
@@ -38,6 +40,11 @@ import torch
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a contiguous last dimension (a copy only when it has none)."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _widened(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` zero-padded to ``d`` features (the fused kernel takes one head size for q, k, v)."""
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
 
 
 def _grouped(q: torch.Tensor, nkv: int) -> torch.Tensor:
@@ -71,10 +78,13 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         out = torch.matmul(p, v.float().unsqueeze(2))
         return out.flatten(1, 2).to(q.dtype), lse.squeeze(-1).flatten(1, 2)
     if kernel == "flash":
-        # (strided views are read in place: the kernel takes any strides but the last)
+        # (strided views are read in place: the kernel takes any strides but the last; value
+        # heads of another width than the queries' -- MLA -- are zero-padded to one width)
+        d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _rows(q), _rows(k), _rows(v), 0.0, causal, scale=scale)
-        return out, lse.float()
+            _rows(_widened(q, d)), _rows(_widened(k, d)), _rows(_widened(v, d)), 0.0, causal,
+            scale=scale)
+        return out[..., :dv], lse.float()
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - lse)
@@ -89,9 +99,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """dq, dk, dv of one block, given the final output and log-sum-exp of its query rows."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kernel == "flash" and allowed is None:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _rows(dout), _rows(q), _rows(k), _rows(v), _rows(out), lse.contiguous(), 0.0,
+        d, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(_rows(_widened(t, d)) for t in (dout, q, k, v, out)), lse.contiguous(), 0.0,
             causal, scale=scale)
+        return gq[..., :dqk], gk[..., :dqk], gv[..., :dv]
     nkv = k.shape[1]
     p = torch.exp(_scores(q, k, causal, scale, allowed) - _grouped(lse.unsqueeze(-1), nkv))
     do = _grouped(dout.float(), nkv)

@@ -9,7 +9,24 @@ FLOP convention (PaLM, Chowdhery et al. 2022, appendix B): per trained token,
 weight that takes part in a matmul for that token (active experts only, the LM head included,
 the embedding lookup excluded) and the second term is the attention score and value matmuls
 (no discount for the causal mask; a sliding window ``W`` shorter than the sequence counts
-``W`` keys per query, all a query can see).
+``W`` keys per query, all a query can see). With multi-head latent attention (DeepSeek-V2/V3)
+the scores run over ``qk = qk_nope_head_dim + qk_rope_head_dim`` features and the values over
+``v_head_dim``: ``6 * n_layers * n_heads * (qk + v) * seq_len``.
+
+Parameters of MLA's attention per layer (the names of ``models/mla.py``): the query path
+``dim * q_lora + q_lora + q_lora * n_heads * qk`` (``wq_a``, ``q_a_norm``, ``wq_b``; without a
+query latent ``dim * n_heads * qk``, ``wq``), the key/value path
+``dim * (kv_lora + rope) + kv_lora + kv_lora * n_heads * (nope + v)`` (``wkv_a``, ``kv_a_norm``,
+``wkv_b``) and the output ``n_heads * v * dim`` (``wo``); Qwen3's query/key norms add
+``2 * head_dim``. Norms are parameters but no matmul weights.
+
+Multi-token prediction (``mtp_depth`` > 0, DeepSeek-V3) is not in :meth:`num_params`, as the
+published totals leave it out (DeepSeek-V3: 671 B without its MTP module): each depth is
+``enorm``, ``hnorm`` (``2 dim``), ``proj`` (``2 dim * dim``), one decoder block (layer id
+``n_layers + k``, MoE when the model is) and a ``norm`` (``dim``), counted by
+:meth:`mtp_params`; the embedding and the LM head are shared. Its matmuls run in training, so
+:meth:`flops_per_token` counts them: ``proj``, the block (with its attention) and the LM head
+once more per depth.
 """
 
 from __future__ import annotations
@@ -209,6 +226,12 @@ class ModelConfig:
         return self.kv_lora_rank > 0
 
     @property
+    def attention_layer(self) -> str:
+        """The kind of attention layer, as ``models/attention_cost.py`` describes it: "mla"
+        (multi-head latent attention) or "gqa" (grouped-query attention)."""
+        return "mla" if self.is_mla else "gqa"
+
+    @property
     def rope_dim(self) -> int:
         """Dimensions of a query/key head that are rotated (MLA: only its rotary part)."""
         return self.qk_rope_head_dim if self.is_mla else self.hd
@@ -240,12 +263,39 @@ class ModelConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
     # ----------------------------------------------------------------- counts
+    @property
+    def qk_head_dim(self) -> int:
+        """Features of one query / key head: MLA's no-rotary plus rotary parts, else ``hd``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.hd
+
+    @property
+    def value_head_dim(self) -> int:
+        """Features of one value head (MLA: ``v_head_dim``, else ``hd``)."""
+        return self.v_head_dim if self.is_mla else self.hd
+
+    def attention_norm_params(self) -> int:
+        """Norm weights inside one layer's attention: MLA's latent norms (``q_a_norm`` when
+        ``q_lora_rank`` > 0, ``kv_a_norm``), Qwen3's ``q_norm`` and ``k_norm``."""
+        if self.is_mla:
+            return self.q_lora_rank + self.kv_lora_rank
+        return 2 * self.hd if self.qk_norm else 0
+
     def attention_params(self) -> int:
-        """q, k, v and output projections of one layer (no biases)."""
+        """One layer's attention (no biases): q, k, v and output projections, or MLA's
+        projections (module docstring), with the norms inside attention."""
+        if self.is_mla:
+            nh, rope = self.n_heads, self.qk_rope_head_dim
+            q_out = nh * self.qk_head_dim
+            q = (self.dim * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank
+                 else self.dim * q_out)
+            kv = (self.dim * (self.kv_lora_rank + rope)
+                  + self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim))
+            o = nh * self.v_head_dim * self.dim
+            return q + kv + o + self.attention_norm_params()
         q = self.dim * self.n_heads * self.hd
         kv = 2 * self.dim * self.n_kv_heads * self.hd
         o = self.n_heads * self.hd * self.dim
-        return q + kv + o
+        return q + kv + o + self.attention_norm_params()
 
     def mlp_params(self, hidden: int | None = None) -> int:
         """One SwiGLU MLP: gate, up and down projections."""
@@ -261,6 +311,8 @@ class ModelConfig:
         return total, active
 
     def layer_params(self, layer: int, active: bool = False) -> int:
+        """Decoder layer ``layer`` (ids from ``n_layers`` on are MTP blocks: MoE when the
+        model is)."""
         norms = 2 * self.dim
         if self.is_moe_layer(layer):
             total, act = self.moe_params()
@@ -268,6 +320,11 @@ class ModelConfig:
         else:
             mlp = self.mlp_params()
         return self.attention_params() + mlp + norms
+
+    def layer_matmul_params(self, layer: int) -> int:
+        """Weights of layer ``layer`` that take part in a matmul for one token (active experts
+        only): the layer less its norms."""
+        return self.layer_params(layer, active=True) - 2 * self.dim - self.attention_norm_params()
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.dim
@@ -277,21 +334,51 @@ class ModelConfig:
         return 0 if self.tie_embeddings else self.vocab_size * self.dim
 
     def num_params(self, active: bool = False) -> int:
-        """All parameters (``active=True``: only those one token uses)."""
+        """All parameters (``active=True``: only those one token uses), multi-token prediction
+        excluded (:meth:`mtp_params`), as published totals count them."""
         layers = sum(self.layer_params(i, active) for i in range(self.n_layers))
         return self.embedding_params() + self.head_params() + layers + self.dim  # final norm
 
+    def mtp_depth_params(self, k: int, active: bool = False) -> int:
+        """Multi-token prediction module ``k``: ``enorm``, ``hnorm``, ``proj`` (2 dim -> dim),
+        a decoder block (layer id ``n_layers + k``) and its ``norm``; the embedding and the
+        output head are the main model's (not counted here)."""
+        return 3 * self.dim + 2 * self.dim * self.dim + self.layer_params(self.n_layers + k, active)
+
+    def mtp_params(self, active: bool = False) -> int:
+        """Parameters of the multi-token prediction modules (0 without them); a model built
+        with ``mtp_depth`` > 0 holds ``num_params() + mtp_params()``."""
+        return sum(self.mtp_depth_params(k, active) for k in range(self.mtp_depth))
+
     def matmul_params(self) -> int:
-        """Active weights taking part in a matmul per token: layers without norms, plus head."""
+        """Active weights taking part in a matmul per token: layers without norms, plus head
+        (the main model's; :meth:`mtp_matmul_params` for multi-token prediction's)."""
         total = 0
         for i in range(self.n_layers):
-            total += self.layer_params(i, active=True) - 2 * self.dim
+            total += self.layer_matmul_params(i)
         return total + self.vocab_size * self.dim  # the LM head matmul runs even when tied
 
+    def mtp_matmul_params(self) -> int:
+        """Multi-token prediction's matmul weights per token: per depth ``proj``, the block's
+        active weights and the shared LM head, which runs once more."""
+        return sum(2 * self.dim * self.dim + self.layer_matmul_params(self.n_layers + k)
+                   + self.vocab_size * self.dim for k in range(self.mtp_depth))
+
+    def attention_flops(self, seq_len: int) -> int:
+        """Score and value matmuls of one layer per trained token (forward + backward): scores
+        over ``qk_head_dim``, values over ``value_head_dim``, ``attention_span`` keys per query
+        (``12 n_heads hd span`` when both are ``hd``)."""
+        span = self.attention_span(seq_len)
+        if self.is_mla:
+            return 6 * self.n_heads * (self.qk_head_dim + self.value_head_dim) * span
+        return 12 * self.n_heads * self.hd * span
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token, PaLM convention (see module doc)."""
-        attn = 12 * self.n_layers * self.n_heads * self.hd * self.attention_span(seq_len)
-        return 6.0 * self.matmul_params() + attn
+        """Training FLOPs (forward + backward) per token, PaLM convention (see module doc),
+        multi-token prediction's modules included when the model has them."""
+        layers = self.n_layers + self.mtp_depth
+        attn = layers * self.attention_flops(seq_len)
+        return 6.0 * (self.matmul_params() + self.mtp_matmul_params()) + attn
 
     def attention_span(self, seq_len: int) -> int:
         """Keys one query's attention is counted over: the sequence, or the sliding window

@@ -10,10 +10,11 @@ convention is the "rotate half" one of Hugging Face Llama, so HF weights load by
 Extension points -- declared slots the model's own forwards call, filled in one place by
 ``meshlm.parallel.extensions`` and shown by ``print(model)``:
 
-- ``Attention.kernel``: the attention core, a parameterless module: the registered kernel
-  ``model.attention`` names (``models/attention.py``: ``sdpa`` by default), with context
-  parallelism's ring / all-to-all composed around it, or wrapped to be recomputed or kept out
-  of compiled graphs;
+- ``Attention.kernel`` (the same slot in multi-head latent attention, ``models/mla.py``, the
+  layer's attention when ``model.kv_lora_rank`` > 0): the attention core, a parameterless
+  module: the registered kernel ``model.attention`` names (``models/attention.py``: ``sdpa``
+  by default), with context parallelism's ring / all-to-all composed around it, or wrapped
+  to be recomputed or kept out of compiled graphs;
 - ``Block.run_layer`` / ``Block.run_ffn``: how the layer / its feed-forward is run (compiled,
   recomputed, kept eager); None runs it directly. ``Block.choices`` names them (its repr);
 - ``Transformer.head_input`` (a module: what the LM head's input passes first) and
@@ -43,53 +44,16 @@ import zlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import flex_attention  # noqa: F401  (registers the flex kernel)
 from .attention import SDPA, EagerAttention, build_kernel, document_mask  # noqa: F401  (re-exported)
 from .config import ModelConfig
+from .layers import KernelSlot, RMSNorm, apply_rope, rms_norm  # noqa: F401  (re-exported)
+from .mla import MultiHeadLatentAttention
 from .moe import MoE, SwiGLU
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` normalised and scaled in fp32, returned in ``x``'s dtype.
-
-    Through torch's ``rms_norm``: one fused kernel each way on CUDA instead of six forward
-    kernels (four full passes over fp32 activations) and about ten backward; on CPU torch runs
-    the same formula, op for op. Autocast keeps ``rms_norm`` in fp32 (its fp32 list). Casts are
-    skipped where the dtype is already right, so an fp32 step dispatches none.
-    """
-    xf = x if x.dtype == torch.float32 else x.float()
-    wf = weight if weight.dtype == torch.float32 else weight.float()
-    out = F.rms_norm(xf, (xf.shape[-1],), wf, eps)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 (:func:`rms_norm`)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin tables, each (max_seq_len, head_dim), for :func:`apply_rope`.
-
-    The rotate-half convention pairs element i with i + hd/2. The sin table's first half is
-    negated (``[-sin, sin]``) so that ``rotate_half(x) * sin == swap_halves(x) * signed_sin``:
-    rotation then needs no negation pass (exact: only a sign moves).
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    pos = torch.arange(max_seq_len, dtype=torch.float64)
-    angles = torch.outer(pos, inv_freq)  # (S, hd/2)
-    sin = angles.sin()
-    return torch.cat([angles, angles], dim=-1).cos().float(), torch.cat([-sin, sin], dim=-1).float()
+from .mtp import MTPDepth
+from .rope import model_rope_tables, rope_tables  # noqa: F401  (rope_tables re-exported)
 
 
 def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -123,62 +87,24 @@ def host_copy(doc_ids: torch.Tensor) -> torch.Tensor | None:
     return getattr(doc_ids, HOST_COPY, None)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, nh, S, hd) by position: x*cos + rotate_half(x)*sin, computed in the tables'
-    dtype (fp32) and returned in ``x``'s.
-
-    Equivalent to multiplying the complex number x[..., i] + j*x[..., i + hd/2] by
-    exp(j * pos * theta^(-2i/hd)) (Su et al. 2021, eq. 34). ``signed_sin`` is the sign-folded
-    table of :func:`rope_tables`, so rotate_half(x) = [-x2, x1] becomes the swap [x2, x1].
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    out = x * cos + torch.cat([x2, x1], dim=-1) * signed_sin
-    return out if out.dtype == x.dtype else out.to(x.dtype)
-
-
-class _Callable(nn.Module):
-    """A plain function set as the attention core (``Attention.core = fn``)."""
-
-    name = "custom"
-
-    def __init__(self, fn: Callable[..., torch.Tensor]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                *doc_ids: torch.Tensor) -> torch.Tensor:
-        return self.fn(q, k, v, *doc_ids)
-
-
-class Attention(nn.Module):
+class Attention(KernelSlot):
     """Grouped-query causal self-attention; the core is the module ``kernel``, the registered
-    kernel ``model.attention`` names (default :class:`SDPA`), with the model's sliding window."""
+    kernel ``model.attention`` names (default :class:`SDPA`), with the model's sliding window.
+
+    ``model.qk_norm`` (Qwen3): each query and key head is RMS-normalised (``q_norm``,
+    ``k_norm``: one weight of ``head_dim`` shared by all heads) before the rotation."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(cfg)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.hd
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.hd, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
-        # the registered kernel ``model.attention`` names (models/attention.py)
-        self.window = cfg.sliding_window
-        self.kernel_name = cfg.attention
-        self.kernel: nn.Module = build_kernel(cfg.attention, cfg.sliding_window)
-
-    @property
-    def core(self) -> Callable[..., torch.Tensor]:
-        """The attention core as a function of (q, k, v): the ``kernel`` module. Setting a
-        function makes it the kernel; deleting restores the model's own (``model.attention``)."""
-        return self.kernel
-
-    @core.setter
-    def core(self, fn: Callable[..., torch.Tensor]) -> None:
-        self.kernel = fn if isinstance(fn, nn.Module) else _Callable(fn)
-
-    @core.deleter
-    def core(self) -> None:
-        self.kernel = build_kernel(self.kernel_name, self.window)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.hd, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 *doc_ids: torch.Tensor) -> torch.Tensor:
@@ -188,6 +114,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        if self.qk_norm:  # (each head over its own hd features)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.kernel(q, k, v, *doc_ids)  # (B, nh, S, hd)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))  # (B, S, nh*hd) -> (B, S, h)
@@ -200,7 +128,11 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention: KernelSlot
+        if cfg.is_mla:  # (DeepSeek-V2/V3)
+            self.attention = MultiHeadLatentAttention(cfg)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (
             MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_hidden)
@@ -230,7 +162,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder. ``model(input_ids)`` -> logits (B, S, vocab)."""
+    """The decoder. ``model(input_ids)`` -> logits (B, S, vocab).
+
+    With ``mtp_depth`` > 0 it also holds multi-token prediction's modules ``mtp.{k}``
+    (``models/mtp.py``), which only training runs: a training forward keeps its last layer's
+    output and :meth:`predict_ahead` runs the modules on it; ``model(input_ids)``,
+    evaluation and generation are the main model's."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -244,10 +181,18 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Multi-token prediction (models/mtp.py): depth k + 1 is ``mtp.{k}``, its block layer
+        # n_layers + k; None without it. ``mtp_input``: the last layer's output of the last
+        # training forward, which ``predict_ahead`` reads (and drops).
+        self.mtp: nn.ModuleList | None = nn.ModuleList(
+            MTPDepth(cfg.dim, Block(cfg, cfg.n_layers + k), lambda d: RMSNorm(d, cfg.norm_eps))
+            for k in range(cfg.mtp_depth)) if cfg.mtp_depth else None
+        self.mtp_input: torch.Tensor | None = None
         if torch.get_default_device().type == "meta":  # shapes only: build_buffers makes them
-            cos, sin = torch.empty(cfg.max_seq_len, cfg.hd), torch.empty(cfg.max_seq_len, cfg.hd)
-        else:
-            cos, sin = rope_tables(cfg.hd, cfg.max_seq_len, cfg.rope_theta)  # (sin sign-folded)
+            cos = torch.empty(cfg.max_seq_len, cfg.rope_dim)
+            sin = torch.empty(cfg.max_seq_len, cfg.rope_dim)
+        else:  # (sin sign-folded; MLA: the rotary part of a head; YaRN: models/rope.py)
+            cos, sin = model_rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # Context parallelism sets this: (tokens held, device) -> their global positions, or
@@ -275,9 +220,9 @@ class Transformer(nn.Module):
         """The rotary tables (and MoE selection biases) on ``device`` (a model built on the meta
         device has none yet)."""
         if self.rope_cos.is_meta or self.rope_cos.device != torch.device(device):
-            cos, sin = rope_tables(self.cfg.hd, self.cfg.max_seq_len, self.cfg.rope_theta)
+            cos, sin = model_rope_tables(self.cfg)
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        for layer in self.layers.values():
+        for layer in self.blocks().values():
             if isinstance(layer.feed_forward, MoE):
                 layer.feed_forward.build_buffers(device)
 
@@ -335,8 +280,41 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states -> logits (or the head's input, when
-        ``emit_hidden``), through ``run_head`` when set."""
+        ``emit_hidden``), through ``run_head`` when set. A training forward of a model with
+        multi-token prediction keeps ``h`` for :meth:`predict_ahead`."""
+        if self.mtp is not None and self.training and torch.is_grad_enabled():
+            self.mtp_input = h
         return self.final(h) if self.run_head is None else self.run_head(h)
+
+    def blocks(self) -> dict[int, Block]:
+        """Every decoder block this model holds, by layer id: its layers, then the blocks of
+        multi-token prediction (layer ids ``n_layers + k``)."""
+        out = {int(k): b for k, b in self.layers.items()}
+        for k, depth in enumerate(self.mtp or ()):
+            out[self.cfg.n_layers + k] = depth.block
+        return out
+
+    def mtp_layer_ids(self) -> list[int]:
+        """Layer ids of the multi-token prediction blocks this model holds."""
+        return [self.cfg.n_layers + k for k in range(len(self.mtp or ()))]
+
+    def predict_ahead(self, ids: list[torch.Tensor], seq_len: int) -> list[torch.Tensor]:
+        """Multi-token prediction (models/mtp.py) on the last layer's output of the last
+        training forward: ``ids[k]`` (B, s) the token each position reads at depth k + 1;
+        returns each depth's head output (logits, or the head's input when ``emit_hidden``).
+        ``seq_len`` as for :meth:`run_layers`; document masking as the forward's."""
+        if self.mtp is None or self.mtp_input is None:
+            raise RuntimeError("predict_ahead needs a model with multi-token prediction "
+                               "(model.mtp_depth > 0) after a training forward")
+        h, self.mtp_input = self.mtp_input, None
+        cos, sin = self.rope(seq_len)
+        docs = () if self.doc_ids is None else (self.doc_ids,)
+        outs = []
+        for depth, tokens in zip(self.mtp, ids, strict=True):
+            h = depth(h, self.tok_embeddings(tokens), cos, sin, *docs)
+            x = self.head_input(depth.norm(h))
+            outs.append(x if self.emit_hidden else self.output(x))
+        return outs
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
         """The computation of :meth:`head` (what ``run_head`` compiles)."""
@@ -355,9 +333,10 @@ class Transformer(nn.Module):
     def aux_loss(self, layer_ids: list[int] | None = None) -> torch.Tensor | float:
         """Sum of the MoE load-balancing losses of the last forward of ``layer_ids`` (default:
         every layer); 0.0 when none has one (dense models)."""
-        keys = self.layers.keys() if layer_ids is None else [str(i) for i in layer_ids]
+        blocks = self.blocks()
+        keys = blocks.keys() if layer_ids is None else layer_ids
         losses = [ff.last_aux_loss for k in keys
-                  if isinstance(ff := self.layers[k].feed_forward, MoE)]
+                  if isinstance(ff := blocks[k].feed_forward, MoE)]
         losses = [x for x in losses if x is not None]
         return torch.stack(losses).sum() if losses else 0.0
 
@@ -366,10 +345,10 @@ class Transformer(nn.Module):
         the MoE layers this model holds; None leaves them as they are."""
         if table is None:
             return
-        for key, layer in self.layers.items():
+        for i, layer in self.blocks().items():  # (multi-token prediction's rows follow)
             ff = layer.feed_forward
-            if isinstance(ff, MoE) and ff.expert_bias is not None:
-                ff.expert_bias.copy_(torch.tensor(table[int(key)], dtype=torch.float32))
+            if isinstance(ff, MoE) and ff.expert_bias is not None and i < len(table):
+                ff.expert_bias.copy_(torch.tensor(table[i], dtype=torch.float32))
 
     def num_params(self) -> int:
         """Unique parameters (a tied head counts once)."""

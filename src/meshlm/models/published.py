@@ -106,6 +106,22 @@ CATALOGUE: dict[str, Published] = {
     "mixtral-8x7b": Published(PRESETS["mixtral-8x7b"], True,
                               "Jiang et al. 2024, 'Mixtral of Experts'; HF config.json",
                               (r"^mixtral[- ]8x7b",)),
+    # frontier MoE (issue 49): the presets' shapes, sources cited beside them in presets.py
+    "deepseek-v3": Published(
+        PRESETS["deepseek-v3"], True,
+        "DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report' (arXiv:2412.19437), sec. 2 and 4.2; "
+        "HF deepseek-ai/DeepSeek-V3 config.json (MLA, 256 routed experts, MTP depth 1)",
+        (r"^deepseek[- ]?v3\b",), (), train_batch=15360),  # sec. 4.2: 3072 -> 15360
+    "deepseek-v2-lite": Published(
+        PRESETS["deepseek-v2-lite"], True,
+        "DeepSeek-AI 2024, 'DeepSeek-V2' (arXiv:2405.04434), appendix B; HF "
+        "deepseek-ai/DeepSeek-V2-Lite config.json", (r"^deepseek[- ]?v2[- ]lite\b",), ()),
+    **{name: Published(PRESETS[name], True,
+                       "Qwen Team 2025, 'Qwen3 Technical Report' (arXiv:2505.09388), table 2; "
+                       f"HF Qwen/{hf} config.json", (rf"^qwen[- ]?3[- ]{re.escape(name[6:])}\b",),
+                       ())
+       for name, hf in (("qwen3-30b-a3b", "Qwen3-30B-A3B"),
+                        ("qwen3-235b-a22b", "Qwen3-235B-A22B"))},
     "nemotron-4-340b": Published(
         _llama("nemotron-4-340b", 96, 18432, 96, 8, 73728, 256000, 4096), False,
         "NVIDIA 2024, 'Nemotron-4 340B Technical Report'; NeMo Nemotron4Config340B "

@@ -19,6 +19,11 @@ does, and each rank's gradients include the other ranks' losses through the dK/d
 all-to-all (Ulysses) backward. Mixture-of-Experts layers add their routing counts over cp so the
 load-balancing loss is the whole sequence's (``expert.attach_count_reducers``).
 
+Multi-token prediction (``models/mtp.py``): its blocks' attention is context parallel like
+the main blocks'; the tokens ahead of a rank's positions lie in other ranks' shares, so
+:meth:`ContextParallel.gather_shares` rebuilds the step's whole target sequences (one
+all-gather over cp of ``G b s / cp`` int64 per step, ``parallel/loss.py``).
+
 Communication: see the two attention modules. Memory: activations / cp; the rotary
 tables of the positions in use; with document masking, which ring blocks the last micro-batch's
 documents leave something in (one flag per block, decided on the host: no device read).
@@ -107,6 +112,23 @@ class ContextParallel:
                                  f"{self.max_len}")
             self._positions[key] = torch.from_numpy(pos).to(device)
         return self._positions[key]
+
+    def gather_shares(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole sequences from every cp rank's share of them: (..., s/cp) -> (..., s) along
+        the last dim (multi-token prediction reads the tokens ahead of its positions). One
+        all-gather over cp of ``x`` (contiguous, this rank's device); no gradient."""
+        n = self.size
+        if not self.enabled or n == 1:
+            return x
+        every = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+        self.comm.all_gather(every, x.contiguous().view(-1), AXIS)
+        shares = every.view(n, *x.shape)
+        s = n * x.shape[-1]
+        order = torch.from_numpy(np.concatenate([share_positions(s, n, r, self.mode)
+                                                 for r in range(n)])).to(x.device)
+        whole = torch.empty((*x.shape[:-1], s), dtype=x.dtype, device=x.device)
+        whole[..., order] = torch.cat(list(shares.unbind(0)), dim=-1)
+        return whole
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's share of a whole-sequence tensor (its tokens along ``dim``)."""

@@ -2,18 +2,20 @@
 
 The modes themselves are :mod:`.context`, :mod:`.ring_attention` and :mod:`.ulysses` (torch);
 ``parallel.cp_attention`` accepts exactly the names here. Per layer and micro-batch, with
-``T`` tokens of a micro-batch on a rank, K/V heads ``kv`` and query heads ``nh`` of ``hd``
-features split over tp, ``a`` bytes per activation and ``F`` forward passes (2 under full
-recomputation: a recomputed forward communicates again):
+``T`` tokens of a micro-batch on a rank, the kernel's query, key, value and output widths
+``q, k, v, o`` per token (grouped-query attention: ``q = o = nh hd``, ``k = v = kv hd``;
+multi-head latent attention: ``nh (nope + rope)`` queries and keys, ``nh v_head_dim`` values
+and output -- ``models/attention_cost.py``) split over tp, ``a`` bytes per activation and
+``F`` forward passes (2 under full recomputation: a recomputed forward communicates again):
 
 - ``zigzag`` / ``ring`` (ring attention, ``ring_attention.py``; zigzag balances the causal
-  work over the ranks): ``F (cp - 1)`` sends of one rank's K and V (``2 T kv hd a``) forward
+  work over the ranks): ``F (cp - 1)`` sends of one rank's K and V (``T (k + v) a``) forward
   and again backward, and ``cp - 1`` of the fp32 dK/dV accumulators backward, each with its
   receive; passed beside the attention of the previous block (exposed: what exceeds the
   attention compute). Each block's mask is built in forward and again in backward: none kept;
 - ``ulysses`` (``ulysses.py``, the Ultra-Scale Playbook): four all-to-alls forward (q, k, v,
-  output: ``T nh hd a`` for q and the output, ``T kv hd a`` for k and v) and four backward,
-  over the cp ranks: exposed. Attention runs over the whole sequence for ``1 / cp`` of the
+  output: ``T q a``, ``T k a``, ``T v a``, ``T o a``) and four backward, over the cp ranks:
+  exposed. Attention runs over the whole sequence for ``1 / cp`` of the
   heads: its mask is kept per layer as without cp.
 
 With cp, weight gradients are reduced over dp x cp (counted by the planner with the ZeRO
@@ -40,18 +42,21 @@ class ContextCost:
         """Whether each layer keeps the attention mask (as without cp)."""
         return self.all_to_all
 
-    def collectives(self, tokens: float, n_heads: int, n_kv_heads: int, hd: int, tp: int,
+    def collectives(self, tokens: float, widths: tuple[int, int, int, int], tp: int,
                     a: float, cp: int, forwards: int, layers: int, m: int
                     ) -> list[Collective]:
-        """One step's messages on a rank of ``layers`` layers (module docstring)."""
+        """One step's messages on a rank of ``layers`` layers (module docstring); ``widths``:
+        the kernel's query, key, value and output features per token, before tp."""
+        q, k, v, o = widths
         out = []
         if self.all_to_all:
-            for heads in (n_heads, n_kv_heads):  # q and output; k and v
-                nbytes = tokens * heads * hd / tp * a
-                out.append(Collective("all_to_all", nbytes, 2 * (forwards + 1) * layers * m,
-                                      "exposed"))
+            for pair in ((q, o), (k, v)):  # q and output; k and v (one kind when equal)
+                for width in sorted(set(pair), key=pair.index):
+                    nbytes = tokens * width / tp * a
+                    calls = (forwards + 1) * layers * m * (2 if len(set(pair)) == 1 else 1)
+                    out.append(Collective("all_to_all", nbytes, calls, "exposed"))
             return out
-        kv = 2 * tokens * n_kv_heads * hd / tp  # elements of one rank's K and V
+        kv = tokens * (k + v) / tp  # elements of one rank's K and V
         for op, overlap in (("send", "attention"), ("recv", "free")):
             out.append(Collective(op, kv * a, (forwards + 1) * (cp - 1) * layers * m, overlap))
             out.append(Collective(op, kv * 4, (cp - 1) * layers * m, overlap))  # fp32 dK/dV

@@ -15,22 +15,27 @@ Per MoE layer and micro-batch (:class:`ExpertExchange`), after routing on this r
    synchronisation per micro-batch; ``all_to_all_single`` takes its splits as Python ints);
 2. dispatch: ``all_to_all_single`` sends each token copy (sorted by expert, hence by owner) to
    the rank owning its expert -- dropless, variable splits;
-3. the received copies are regrouped by local expert and run (one matmul chain per expert,
-   one batched matmul for all when capacity slots make them equal);
+3. the received copies are regrouped by local expert and run as one grouped GEMM
+   (``models/moe.py``: ``torch._grouped_mm`` with the local experts' offsets from the device
+   count table -- no further synchronisation; one batched matmul for all when capacity slots
+   make them equal);
 4. combine: a second all-to-all returns the outputs in the order they were sent; the layer then
    weights them by the router and sums them per token as without ep.
 
-Backward mirrors it: two all-to-alls of the same sizes in reverse. Bytes per micro-batch and
-layer: forward ``T k H`` (this rank's copies) + ``R H`` (the copies it received), each in the
-activation dtype; backward the same; ``sum over ep ranks of R = sum of T k``. With a capacity
-factor the splits are fixed (``E/ep * B * C`` rows to every peer) and step 1 is skipped.
+Backward mirrors it: two all-to-alls of the same sizes in reverse, no host synchronisation.
+Bytes per micro-batch and layer: forward ``T k H`` (this rank's copies) + ``R H`` (the copies
+it received), each in the activation dtype; backward the same; ``sum over ep ranks of R =
+sum of T k``. With a capacity factor the splits are fixed (``E/ep * B * C`` rows to every
+peer), step 1 is skipped and the layer reads nothing to the host.
 
 Memory per rank: expert weights, gradients and optimizer states / ep; activations of the copies
 it computes (``T k`` on average).
 
 Also here: the routing-count reducers of the balancing losses (:func:`attach_count_reducers`)
 and the end-of-step router statistics, which also drive the auxiliary-loss-free bias
-(:func:`router_step`).
+(:func:`router_step`): per MoE layer, the load of every expert, the largest and the mean load,
+the experts that got no token, the dropped copies, the aux loss and the balancing bias's
+spread (``max - min``), for ``metrics.jsonl``, TensorBoard and ``meshlm report``.
 """
 
 from __future__ import annotations
@@ -129,7 +134,10 @@ class ExpertExchange:
         expert_of = expert_of.repeat_interleave(sp.from_peer.reshape(-1),
                                                 output_size=sum(sp.recv))  # (no sync)
         order = torch.argsort(expert_of, stable=True)
-        out = moe.experts(received[order], sp.local)
+        # rows per local expert: the device table's (the grouped GEMM's offsets, no transfer),
+        # or the capacity slots' equal Python ints (one batched matmul)
+        counts = sp.local if fixed else sp.from_peer.sum(dim=0)
+        out = moe.experts(received[order], counts, max_count=max(sp.local, default=0))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return _AllToAll.apply(out[back], self.comm, sp.send, sp.recv)
@@ -138,7 +146,7 @@ class ExpertExchange:
 def apply_expert_parallel(model: Transformer, comm: Comm) -> None:
     """Keep this ep rank's experts of every MoE layer and route their tokens (module doc)."""
     ep, rank = comm.size(AXIS), comm.rank(AXIS)
-    for layer in model.layers.values():
+    for layer in model.blocks().values():  # (multi-token prediction's blocks too)
         moe = layer.feed_forward
         if not isinstance(moe, MoE):
             continue
@@ -169,7 +177,7 @@ def attach_count_reducers(model: Transformer, comm: Comm) -> None:
             return counts, size
         return reduce
 
-    for layer in model.layers.values():
+    for layer in model.blocks().values():
         if isinstance(moe := layer.feed_forward, MoE):
             moe.reduce_counts = (over("dp_cp" if cp > 1 else "dp", data) if data > 1
                                  else None)
@@ -177,9 +185,14 @@ def attach_count_reducers(model: Transformer, comm: Comm) -> None:
 
 
 def moe_layers(model: Transformer) -> dict[int, MoE]:
-    """This rank's MoE layers by global layer index."""
-    return {int(k): layer.feed_forward for k, layer in model.layers.items()
+    """This rank's MoE layers by global layer index (multi-token prediction's blocks:
+    ``n_layers + k``)."""
+    return {k: layer.feed_forward for k, layer in model.blocks().items()
             if isinstance(layer.feed_forward, MoE)}
+
+
+# columns of router_step's table after the E loads
+DROPPED, AUX, BIAS_SPREAD, MICRO_BATCHES = range(4)
 
 
 def router_step(model: Transformer, comm: Comm, n_layers: int, n_experts: int
@@ -187,51 +200,69 @@ def router_step(model: Transformer, comm: Comm, n_layers: int, n_experts: int
     """End of a step: each MoE layer's load over the global batch, its auxiliary-loss-free
     bias update, and the statistics for ``metrics.jsonl`` (every rank gets every layer's).
 
-    One all-reduce of ``n_layers x (E + 3)`` float64 over dp x cp (the global batch of this
-    stage's layers), one over pp (the other stages' layers); logged as metrics traffic.
+    One all-reduce of ``n_layers x (E + 4)`` float64 over dp x cp (the global batch of this
+    stage's layers), one over pp (the other stages' layers); logged as metrics traffic. The
+    table is filled on the device and read to the host once, after both.
     """
     layers = moe_layers(model)
-    table = torch.zeros(n_layers, n_experts + 3, dtype=torch.float64)
+    n_layers += model.cfg.mtp_depth  # (rows of multi-token prediction's blocks)
+    e = n_experts
+    table = torch.zeros(n_layers, e + 4, dtype=torch.float64, device=comm.mesh.device())
     for i, moe in layers.items():
         st = moe.stats
         if st.load is not None:
-            table[i, :n_experts] = st.load.cpu()
-        table[i, n_experts:] = torch.tensor([st.dropped, float(st.aux), st.micro_batches])
+            table[i, :e] = st.load.to(table)
+        row = table[i, e:]
+        row[DROPPED] = st.dropped
+        row[AUX] = st.aux
+        row[MICRO_BATCHES] = st.micro_batches
         st.reset()
-    table = table.to(comm.mesh.device())
     comm.all_reduce(table, "dp_cp", purpose="metrics")
     for i, moe in layers.items():
-        moe.update_bias(table[i, :n_experts])
+        moe.update_bias(table[i, :e])
+        if moe.expert_bias is not None:  # (the same on every dp x cp rank: one stage's row)
+            table[i, e + BIAS_SPREAD] = moe.expert_bias.max() - moe.expert_bias.min()
     comm.all_reduce(table, "pp", purpose="metrics")
     table = table.cpu()
     out: dict[str, Any] = {}
     for i in range(n_layers):
-        load = table[i, :n_experts]
-        if table[i, -1] == 0:  # not an MoE layer
+        load, row = table[i, :e], table[i, e:]
+        if row[MICRO_BATCHES] == 0:  # not an MoE layer
             continue
-        mean = float(load.mean())
+        mean, top = float(load.mean()), float(load.max())
         out[str(i)] = {
             "tokens_per_expert": [int(x) for x in load.tolist()],
-            "max_over_mean": float(load.max()) / mean if mean else 0.0,
-            "dropped": int(table[i, n_experts]),
-            "aux_loss": float(table[i, n_experts + 1]) / float(table[i, -1]),
+            "max_load": int(top),
+            "mean_load": mean,
+            "max_over_mean": top / mean if mean else 0.0,
+            "idle_experts": int((load == 0).sum()),
+            "dropped": int(row[DROPPED]),
+            "aux_loss": float(row[AUX]) / float(row[MICRO_BATCHES]),
+            **({"bias_spread": float(row[BIAS_SPREAD])}
+               if model.cfg.moe_balance == "bias" else {}),
         }
     return out
 
 
 def router_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per MoE layer over a run's metrics records: mean and last max/mean load, dropped
-    fraction and mean aux loss (the rows a report prints)."""
+    fraction, mean aux loss, mean and last count of experts that got no token, and the last
+    balancing-bias spread (the rows a report prints; fields a record lacks count as 0)."""
     out: dict[str, dict[str, float]] = {}
-    rows = [r["router"] for r in records if "router" in r]
+    rows = [r["router"] for r in records if isinstance(r.get("router"), dict)]
     for layer in (rows[0] if rows else {}):
         series = [r[layer] for r in rows if layer in r]
         copies = sum(sum(s["tokens_per_expert"]) for s in series)
+        idle = [s.get("idle_experts", sum(1 for x in s["tokens_per_expert"] if x == 0))
+                for s in series]
         out[layer] = {
             "max_over_mean_mean": sum(s["max_over_mean"] for s in series) / len(series),
             "max_over_mean_last": series[-1]["max_over_mean"],
             "dropped_fraction": sum(s["dropped"] for s in series) / copies if copies else 0.0,
             "aux_loss_mean": sum(s["aux_loss"] for s in series) / len(series),
+            "idle_experts_mean": sum(idle) / len(idle),
+            "idle_experts_last": idle[-1],
+            "bias_spread_last": series[-1].get("bias_spread", 0.0),
         }
     return out
 
@@ -240,5 +271,7 @@ def router_text(summary: dict[str, dict[str, float]]) -> str:
     """One line per MoE layer of :func:`router_summary`."""
     return "\n".join(
         f"layer {k}: max/mean load {v['max_over_mean_mean']:.2f} (last {v['max_over_mean_last']:.2f}),"
+        f" idle experts {v['idle_experts_mean']:.1f} (last {v['idle_experts_last']:.0f}),"
         f" dropped {100 * v['dropped_fraction']:.1f}%, aux loss {v['aux_loss_mean']:.4g}"
+        + (f", bias spread {v['bias_spread_last']:.3g}" if v["bias_spread_last"] else "")
         for k, v in summary.items())

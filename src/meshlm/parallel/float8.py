@@ -73,6 +73,8 @@ from ..precision import FP8_RECIPES
 RECIPES = FP8_RECIPES
 # the linear layers of a decoder block that compute in float8 (paths inside the block)
 FP8_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+               # multi-head latent attention (models/mla.py)
+               "attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b",
                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
                "feed_forward.shared.w1", "feed_forward.shared.w2", "feed_forward.shared.w3")
 INSTALL_HINT = 'pip install "meshlm[fp8]"'
@@ -406,7 +408,7 @@ class Float8Converter:
         self.recipe = recipe
 
     def convert(self, model: nn.Module) -> None:
-        for block in model.layers.values():
+        for block in model.blocks().values():  # (multi-token prediction's too)
             for parent, name, lin in _block_linears(block):
                 if isinstance(lin, Float8Linear) and lin.plan.recipe == self.recipe:
                     continue  # already so (its plan may be bound, or told to defer dW)
@@ -415,7 +417,7 @@ class Float8Converter:
                 setattr(parent, name, f8)
 
     def revert(self, model: nn.Module) -> None:
-        for block in model.layers.values():
+        for block in model.blocks().values():  # (multi-token prediction's too)
             for parent, name, lin in _block_linears(block):
                 setattr(parent, name, plain_linear(lin))
 

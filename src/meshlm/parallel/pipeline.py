@@ -3,7 +3,11 @@
 The decoder's layers are cut into ``S = pp * v`` contiguous stages (balanced by count, or an
 explicit ``parallel.pp_layers`` split); stage 0 also holds the embedding, stage S - 1 the final
 norm, the head and the loss. Rank r keeps stages r, r + pp, ... and deletes every other module
-of the plain model, so parameter names stay those of the one-process model.
+of the plain model, so parameter names stay those of the one-process model. Multi-token
+prediction (``models/mtp.py``) runs on the last stage after the head: its modules live there,
+with a copy of the embedding table for the tokens ahead -- kept as a tied head is (same
+initial values; the two copies' gradients summed over the embedding group once per step,
+``V h / t`` values), one copy when the head is that table already.
 
 :class:`PipelineExecutor` runs a rank's list of actions (see ``schedules.py``) for ``m``
 micro-batches. Activations and their gradients move with ``batch_isend_irecv`` over the pp
@@ -43,6 +47,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -54,6 +59,9 @@ from ..layout import partition_layers
 from ..models.llama import Transformer
 from .schedules import Action, build_schedule
 from .split_linear import DefersWeightGrad, capture_into, split_linears
+
+if TYPE_CHECKING:
+    from .loss import MultiTokenLoss
 
 AXIS = "pp"
 
@@ -68,20 +76,23 @@ class PipelineModel:
         keep = {i for s in self.stages for i in self.layers[s]}
         for name in [n for n in model.layers if int(n) not in keep]:
             del model.layers[name]
-        if 0 not in self.stages:
+        first, last = 0 in self.stages, self.n_stages - 1 in self.stages
+        # multi-token prediction runs on the last stage, reading the embedding there too
+        mtp = model.mtp is not None
+        if not first and not (last and mtp):
             model.tok_embeddings = None
-        if self.n_stages - 1 not in self.stages:
-            model.norm, model.output = None, None
-        # Tied embeddings on different ranks: each end keeps its copy (same initial values);
-        # their gradients are summed over the embedding group before the optimizer step.
+        if not last:
+            model.norm, model.output, model.mtp = None, None, None
+        # The embedding table on both ends (a tied head, or multi-token prediction's lookups
+        # on the last stage): each end keeps its copy (same initial values); their gradients
+        # are summed over the embedding group before the optimizer step.
         self.tied: nn.Parameter | None = None
-        if model.cfg.tie_embeddings and pp > 1:
-            first, last = 0 in self.stages, self.n_stages - 1 in self.stages
-            if first or last:
-                self.tied = (model.tok_embeddings if first else model.output).weight
-                # one global tensor, a copy on each end: counted half each in norms
-                spec = spec_of(self.tied)
-                update_spec(self.tied, tied_axis="embed", replicated=(*spec.replicated, "embed"))
+        if (model.cfg.tie_embeddings or mtp) and pp > 1 and (first or last):
+            self.tied = (model.tok_embeddings.weight if first or not model.cfg.tie_embeddings
+                         else model.output.weight)  # (tied: the same tensor)
+            # one global tensor, a copy on each end: counted half each in norms
+            spec = spec_of(self.tied)
+            update_spec(self.tied, tied_axis="embed", replicated=(*spec.replicated, "embed"))
 
     def sync_tied_grads(self, comm: Comm) -> None:
         """Sum the tied embedding's gradient over its copies (first and last stage)."""
@@ -108,6 +119,9 @@ class PipelineModel:
             mods.insert(0, m.tok_embeddings)
         if s == self.n_stages - 1:
             mods += [m.norm, m.output]
+            if m.mtp is not None:  # (the embedding's copy here, unless it is the tied head)
+                mods += [m.mtp] + ([m.tok_embeddings] if s > 0 and m.tok_embeddings.weight
+                                   is not m.output.weight else [])
         return mods
 
 
@@ -210,6 +224,11 @@ class PipelineExecutor:
         self.timeline: list[dict] = []
         self.peak_live = 0
         self.grad_scale = 1.0  # the fp16 loss scale (set by the trainer before each step)
+        # multi-token prediction's loss (parallel/loss.py) and the step's prepared targets of
+        # each micro-batch (set by the runner on the last stage; None: none)
+        self.mtp: MultiTokenLoss | None = None
+        self.ahead: list | None = None
+        self.mtp_sum = 0.0  # the last step's sum of the last stage's MTP losses
 
     # -- zero-bubble capture of linear layers ----------------------------------------------
     def _capture_linear(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -231,6 +250,8 @@ class PipelineExecutor:
         # the last stage's losses, summed on the device and read once, after the step: in
         # float64, as Python would add the floats (a read per micro-batch would wait for it)
         self.loss_sum: torch.Tensor | None = None
+        self.mtp_total: torch.Tensor | None = None  # (the same for multi-token prediction)
+        self.mtp_sum = 0.0
         self.peak_live, live = 0, 0
         clock = _Clock(self.device)
         spans: list[tuple[Action, int, int]] = []
@@ -260,7 +281,12 @@ class PipelineExecutor:
         self.timeline = [{"op": a.op, "mb": a.mb, "stage": a.stage, "start": at[s], "end": at[e]}
                          for a, s, e in spans]
         self.step_time = at[end]
-        return float(self.loss_sum) if self.loss_sum is not None else 0.0
+        if self.loss_sum is None:
+            return 0.0
+        if self.mtp_total is None:
+            return float(self.loss_sum)
+        loss, self.mtp_sum = torch.stack([self.loss_sum, self.mtp_total]).tolist()
+        return loss
 
     def bubble(self) -> float:
         """Measured idle fraction of this rank in the last step."""
@@ -333,6 +359,14 @@ class PipelineExecutor:
                 loss = self.loss_fn(out, targets.to(self.device))
                 loss64 = loss.detach().double()
                 self.loss_sum = loss64 if self.loss_sum is None else self.loss_sum + loss64
+                if self.mtp is not None:  # multi-token prediction (its blocks' aux loss too)
+                    mtp = self.mtp(self.ahead[a.mb])
+                    mtp64 = mtp.detach().double()
+                    self.mtp_total = mtp64 if self.mtp_total is None else self.mtp_total + mtp64
+                    loss = loss + self.mtp.weight * mtp
+                    extra = self.pipe.model.aux_loss(self.pipe.model.mtp_layer_ids())
+                    if isinstance(extra, torch.Tensor):
+                        aux = extra if aux is None else aux + extra
                 out = loss / self.m
         self._capture = None
         slot.out, slot.aux = out, (aux / self.m if aux is not None else None)
@@ -366,8 +400,9 @@ class PipelineExecutor:
         # eager: the weights of the linears captured in F are not asked for; split linears
         # (compiled) return no weight gradient, so asking for theirs costs nothing (None)
         captured = {id(rec[0]) for rec in slot.linears}
-        others = [p for mod in self.pipe.stage_modules(a.stage) for p in mod.parameters()
-                  if p.requires_grad and id(p) not in captured]
+        others = list({id(p): p for mod in self.pipe.stage_modules(a.stage)
+                       for p in mod.parameters()
+                       if p.requires_grad and id(p) not in captured}.values())
         wrt = ([slot.inp] if slot.inp is not None else []) + others
         with capture_into(slot.linears) if self._split_weights else contextlib.nullcontext():
             got = torch.autograd.grad(roots, wrt, grads, allow_unused=True)

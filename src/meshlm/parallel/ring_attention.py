@@ -21,7 +21,9 @@ its own block's gradients while the first hop is in flight; each foreign block's
 added to a fp32 accumulator that travels with it and reaches its owner after ``cp - 1`` hops.
 
 Communication per attention layer and micro-batch (comm log; ``kv`` = bytes of this rank's
-K and V, ``2 b (nkv/tp) (s/cp) hd`` elements in the activation dtype): forward ``cp - 1``
+K and V, ``2 b (nkv/tp) (s/cp) hd`` elements in the activation dtype -- with multi-head latent
+attention ``b (nh/tp) (s/cp) (nope + rope + v)``: per-head keys and values, not the latent,
+travel): forward ``cp - 1``
 sends of ``kv`` (K and V as two messages per hop); backward ``cp - 1`` sends of ``kv`` and
 ``cp - 1`` sends of the fp32 dK/dV accumulator (``kv`` bytes in fp32, one message) -- each
 matched by a receive of the same size.
@@ -194,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
                 ring: Ring, ids: list[torch.Tensor] | None, kernel: AttentionKernel,
                 seen: Seen | None) -> torch.Tensor:
         local = q.shape[2]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         own = cur = (k.contiguous(), v.contiguous())  # (sent as they are)
         for step in range(ring.size):
@@ -223,7 +225,8 @@ class _RingAttention(torch.autograd.Function):
         ring: Ring = ctx.ring
         ids, kernel, seen = ctx.ids, ctx.kernel, ctx.seen
         local = q.shape[2]
-        acc_shape = (2, *k.shape)  # dK and dV of one owner, fp32
+        dk_dim = k.shape[-1]  # (values may be of another width: multi-head latent attention)
+        acc_shape = (*k.shape[:3], dk_dim + v.shape[-1])  # [dK | dV] of one owner, fp32
         dq = dk = dv = None
         cur = (k, v)
         free: list[torch.Tensor] = []  # accumulators done with, reused
@@ -250,8 +253,8 @@ class _RingAttention(torch.autograd.Function):
                 if grads is None:  # our own block
                     dk, dv = _accumulate(dk, b.kv, gk, k.shape), _accumulate(dv, b.kv, gv, v.shape)
                 else:
-                    grads[0][:, :, b.kv] += gk
-                    grads[1][:, :, b.kv] += gv
+                    grads[:, :, b.kv, :dk_dim] += gk
+                    grads[:, :, b.kv, dk_dim:] += gv
             if grads is not None:
                 _wait(acc_works)  # the accumulator of this block's owner, from the last rank
                 if acc_recv is not None:
@@ -264,8 +267,8 @@ class _RingAttention(torch.autograd.Function):
             cur = nxt if nxt is not None else cur
         if ring.size > 1:
             _wait(acc_works)  # our own K/V's gradients, home after cp - 1 hops
-            dk += acc_recv[0]
-            dv += acc_recv[1]
+            dk += acc_recv[..., :dk_dim]
+            dv += acc_recv[..., dk_dim:]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

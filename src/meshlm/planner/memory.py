@@ -31,6 +31,12 @@ under bf16 autocast each linear saves its own bf16 copy of its input and the bf1
 copies live until backward. meshlm's sequence parallelism keeps the all-gathered input of
 each region (it does not gather again in backward).
 
+**The model's own kinds of layers** are described beside them: what an attention layer's
+projections keep and how they split over tp (``models/attention_cost.py``: grouped-query or
+multi-head latent attention, Qwen3's query/key norms), and multi-token prediction's blocks,
+head passes, projections and saved inputs on the last pipeline stage
+(``models/mtp_cost.py``).
+
 **Precision** (``precision_cost.py``): the activations' bytes per value, the autocast weight
 copies (under fp8 none of the decoder-block linears' weights) and the float8 casts, a
 transient of the largest decoder-block linear (:func:`fp8_casts`), are the precision's; the
@@ -82,7 +88,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..layout import Layout, partition_layers
+from ..models.attention_cost import projection_cost
 from ..models.config import ModelConfig
+from ..models.mtp_cost import MTP
 from ..parallel.context_cost import CONTEXT
 from ..parallel.offload_cost import OFFLOAD
 from ..parallel.recompute_cost import RECOMPUTE
@@ -200,8 +208,15 @@ def _stage_layers(n_layers: int, pp: int, pp_virtual: int, pp_layers: str, rank:
 
 
 def layer_kinds(work: Workload, lo: Layout, stage: int) -> dict[bool, int]:
-    """How many dense (False) and MoE (True) layers pipeline rank ``stage`` holds."""
+    """How many dense (False) and MoE (True) decoder blocks pipeline rank ``stage`` holds: its
+    layers, and on the last rank the model's blocks after them (multi-token prediction's,
+    ``models/mtp_cost.py``)."""
     return dict(_layer_kinds(work.model.config, lo.pp, lo.pp_virtual, lo.pp_layers, stage))
+
+
+def stage_blocks(work: Workload, lo: Layout, stage: int) -> int:
+    """Decoder blocks pipeline rank ``stage`` runs (:func:`layer_kinds`, summed)."""
+    return sum(layer_kinds(work, lo, stage).values())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -209,7 +224,12 @@ def _layer_kinds(c: ModelConfig, pp: int, pp_virtual: int, pp_layers: str, stage
                  ) -> tuple[tuple[bool, int], ...]:
     layers = _stage_layers(c.n_layers, pp, pp_virtual, pp_layers, stage)
     moe = sum(1 for i in layers if c.is_moe_layer(i))
-    return tuple((k, n) for k, n in ((False, len(layers) - moe), (True, moe)) if n)
+    dense = len(layers) - moe
+    if stage == pp - 1:  # the blocks after the last layer (multi-token prediction)
+        extra = MTP.blocks(c)
+        moe += sum(extra)
+        dense += len(extra) - sum(extra)
+    return tuple((k, n) for k, n in ((False, dense), (True, moe)) if n)
 
 
 def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
@@ -219,7 +239,7 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
     dense = expert = matmul = layer_unit = block_linear = 0.0
     kinds = layer_kinds(work, lo, stage)
     for is_moe, count in kinds.items():
-        attn = c.attention_params() / t
+        attn = projection_cost(c).params(c, t)  # (models/attention_cost.py)
         norms = 2 * h
         if is_moe:
             router = h * c.moe_experts
@@ -228,7 +248,8 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
             routed = c.moe_experts / lo.ep * per_expert
             dense += count * (attn + norms + router + shared)
             expert += count * routed
-            matmul += count * (attn + router + shared + routed)
+            # (the router runs in fp32 under autocast, models/moe.py: no 16-bit copy)
+            matmul += count * (attn + shared + routed)
             block_linear += count * (attn + shared)
             layer_unit = max(layer_unit, attn + norms + router + shared + routed)
         else:
@@ -246,6 +267,11 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
         # when the embedding lives on another stage (Megatron keeps both in sync).
         root += h + (vocab if not c.tie_embeddings or lo.pp > 1 else 0)
         matmul += vocab
+        # multi-token prediction's own layers (its blocks are among the kinds above), with a
+        # copy of the embedding when it lives on another stage and the head is not one
+        own = MTP.params(c, t, lo.pp > 1 and not c.tie_embeddings)
+        root += own
+        matmul += sum(i * o for i, o in MTP.linears(c, t))
     dense += root
     return StageParams(sum(kinds.values()), dense, expert, matmul, layer_unit, root,
                        block_linear)
@@ -272,17 +298,22 @@ def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
 
 
 # ---------------------------------------------------------------------- activations
-def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str, float]:
+def layer_activations(work: Workload, lo: Layout, moe: bool = False,
+                      fused_norm: bool = False) -> dict[str, float]:
     """Bytes saved for backward by one layer for one micro-batch, without recomputation.
 
     Items are named after the tensors; ``scores`` is what selective recomputation of the
     attention core drops: the score matrix (softmax, dropout) or, with flash attention, the
-    log-sum-exp. The core's output stays (it is the output projection's input).
+    log-sum-exp. The core's output stays (it is the output projection's input). What the
+    attention layer's projections keep (``q k v``, ``attention out``, MLA's latents, Qwen3's
+    query/key norms) and how many linears read its input are its description's
+    (``models/attention_cost.py``; ``fused_norm``: its norms keep 1/rms, not a copy).
     """
     c = work.model.config
     t = lo.tp
     tokens = lo.micro_batch * work.seq_len / lo.cp  # tokens of one micro-batch on this rank
-    h, hq, kv, heads = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd, c.n_heads
+    h, heads = c.dim, c.n_heads
+    proj = projection_cost(c)
     f = c.expert_hidden * c.moe_topk + c.moe_shared_experts * c.expert_hidden if moe else (
         c.ffn_hidden)
     gated = work.model.gated_mlp or moe
@@ -293,8 +324,7 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
         items["norm inputs"] = 2 * h * 2 / out_t
         items["dropout masks"] = 2 * h * 1 / out_t
         items["region inputs"] = 2 * h * 2 / out_t  # Megatron gathers again in backward
-        items["q k v"] = (hq + 2 * kv) * 2 / t
-        items["attention out"] = hq * 2 / t
+        items.update(proj.saved(c, t, 2, work.profile, fused_norm))  # q k v, attention out
         items["mlp"] = (4 if gated else 2) * f * 2 / t
         # softmax output 2as + dropout mask as + dropout output 2as (sec. 4.1); flash attention
         # keeps an fp32 log-sum-exp per head instead
@@ -304,9 +334,9 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False) -> dict[str
         items["norm inputs"] = 2 * h * r / out_t
         items["norm normalised"] = 2 * (h + 1) * r / out_t
         # fp32: one tensor per region, shared by its linears; autocast: each linear's own copy
-        items["region inputs"] = 2 * h * 4 if a == 4 else (3 + (2 if gated else 1)) * h * a
-        items["q k v"] = (hq + 2 * kv) * a / t
-        items["attention out"] = hq * a / t
+        items["region inputs"] = 2 * h * 4 if a == 4 else (
+            proj.readers(c) + (2 if gated else 1)) * h * a
+        items.update(proj.saved(c, t, a, work.profile, fused_norm))  # q k v, attention out
         items["mlp"] = (4 if gated else 2) * f * a / t
         # SDPA's log-sum-exp per head (fp32); eager attention keeps the softmax output
         items["scores"] = (heads * 4 if work.flash else 2 * heads * work.seq_len / lo.cp * a) / t
@@ -344,15 +374,15 @@ def compiled_layer_activations(work: Workload, lo: Layout) -> dict[str, float]:
     c = work.model.config
     t = lo.tp
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
+    h = c.dim
     a = work.precision.act_bytes
     out_t = TENSOR[lo.sp].outside(t)
     items = {
         "residual": h * 4 / out_t,  # fp32, after the attention half
         "norm rstd": 2 * 4 / out_t,
         "region inputs": 2 * h * a,  # each region's input once, in the compute dtype
-        "q k v": (hq + 2 * kv) * a / t,
-        "attention out": 2 * hq * a / t,  # SDPA's output and the projection's input layout
+        # q k v; the attention output twice: SDPA's and the projection's input layout
+        **projection_cost(c).compiled_saved(c, t, a),
         "scores": c.n_heads * 4 / t,  # log-sum-exp
         "mlp": (3 if work.model.gated_mlp else 2) * c.ffn_hidden * a / t,
     }
@@ -369,8 +399,8 @@ def saved_layer(work: Workload, lo: Layout, hw: Accelerator, moe: bool = False
     input (``Workload.fused_norm`` overrides the choice by device)."""
     if compiled(work) and not moe and RECOMPUTE[lo.recompute].whole_layer:
         return compiled_layer_activations(work, lo)
-    items = layer_activations(work, lo, moe)
     fused_norm = not hw.is_cpu if work.fused_norm is None else work.fused_norm
+    items = layer_activations(work, lo, moe, fused_norm and work.profile == "meshlm")
     if work.profile == "meshlm" and fused_norm:
         tokens = lo.micro_batch * work.seq_len / lo.cp
         items["norm normalised"] = 2 * 4 / TENSOR[lo.sp].outside(lo.tp) * tokens
@@ -379,12 +409,13 @@ def saved_layer(work: Workload, lo: Layout, hw: Accelerator, moe: bool = False
 
 def matmul_outputs(work: Workload, lo: Layout) -> list[float]:
     """Output features per token of a dense layer's matmuls on one rank, in forward order:
-    q, k, v, the attention output projection, then the MLP's (w1, w3, w2 or fc1, fc2).
-    Row-parallel outputs are partial sums of the full width."""
+    the attention layer's (q, k, v, the output projection; ``models/attention_cost.py``),
+    then the MLP's (w1, w3, w2 or fc1, fc2). Row-parallel outputs are partial sums of the
+    full width."""
     c, t = work.model.config, lo.tp
-    hq, kv, f = c.n_heads * c.hd, c.n_kv_heads * c.hd, c.ffn_hidden
+    f = c.ffn_hidden
     mlp = [f / t, f / t, c.dim] if work.model.gated_mlp else [f / t, c.dim]
-    return [hq / t, kv / t, kv / t, c.dim, *mlp]
+    return [o for _, o in projection_cost(c).linears(c, t)] + mlp
 
 
 def op_saved(work: Workload, lo: Layout) -> float:
@@ -394,7 +425,8 @@ def op_saved(work: Workload, lo: Layout) -> float:
     a = work.precision.act_bytes
     r = 2 if work.profile == "megatron" else 4  # the layer input (meshlm: fp32 residual)
     kept = sum(matmul_outputs(work, lo)[0::2]) * a  # the 1st, 3rd, ... matmul outputs
-    kept += c.n_heads * c.hd / lo.tp * a + c.n_heads * 4 / lo.tp  # attention out + lse
+    out = projection_cost(c).widths(c).out
+    kept += out / lo.tp * a + c.n_heads * 4 / lo.tp  # attention out + lse
     return (kept + c.dim * r / TENSOR[lo.sp].outside(lo.tp)) * tokens
 
 
@@ -413,8 +445,7 @@ def block_linears(work: Workload, lo: Layout, moe: bool) -> list[tuple[float, fl
     ``dtype="fp8"`` runs in float8): attention, then the dense MLP or a MoE layer's shared
     experts (the router and the routed experts are not among them)."""
     c, t, h = work.model.config, lo.tp, work.model.config.dim
-    hq, kv = c.n_heads * c.hd, c.n_kv_heads * c.hd
-    attn = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
+    attn = projection_cost(c).linears(c, t)  # (models/attention_cost.py)
     if moe:
         fs = c.moe_shared_experts * c.expert_hidden / t
         return attn + ([(h, fs), (h, fs), (fs, h)] if fs else [])
@@ -445,7 +476,9 @@ def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
 
 
 def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> float:
-    """Embedding (first stage) and final norm, head input and logits (last stage)."""
+    """Embedding (first stage) and final norm, head input and logits (last stage), once per
+    head pass (multi-token prediction adds one per depth, and its modules' own inputs:
+    ``models/mtp_cost.py``)."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
     out_t = TENSOR[lo.sp].outside(lo.tp)
@@ -463,7 +496,9 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
         if work.loss == "torch" and compiled(work) and lo.tp == 1:
             logits = a * v_local  # the compiled loss saves its input, the logits
 
-        total += (norm + head_in + logits + 8) * tokens
+        total += (norm + head_in + logits + 8) * tokens * MTP.head_passes(c)
+        # multi-token prediction's input norms and projection inputs (none without it)
+        total += MTP.saved(c, a, work.profile, out_t) * tokens
         if work.loss == "chunked":  # and the head weight's fp32 gradient (V/t x h)
             total += 4 * v_local * c.dim
     return total
@@ -474,7 +509,7 @@ def largest_tensor(work: Workload, lo: Layout, stage: int) -> float:
     """Elements of the largest parameter tensor pipeline rank ``stage`` holds (after tp/ep)."""
     c, t = work.model.config, lo.tp
     h = c.dim
-    sizes = [c.n_heads * c.hd * h / t, work.model.mlp_matrices and c.ffn_hidden * h / t]
+    sizes = [projection_cost(c).largest(c, t), work.model.mlp_matrices and c.ffn_hidden * h / t]
     if c.moe_experts:
         sizes.append(c.expert_hidden * h)
     if stage in (0, lo.pp - 1):

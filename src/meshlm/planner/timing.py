@@ -8,9 +8,16 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   (``precision_cost.py``: the decoder-block linears', or the rest's); on a GPU ``max`` with its operand bytes over memory
   bandwidth, on CPU plus the time to write its fresh output buffers (page faults add there;
   they dominate thin GEMMs with wide outputs, such as a small model's LM head);
-- attention scores and values: ``4 s_q s h_q`` FLOPs forward, 3x for forward + backward, half
-  of them done under the causal mask, at the fused-attention rate for the head dimension
-  (materialised scores, before FlashAttention: all of them at the GEMM rate);
+- attention scores and values: ``2 s_q s (q + o)`` FLOPs forward (``q``, ``o``: the kernel's
+  query and output widths, ``models/attention_cost.py``: ``4 s_q s h_q`` for grouped-query
+  attention, scores over ``nope + rope`` and values over ``v_head_dim`` for multi-head latent
+  attention), 3x for forward + backward, half of them done under the causal mask, at the
+  fused-attention rate for the query/key head width (materialised scores, before
+  FlashAttention: all of them at the GEMM rate);
+- a MoE layer's routed experts: one GEMM per local expert of its share of the routed rows,
+  each reading its own weights (``models/moe_cost.py``: the kernel family's efficiency and
+  eager ops); multi-token prediction's blocks are the last stage's layers, its ``proj`` and
+  extra head and loss passes the head's (``models/mtp_cost.py``);
 - memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds, autocast casts and
   their gradients): the compute dtype's traffic ratio (``precision_cost.py``: ``C_TRAFFIC``,
   counted, not fitted, on meshlm's block) x the bytes meshlm's block saves for backward
@@ -98,7 +105,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..layout import Layout
+from ..models.attention_cost import projection_cost
 from ..models.config import ModelConfig
+from ..models.moe_cost import EXPERT_KERNELS
+from ..models.mtp_cost import MTP
 from ..parallel.context_cost import CONTEXT
 from ..parallel.cost import Collective
 from ..parallel.offload_cost import OFFLOAD
@@ -116,7 +126,7 @@ from .memory import (
     layer_activations,
     layer_kinds,
     shard_ranks,
-    stage_layers,
+    stage_blocks,
     stage_params,
 )
 from .workload import Workload
@@ -134,9 +144,12 @@ ACCUM_BYTES = 2 + 4 + 4
 OPS_PER_LAYER = 203  # aten ops of one meshlm block, forward 68 + backward 135 (fp32)
 # A MoE layer's extra aten ops, forward + backward (counted with TorchDispatchMode on
 # tiny-moe with 4 and 8 experts, with and without a shared expert, ep 1 and 2): routing
-# (router, top-k, sort, scatter) 24, each local expert 40, a shared expert 35, the
-# expert-parallel exchange (split sizes, two all-to-alls, regrouping) 34.
-MOE_OPS = {"routing": 24, "expert": 40, "shared": 35, "exchange": 34}
+# (router, top-k, sort, scatter) 24, each local expert 40 when they run one by one (the
+# routed experts' ops are their kernel family's, models/moe_cost.py: meshlm's grouped GEMM
+# adds 38 whatever the experts), a shared expert 35, the expert-parallel exchange (split
+# sizes, two all-to-alls, regrouping) 34.
+MOE_OPS = {"routing": 24, "expert": EXPERT_KERNELS["loop"].ops_per_expert, "shared": 35,
+           "exchange": 34}
 # ``kernels="fused"``: elements read + written per token by a fused block's memory-bound
 # kernels, forward + backward, as (per hidden h, per KV width, per MLP hidden f, per MLP input
 # of a non-gated MLP). Forward: RMSNorm 2h (x2), rotary 2(h + kv), residual add 3h (x2),
@@ -268,9 +281,10 @@ def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
     return sum(layer_activations(replace(work, profile="meshlm"), lo, moe).values())
 
 
-def moe_ops(c: ModelConfig, lo: Layout) -> float:
-    """Eager ops a MoE layer adds to a dense block's :data:`OPS_PER_LAYER` on one rank."""
-    return (MOE_OPS["routing"] + MOE_OPS["expert"] * c.moe_experts / lo.ep
+def moe_ops(c: ModelConfig, lo: Layout, experts: str = "grouped") -> float:
+    """Eager ops a MoE layer adds to a dense block's :data:`OPS_PER_LAYER` on one rank, its
+    routed experts' as the ``experts`` kernel family runs them (``models/moe_cost.py``)."""
+    return (MOE_OPS["routing"] + EXPERT_KERNELS[experts].eager_ops(c.moe_experts / lo.ep)
             + MOE_OPS["shared"] * (c.moe_shared_experts > 0)
             + MOE_OPS["exchange"] * (lo.ep > 1))
 
@@ -282,14 +296,19 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     c = work.model.config
     t, a = lo.tp, work.precision.act_bytes
     tokens = lo.micro_batch * work.seq_len / lo.cp
-    h, hq, kv = c.dim, c.n_heads * c.hd, c.n_kv_heads * c.hd
+    h = c.dim
+    proj = projection_cost(c)  # the attention layer's projections (models/attention_cost.py)
+    widths = proj.widths(c)
     g_rate, o_rate = rates.gemm[work.precision.linears], rates.gemm[other_dtype(work)]
-    lin = [(h, hq / t), (h, kv / t), (h, kv / t), (hq / t, h)]
+    lin = proj.linears(c, t)
     if moe:
         routed = tokens * c.moe_topk  # balanced router: each rank computes this many rows
         fe = c.expert_hidden
-        gemm = 3 * _gemm(routed, h, fe, a, o_rate, rates) + _gemm(tokens, h, c.moe_experts,
-                                                                  a, o_rate, rates)
+        # each local expert's rows by its own weights (models/moe_cost.py: the kernel family)
+        kernel = EXPERT_KERNELS[work.experts]
+        n_gemms, rows = kernel.gemms(routed, c.moe_experts / lo.ep)
+        gemm = (n_gemms * 3 * _gemm(rows, h, fe, a, o_rate * kernel.efficiency, rates)
+                + _gemm(tokens, h, c.moe_experts, a, o_rate, rates))
         shared = [(h, fe * c.moe_shared_experts / t)] * 2 + [(fe * c.moe_shared_experts / t,
                                                               h)]
         lin += shared if c.moe_shared_experts else []
@@ -303,8 +322,9 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     # kernels compute the kernel's share of the scores (models/attention_spec.py: the causal
     # half; all of them under a boolean mask; the unmasked tiles of a block-sparse kernel);
     # materialised scores are full batched GEMMs.
-    attn_flops = 4 * tokens * work.seq_len * hq / t
-    attn_fwd = (work.score_fraction * attn_flops / rates.attention(c.hd) if work.flash
+    # scores over the query/key width, values over the value width: 2 + 2 FLOPs per pair
+    attn_flops = 2 * tokens * work.seq_len * (widths.q + widths.out) / t
+    attn_fwd = (work.score_fraction * attn_flops / rates.attention(widths.head_dim) if work.flash
                 else max(attn_flops / o_rate, tokens * work.seq_len * c.n_heads / t * a
                                / rates.bandwidth(tokens * h * a)))
     tensor = tokens * h * a
@@ -317,8 +337,10 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         # (the states'; memory.py's ``meshlm`` profile saves them so), else the compute dtype
         r = work.state_cost.residual_bytes(a)
         resid = FUSED_ELEMENTS["h"] - FUSED_ROTARY_H
+        # rotary on the query and key features (and norms inside attention): the attention
+        # layer's (models/attention_cost.py; GQA: FUSED_ROTARY_H hq + FUSED_ELEMENTS["kv"] kv)
         per_token = (resid * h * r / TENSOR[lo.sp].outside(t)
-                     + (FUSED_ROTARY_H * hq / t + FUSED_ELEMENTS["kv"] * kv / t
+                     + (proj.fused_elements(c, t)
                         + FUSED_ELEMENTS["f_gated" if work.model.gated_mlp else "f_plain"]
                         * f_width) * a)
         traffic = per_token * tokens
@@ -333,7 +355,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     if redo is not None:
         out["recompute"] = redo
     if rates.serial_ops:
-        ops = OPS_PER_LAYER + (moe_ops(c, lo) if moe else 0)
+        ops = OPS_PER_LAYER + (moe_ops(c, lo, work.experts) if moe else 0)
         out["op overhead"] = ops * rates.op_overhead
     else:  # launches overlap kernels; a layer cannot run faster than it can launch them
         kernels = FUSED_KERNELS_PER_LAYER if work.kernels == "fused" else KERNELS_PER_LAYER
@@ -346,7 +368,9 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
 
 def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, first: bool,
                  last: bool) -> dict[str, float]:
-    """Embedding (first stage), LM head and loss (last stage) for one micro-batch."""
+    """Embedding (first stage), LM head and loss (last stage) for one micro-batch, the head
+    and loss once per head pass, with multi-token prediction's projections
+    (``models/mtp_cost.py``; its blocks are the stage's layers)."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
     a = work.precision.act_bytes
@@ -371,6 +395,11 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
             out["loss"] = FUSED_CE_PASSES * a * logits / rates.bandwidth(a * logits)
         else:
             out["loss"] = CE_PASSES * 4 * logits / rates.bandwidth(4 * logits)
+        passes = MTP.head_passes(c)  # multi-token prediction: the head and loss again per depth
+        out["head gemm"] = out["head gemm"] * passes + sum(
+            _gemm(tokens, k, n, a, rates.gemm[other_dtype(work)], rates)
+            for k, n in MTP.linears(c, lo.tp))
+        out["loss"] = out["loss"] * passes
     return out
 
 
@@ -462,7 +491,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     """Expert parallelism's all-to-alls and the balancing losses' count reductions of one
     step (``tokens``: one micro-batch's on a rank; a balanced router)."""
     c = work.model.config
-    moe = sum(c.is_moe_layer(i) for i in stage_layers(c.n_layers, lo, stage))
+    moe = layer_kinds(work, lo, stage).get(True, 0)  # MoE blocks (multi-token prediction's too)
     if not moe:
         return []
     a = work.precision.act_bytes
@@ -488,9 +517,10 @@ def cp_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
               ) -> list[CommEvent]:
     """Context parallelism's messages of one step (``tokens``: one micro-batch's on a rank)."""
     c = work.model.config
-    layers = len(stage_layers(c.n_layers, lo, stage))
+    layers = stage_blocks(work, lo, stage)
+    w = projection_cost(c).widths(c)  # the kernel's q, k, v, output (models/attention_cost.py)
     cols = CONTEXT[lo.cp_attention].collectives(
-        tokens, c.n_heads, c.n_kv_heads, c.hd, lo.tp, work.precision.act_bytes, lo.cp,
+        tokens, (w.q, w.k, w.v, w.out), lo.tp, work.precision.act_bytes, lo.cp,
         RECOMPUTE[lo.recompute].forwards, layers, m)
     return [CommEvent("cp", col.op, "cp", col.nbytes, col.calls, point_to_point(col, lo.cp),
                       lo.tp, col.overlap) for col in cols]
@@ -534,8 +564,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     rates = hw.rates(1, threads) if hw.cpu is not None else hw.rates(procs, threads)
     oversub = max(1.0, procs * threads / hw.cpu.cores) if hw.cpu is not None else 1.0
     m = lo.micro_batches(work.global_batch)
-    n = work.model.config.n_layers
-    busiest = max(range(lo.pp), key=lambda r: len(stage_layers(n, lo, r)))
+    busiest = max(range(lo.pp), key=lambda r: stage_blocks(work, lo, r))
     stages = sorted({0, lo.pp - 1, busiest})  # embedding, head, most layers
     per_stage = {s: stage_compute(work, lo, hw, rates, s) for s in stages}
     slow = max(per_stage, key=lambda s: sum(per_stage[s].values()))
@@ -567,7 +596,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     windows = {"fwd": fwd * m, "bwd": (t_mb - fwd) * m, "last_bwd": t_mb - fwd,
                "gemm": mb_items.get("gemm", 0.0) * m,
                "attention": mb_items.get("attention", 0.0) * m,
-               "layers": len(stage_layers(n, lo, slow))}
+               "layers": stage_blocks(work, lo, slow)}
     for name, v in exposed_comm(events, hw, lo, windows).items():
         out.items[f"comm: {name}"] = v
 

@@ -23,6 +23,7 @@ from ..dtypes import FP8_REST, PRECISIONS
 from ..layout import SHORT_KEYS, Layout
 from ..models.attention_spec import AttentionSpec, spec
 from ..models.config import ModelConfig
+from ..models.moe_cost import EXPERT_KERNELS
 from ..models.presets import PRESETS
 from ..precision_cost import PRECISION, STATE_MODES, PrecisionCost, StatesCost
 
@@ -138,6 +139,9 @@ class Workload:
     # the attention kernel and the sliding window are the model's (model.attention, its
     # description in models/attention_spec.py; model.sliding_window)
     doc_len: float = 0.0
+    # how a MoE layer's routed experts run (models/moe_cost.py): grouped (one grouped GEMM:
+    # meshlm, Megatron-Core's grouped GEMM, DeepGEMM) | loop (one GEMM per expert)
+    experts: str = "grouped"
 
     @property
     def attention(self) -> AttentionSpec:
@@ -197,6 +201,8 @@ class Workload:
                        f"{', '.join(OPTIMIZER_KERNELS)}")
         if self.fp8_rest not in FP8_REST:
             out.append(f"fp8_rest {self.fp8_rest!r} is not one of {', '.join(FP8_REST)}")
+        if self.experts not in EXPERT_KERNELS:
+            out.append(f"experts {self.experts!r} is not one of {', '.join(EXPERT_KERNELS)}")
         if self.doc_len < 0:
             out.append(f"doc_len={self.doc_len} must be >= 0 (0: no document masking)")
         if self.seq_len < 1 or self.global_batch < 1:

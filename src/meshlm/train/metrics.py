@@ -1,7 +1,9 @@
 """Per-step metrics: ``metrics.jsonl`` in the run directory, optional TensorBoard, memory peak.
 
 One JSON object per line with at least ``step, loss, lr, grad_norm, tokens_per_s, mfu,
-step_time_s, mem_peak_bytes`` and ``val_loss`` on evaluation steps (the README contract).
+step_time_s, mem_peak_bytes`` and ``val_loss`` on evaluation steps (the README contract);
+``mtp_loss`` with multi-token prediction (the mean over its depths of their losses; ``loss``
+stays the main model's).
 Writes are line-buffered and flushed, so a crash loses at most the current line.
 """
 
@@ -82,6 +84,19 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
+def tensorboard_scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """A record's numbers as TensorBoard scalars: top-level ones by their key (not ``step``),
+    those of nested objects by their path -- ``router/<layer>/max_over_mean`` for the MoE
+    statistics of each layer; lists and text are left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            out.update(tensorboard_scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, int | float) and (prefix or key != "step"):
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 class MetricsWriter:
     """Appends records to metrics.jsonl (and TensorBoard scalars when enabled)."""
 
@@ -111,9 +126,8 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, record["step"])
+            for key, value in tensorboard_scalars(record).items():
+                self._tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         self._file.close()

@@ -6,6 +6,9 @@ through it (gradients stay local until the engine reduces them after the last mi
 the tied embedding's two copies are summed first), a forward-only pass for evaluation and
 sampling, and the measured bubble and timeline. Communication: the executor's activations and
 gradients over pp, plus one all-reduce over pp of the loss sum and one of the bubble per step.
+Multi-token prediction (``models/mtp.py``) runs on the last stage: its targets are prepared
+there once per step (``MultiTokenLoss.prepare``), its loss travels with the loss sum, and the
+record's ``mtp_loss`` adds one all-reduce over dp x cp.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..config import Config
 from ..distributed.comm import Comm
 from ..distributed.phases import phase
 from ..parallel.engine import Engine
+from ..parallel.loss import MultiTokenLoss
 from ..parallel.pipeline import PipelineExecutor, PipelineModel
 from ..parallel.tensor import TensorParallel
 from ..precision import Precision
@@ -28,7 +32,8 @@ class PipelineRunner:
     """Steps, evaluation passes and sampling passes through this rank's pipeline stages."""
 
     def __init__(self, cfg: Config, pipe: PipelineModel, engine: Engine, tp: TensorParallel | None,
-                 comm: Comm, loss_fn: Callable, precision: Precision, device: torch.device) -> None:
+                 comm: Comm, loss_fn: Callable, precision: Precision, device: torch.device,
+                 mtp: MultiTokenLoss | None = None) -> None:
         self.pipe, self.engine, self.tp, self.comm = pipe, engine, tp, comm
         self.precision, self.schedule = precision, cfg.parallel.pp_schedule
         # tokens of a sequence on this rank: its context-parallel share
@@ -40,6 +45,11 @@ class PipelineRunner:
             self.activation_shape(cfg.train.micro_batch, self.seq_len),
             loss_fn, precision.autocast, device, compiled=cfg.train.compile)
         self.bubble = 0.0
+        # multi-token prediction's loss on the last stage (None elsewhere and without it)
+        self.mtp = mtp if pipe.n_stages - 1 in pipe.stages else None
+        self.executor.mtp = self.mtp
+        self.with_mtp = mtp is not None  # (every stage: the record's collective)
+        self.mtp_loss = 0.0
 
     def activation_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
         """Shape of the activations between stages of ``seq_len`` tokens on this rank (a
@@ -57,12 +67,16 @@ class PipelineRunner:
         with phase("forward"):  # (the executor marks its backward actions)
             self.engine.set_sync(False)
             self.engine.begin_step()
+            if self.mtp is not None:
+                self.executor.ahead = self.mtp.prepare(micro)
             loss_sum = self.executor.run(micro, self.seq_len)  # last stage only
+            self.executor.ahead = None
             self.pipe.sync_tied_grads(self.comm)
             pp = self.comm.size("pp")
-            loss, bubble = self.comm.reduce_scalars(
-                [loss_sum / len(micro), self.executor.bubble()], "pp")
-            self.bubble = bubble / pp
+            loss, bubble, mtp = self.comm.reduce_scalars(
+                [loss_sum / len(micro), self.executor.bubble(),
+                 self.executor.mtp_sum / len(micro)], "pp")
+            self.bubble, self.mtp_loss = bubble / pp, mtp
         return loss
 
     def forward(self, ids: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -83,8 +97,13 @@ class PipelineRunner:
         return self.comm.reduce_scalars([loss], "pp")[0]
 
     def record(self, step: int) -> dict[str, Any]:
-        """The measured bubble of the step and the most micro-batches alive at once."""
-        return {"pp_bubble": self.bubble, "pp_peak_live": self.executor.peak_live}
+        """The measured bubble of the step and the most micro-batches alive at once; with
+        multi-token prediction its loss (the global batch's mean: collective over dp x cp)."""
+        rec: dict[str, Any] = {"pp_bubble": self.bubble, "pp_peak_live": self.executor.peak_live}
+        if self.with_mtp:
+            n = self.comm.size("dp_cp")
+            rec["mtp_loss"] = self.comm.reduce_scalars([self.mtp_loss], "dp_cp")[0] / n
+        return rec
 
     def timeline(self) -> dict[str, Any]:
         """The last step's measured actions of this rank (``timeline/rank_NNNN.json``)."""

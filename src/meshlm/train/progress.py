@@ -18,7 +18,9 @@ def format_bytes(n: float) -> str:
 
 def summary(rec: dict[str, Any]) -> str:
     text = (
-        f"loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+        f"loss {rec['loss']:.4f} | "
+        + (f"mtp {rec['mtp_loss']:.4f} | " if rec.get("mtp_loss") is not None else "")
+        + f"lr {rec['lr']:.2e} | "
         + (f"gnorm {rec['grad_norm']:.3f} | " if rec.get("grad_norm") is not None else
            f"skipped (fp16 overflow, scale {rec.get('loss_scale', 0):g}) | ")
         + f"{rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.1f}% | "

@@ -10,7 +10,8 @@ figure whose data exist, skipping the rest:
                     (the last record with ``mem_peak_per_rank``; older runs: the largest rank)
     comm.png        bytes per step of each collective, per mesh axis (``comm_bytes``)
     timeline.png    the measured pipeline step (pp > 1)
-    router.png      MoE routing: load imbalance per layer and the last step's expert load
+    router.png      MoE routing: a heat map of each layer's max/mean expert load over the
+                    steps, the same as lines, and the last step's load of every expert
 
 ``index.html`` holds the run's summary table, the figures as base64 data URIs and the resolved
 ``config.toml``: one file that can be mailed or archived. Nothing is executed or unpickled; a
@@ -241,8 +242,9 @@ CAPTIONS = {
     "comm": "Mean bytes per optimizer step of each collective on each mesh axis (the full "
             "buffer each call is about, as counted by distributed.comm), training traffic only.",
     "timeline": "The last step's measured pipeline actions per stage (white: bubble).",
-    "router": "MoE routing: max/mean tokens per expert per layer over the steps, and the last "
-              "step's load of every expert.",
+    "router": "MoE routing: max/mean tokens per expert of each layer over the steps (heat map: "
+              "1 is a perfectly even load, E is every copy on one expert; and as lines), and "
+              "the last step's load of every expert as a multiple of its layer's mean.",
 }
 
 PAGE = """<!DOCTYPE html>
@@ -281,17 +283,27 @@ def render_html(run: Run, figures: dict[str, Path]) -> str:
             data = base64.b64encode(figures[name].read_bytes()).decode("ascii")
             figs.append(f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,'
                         f'{data}"><figcaption>{html.escape(CAPTIONS[name])}</figcaption></figure>')
-    router = ""
-    if table := router_summary(run.records):
-        router = ("<h2>Router</h2>\n<table>\n<tr><td>layer</td><td>max/mean load (mean, last)"
-                  "</td><td>dropped</td><td>aux loss (mean)</td></tr>\n" + "\n".join(
-                      f"<tr><td>{html.escape(k)}</td><td>{v['max_over_mean_mean']:.2f}, "
-                      f"{v['max_over_mean_last']:.2f}</td><td>{100 * v['dropped_fraction']:.1f} %"
-                      f"</td><td>{v['aux_loss_mean']:.4g}</td></tr>" for k, v in table.items())
-                  + "\n</table>")
+    router = router_table(run.records)
     return PAGE.format(title=html.escape(f"meshlm report: {run.path.name}"), rows=rows,
                        router=router, figures="\n".join(figs) or "<p>(no figures)</p>",
                        config=html.escape(run.config_text or "(no config.toml)", quote=False))
+
+
+def router_table(records: list[dict[str, Any]]) -> str:
+    """The page's Router section: per MoE layer, max/mean load, experts that got no token,
+    dropped copies, aux loss and the balancing bias's spread (empty without MoE records)."""
+    table = router_summary(records)
+    if not table:
+        return ""
+    head = ("layer", "max/mean load (mean, last)", "experts without tokens (mean, last)",
+            "dropped", "aux loss (mean)", "bias spread (last)")
+    rows = [(k, f"{v['max_over_mean_mean']:.2f}, {v['max_over_mean_last']:.2f}",
+             f"{v['idle_experts_mean']:.1f}, {v['idle_experts_last']:.0f}",
+             f"{100 * v['dropped_fraction']:.1f} %", f"{v['aux_loss_mean']:.4g}",
+             f"{v['bias_spread_last']:.4g}") for k, v in table.items()]
+    return "<h2>Router</h2>\n<table>\n" + "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+        for row in (head, *rows)) + "\n</table>"
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:

@@ -9,6 +9,11 @@ one after the other on a model without pipeline stages (communication: the engin
 reduction, overlapped with the last backward); :class:`~meshlm.train.pipelined.PipelineRunner`
 runs them through the pipeline schedule. Memory: the activations of one micro-batch (of the
 schedule's live micro-batches under pp).
+
+Multi-token prediction (``model.mtp_depth`` > 0, ``models/mtp.py``): each micro-batch's
+objective is its loss, the MoE aux losses and ``mtp_loss_weight`` times the mean of the MTP
+depths' losses (``parallel/loss.py``: their targets are prepared once per step); the record's
+``mtp_loss`` is that mean over the global batch (one all-reduce over dp x cp per step).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ..distributed.comm import Comm
 from ..distributed.phases import phase
 from ..models.llama import Transformer
 from ..parallel.engine import Engine
+from ..parallel.loss import MultiTokenLoss
 from ..precision import Precision
 from .parts.model import ModelPart
 from .pipelined import PipelineRunner
@@ -48,25 +54,39 @@ class MicroBatchRunner:
 
     def __init__(self, model: Transformer, engine: Engine, loss_fn: Callable,
                  precision: Precision, device: torch.device,
-                 after_micro_batch: Callable[[], None] = lambda: None) -> None:
+                 after_micro_batch: Callable[[], None] = lambda: None,
+                 mtp: MultiTokenLoss | None = None, comm: Comm | None = None) -> None:
         self.model, self.engine, self.loss_fn = model, engine, loss_fn
         self.precision, self.device = precision, device
         self.after_micro_batch = after_micro_batch  # (tests: a rank that freezes in a step)
+        self.mtp, self.comm = mtp, comm  # multi-token prediction's loss (None: none)
+        self.mtp_loss = 0.0  # this rank's mean MTP loss of the last step
 
     def forward_backward(self, micro: MicroBatches) -> float:
         total = torch.zeros((), device=self.device)
+        mtp_total = torch.zeros((), device=self.device)
+        ahead = self.mtp.prepare(micro) if self.mtp is not None else None
         for i, (inputs, targets, *docs) in enumerate(micro):
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with (phase("forward"), self.precision.autocast(),
                   self.model.packed(docs[0] if docs else None)):
                 loss = self.loss_fn(self.model(inputs), targets)
-                aux = self.model.aux_loss()
+                objective = loss
+                if ahead is not None:
+                    mtp = self.mtp(ahead[i])
+                    objective = loss + self.mtp.weight * mtp
+                    mtp_total += mtp.detach()
+                aux = self.model.aux_loss()  # (after multi-token prediction: its blocks' too)
             with phase("backward"):
-                self.precision.scale((loss + aux) / len(micro)).backward()
+                self.precision.scale((objective + aux) / len(micro)).backward()
             total += loss.detach()
             self.after_micro_batch()
-        return float(total) / len(micro)
+        if ahead is None:
+            return float(total) / len(micro)
+        loss_sum, mtp_sum = torch.stack([total, mtp_total]).tolist()
+        self.mtp_loss = mtp_sum / len(micro)
+        return loss_sum / len(micro)
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
                   doc_ids: torch.Tensor | None = None) -> float:
@@ -75,7 +95,13 @@ class MicroBatchRunner:
             return float(self.loss_fn(self.model(inputs), targets))
 
     def record(self, step: int) -> dict[str, Any]:
-        return {}
+        """With multi-token prediction its loss: the global batch's mean (collective over
+        dp x cp)."""
+        if self.mtp is None:
+            return {}
+        n = self.comm.size("dp_cp") if self.comm is not None else 1
+        mean = self.comm.reduce_scalars([self.mtp_loss], "dp_cp")[0] if n > 1 else self.mtp_loss
+        return {"mtp_loss": mean / n}
 
     def timeline(self) -> dict[str, Any] | None:
         return None
@@ -85,8 +111,10 @@ def build_runner(cfg: Config, model: ModelPart, precision: Precision, comm: Comm
                  device: torch.device, after_micro_batch: Callable[[], None]) -> StepRunner:
     """The pipeline's runner when the model has stages (``parallel.pp`` > 1), else the plain
     micro-batch loop (``after_micro_batch`` runs after each of its micro-batches)."""
+    mtp = (MultiTokenLoss(model.model, model.loss_fn, comm, model.cp, device)
+           if model.model_cfg.mtp_depth else None)
     if model.pipe is not None:
         return PipelineRunner(cfg, model.pipe, model.engine, model.tp, comm, model.loss_fn,
-                              precision, device)
+                              precision, device, mtp)
     return MicroBatchRunner(model.model, model.engine, model.loss_fn, precision, device,
-                            after_micro_batch)
+                            after_micro_batch, mtp, comm)

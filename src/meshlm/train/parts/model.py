@@ -58,6 +58,10 @@ class ModelPart:
         self.compile_cache = configure_cache(compile_cache) if train.compile else None
         init, vocab = self.open_init_from(vocab_size)
         self.model_cfg: ModelConfig = shape(vocab)
+        biases = None  # a Hugging Face folder's MoE selection biases (DeepSeek-V3's)
+        if init is not None and not isinstance(init, ShardedCheckpoint):
+            init = init.for_model(self.model_cfg)  # (the folder's shape with the overrides)
+            biases = init.expert_biases()
         self.model: Transformer = build_model(self.model_cfg, device="meta")
         self.param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         source: TensorSource = (init if init is not None else
@@ -72,6 +76,7 @@ class ModelPart:
         self.pipe, self.cp = par.pipe, par.cp
         if isinstance(init, ShardedCheckpoint):
             init.close()
+        self.model.set_expert_biases(biases)
         del source, init
         memory.measure("construction", comm)
         self.engine.reduce_dtype = precision.grad_reduce_dtype
@@ -137,7 +142,8 @@ class ModelPart:
         """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
         layers summed over pp (one tiny all-reduce), so every rank has them all."""
         mc = self.model_cfg
-        table = torch.zeros(mc.n_layers, mc.moe_experts, dtype=torch.float64, device=self.device)
+        table = torch.zeros(mc.n_layers + mc.mtp_depth, mc.moe_experts, dtype=torch.float64,
+                            device=self.device)  # (multi-token prediction's blocks last)
         for i, moe in moe_layers(self.model).items():
             table[i] = moe.expert_bias.double()
         self.comm.all_reduce(table, "pp", purpose="state")

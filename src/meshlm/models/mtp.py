@@ -1,0 +1,101 @@
+"""Multi-token prediction (DeepSeek-V3, DeepSeek-AI 2024, section 2.2): ``model.mtp_depth``
+modules after the main model, depth k predicting the token k + 1 ahead.
+
+Depth k = 1 ... D is the module ``mtp.{k-1}`` of the model. It keeps the causal chain: at
+position i it combines the previous depth's hidden state (depth 0: the main model's last layer
+output, before the final norm) with the embedding of the token k ahead,
+
+    h_k(i) = Block_k(proj_k([enorm_k(Emb(t_{i+k})); hnorm_k(h_{k-1}(i))]))
+    logits_k(i) = Output(norm_k(h_k(i)))        -- predicting t_{i+k+1}
+
+``Emb`` and ``Output`` are the main model's (shared weights); ``Block_k`` is a decoder block
+with layer id ``n_layers + k - 1`` (a MoE block when the model is MoE), its attention causal
+over the positions of the sequence and masked like the main blocks (document masking, context
+parallelism). The training objective adds ``mtp_loss_weight`` times the mean over depths of
+the depth losses (``parallel/loss.py``); evaluation and generation run the main model only.
+
+The data of depth k is a shift of the micro-batch's targets (``targets[j] = t_{j+1}``): at
+position i it reads ``targets[i + k - 1]`` and predicts ``targets[i + k]``
+(:func:`depth_inputs`). The last k positions of a sequence predict nothing (the token is past
+the window): their loss weight is 0 and they read token 0 where the token is past the window
+too (Megatron-Core's choice); the causal mask keeps them from every counted position. Under
+document masking position i's prediction counts only while the token it reads, t_{i+k}, is
+in i's document: as with the main loss, whose prediction at a document's last token (its
+end-of-text) is the next document's first token, the token after that may open the next
+document.
+
+Memory (one rank): per depth one decoder block's activations, the two norms and ``proj``'s
+(B, S, 2 h) input, and one more LM head pass (its logits or a chunk of them); weights
+``2 h^2 + 3 h`` plus the block per depth (the embedding and head are shared). Compute per
+depth and token: ``proj`` (2 h x h), the block and the LM head once more. No communication
+here (parallelism adds its own: ``parallel/tensor.py``, ``context.py``, ``pipeline.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class MTPDepth(nn.Module):
+    """One depth: ``enorm``, ``hnorm``, ``proj`` (Linear 2 dim -> dim on
+    ``[enorm(embedding ahead); hnorm(previous hidden)]``, DeepSeek's ``eh_proj``), a decoder
+    ``block`` and the ``norm`` before the shared LM head.
+
+    ``proj_in`` / ``proj_out``: what ``proj``'s input and output pass (identity by default;
+    tensor parallelism makes ``proj`` column parallel around them)."""
+
+    def __init__(self, dim: int, block: nn.Module, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.enorm, self.hnorm = norm(dim), norm(dim)
+        self.proj = nn.Linear(2 * dim, dim, bias=False)
+        self.block = block
+        self.norm = norm(dim)
+        self.proj_in: nn.Module = nn.Identity()
+        self.proj_out: nn.Module = nn.Identity()
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                *doc_ids: torch.Tensor) -> torch.Tensor:
+        """(B, S, dim) previous hidden states and embeddings of the tokens ahead -> this
+        depth's hidden states (before ``norm``); ``cos``, ``sin``, ``doc_ids`` as the main
+        blocks get them."""
+        x = torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
+        return self.block(self.proj_out(self.proj(self.proj_in(x))), cos, sin, *doc_ids)
+
+
+def depth_inputs(targets: torch.Tensor, k: int, positions: torch.Tensor | None = None,
+                 doc_ids: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Depth ``k`` (1-based) of whole sequences: (tokens read, tokens predicted, counted), each
+    (B, s) at ``positions`` (global positions of the tokens held, e.g. a context-parallel
+    share; None: all S).
+
+    ``targets`` (B, S): the whole sequences' targets; ``doc_ids`` (B, S): their document ids
+    (document masking, see the module docstring). Predicted tokens that do not count are 0.
+    """
+    s = targets.shape[1]
+    pos = (torch.arange(s, device=targets.device) if positions is None
+           else positions.to(targets.device))
+    read, ahead = pos + (k - 1), pos + k
+    ids = targets[:, read.clamp(max=s - 1)].masked_fill(read >= s, 0)
+    counted = (ahead < s).expand(targets.shape[0], -1)
+    if doc_ids is not None:
+        docs = doc_ids.to(targets.device)
+        counted = counted & (docs[:, ahead.clamp(max=s - 1)] == docs[:, pos])
+    predicted = targets[:, ahead.clamp(max=s - 1)].masked_fill(~counted, 0)
+    return ids, predicted, counted
+
+
+def counted_predictions(seq_len: int, k: int, doc_ids: torch.Tensor | None, batch: int
+                        ) -> torch.Tensor | int:
+    """How many predictions of depth ``k`` count in ``batch`` whole sequences of ``seq_len``
+    (:func:`depth_inputs`'s ``counted``, summed): an int without document ids, else a tensor
+    on their device (no host read)."""
+    if doc_ids is None:
+        return batch * max(seq_len - k, 0)
+    return (doc_ids[..., k:] == doc_ids[..., :-k]).sum()
+
+
+__all__ = ["MTPDepth", "counted_predictions", "depth_inputs"]
