@@ -133,14 +133,14 @@ class ModelConfig:
             out.append(f"model.moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0")
         if out:
             return out
-        if self.head_dim == 0 and self.dim % self.n_heads:
+        if not self.is_mla and self.head_dim == 0 and self.dim % self.n_heads:
             out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             out.append(
                 f"model.n_heads={self.n_heads} is not divisible by "
                 f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)"
             )
-        if self.hd % 2:
+        if not self.is_mla and self.hd % 2:
             out.append(f"head dimension {self.hd} must be even for rotary embeddings")
         if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts):
             out.append(
