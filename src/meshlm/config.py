@@ -85,7 +85,7 @@ def _model_section() -> type:
     drawn from train.seed."""
     hints = typing.get_type_hints(ModelConfig)
     shape = [(f.name, hints[f.name] | None,
-              declare(None, doc=doc_of(f) or f"the preset's {f.name}, overridden"))
+              declare(None, doc=doc_of(f)))
              for f in fields(ModelConfig) if f.name not in _NOT_KEYS]
     return make_dataclass(
         "ModelSection",

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from ..schema import declare
 from . import flex_spec  # noqa: F401  (registers flex's description)
 from .attention_spec import SPECS
 
@@ -47,69 +48,97 @@ class ModelConfig:
 
     name: str = "custom"
     vocab_size: int = 4096
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    ffn_hidden: int = 688
-    head_dim: int = 0  # 0 -> dim // n_heads
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    dim: int = declare(256, doc="hidden size of the residual stream")
+    n_layers: int = declare(4, doc="decoder layers")
+    n_heads: int = declare(4, doc="query heads")
+    n_kv_heads: int = declare(4, doc="key/value heads (grouped-query attention: divides n_heads)")
+    ffn_hidden: int = declare(688, doc="width of the dense SwiGLU MLP")
+    head_dim: int = declare(0, doc="width of a query/key/value head (0: dim / n_heads)")
+    norm_eps: float = declare(1e-5, doc="RMSNorm epsilon")
+    rope_theta: float = declare(10000.0, doc="rotary base frequency")
+    max_seq_len: int = declare(2048, doc="longest sequence the rotary tables cover")
+    tie_embeddings: bool = declare(False, doc="the LM head shares the embedding's weight")
+    init_std: float = declare(
+        0.02,
+        doc="standard deviation of the initial weights (residual outputs scaled by 1/sqrt(2 "
+            "n_layers))")
     # Mixture of Experts (moe_experts == 0 -> dense model)
-    moe_experts: int = 0
-    moe_topk: int = 2
-    moe_ffn_hidden: int = 0  # 0 -> ffn_hidden
-    moe_shared_experts: int = 0  # shared experts, each of width moe_ffn_hidden
-    moe_first_dense: int = 0  # the first k layers keep a dense MLP (DeepSeek-V3: 3)
-    moe_aux_loss_coef: float = 0.01
+    moe_experts: int = declare(0, doc="routed experts per MoE layer (0: a dense model)")
+    moe_topk: int = declare(2, doc="experts each token is routed to")
+    moe_ffn_hidden: int = declare(0, doc="width of one expert (0: ffn_hidden)")
+    moe_shared_experts: int = declare(
+        0, doc="shared experts every token passes, each moe_ffn_hidden wide")
+    moe_first_dense: int = declare(0, doc="the first k layers keep a dense MLP (DeepSeek-V3: 3)")
+    moe_aux_loss_coef: float = declare(0.01, doc="weight of the aux / seq_aux balancing loss")
     # load balancing: "aux" (Switch loss on each global micro-batch's statistics), "seq_aux"
     # (the same per sequence, DeepSeek-V3), "bias" (auxiliary-loss-free: a per-expert bias on
     # the top-k selection, moved by moe_bias_rate against each step's load error)
-    moe_balance: str = "aux"
-    moe_bias_rate: float = 0.001
-    moe_capacity: float = 0.0  # capacity factor (0: dropless); per sequence, tokens past it drop
+    moe_balance: str = declare(
+        "aux",
+        doc="load balancing: aux (Switch loss on the global micro-batch), seq_aux (per "
+            "sequence), bias (auxiliary-loss-free selection bias)")
+    moe_bias_rate: float = declare(0.001, doc="step of the bias balancing per optimizer step")
+    moe_capacity: float = declare(
+        0.0,
+        doc="capacity factor per expert and sequence (0: dropless); copies past it are "
+            "dropped")
     # the attention kernel (a name registered in models/attention.py, described for the
     # planner in models/attention_spec.py) and the sliding window: a query sees the keys at
     # most sliding_window - 1 positions before it (0: every earlier key; Mistral, gpt-oss)
-    attention: str = "sdpa"
-    sliding_window: int = 0
+    attention: str = declare(
+        "sdpa", doc="the attention kernel: sdpa | eager | flex (models/attention.py)")
+    sliding_window: int = declare(
+        0, doc="a query sees the last N positions, itself included (0: every earlier one)")
     # Routing as published: the router's scores (softmax: Mixtral, Qwen3-MoE; sigmoid:
     # DeepSeek-V3), whether the top-k weights are renormalised to sum to 1 (Qwen3's
     # norm_topk_prob), group-limited selection (DeepSeek-V3: the experts in moe_n_group groups,
     # the top-k taken inside the moe_topk_group best groups) and the routed output's scale
     # (DeepSeek-V3's routed_scaling_factor)
-    moe_score: str = "softmax"
-    moe_norm_topk: bool = True
-    moe_n_group: int = 1
-    moe_topk_group: int = 1
-    moe_routed_scale: float = 1.0
+    moe_score: str = declare(
+        "softmax", doc="router scores: softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3)")
+    moe_norm_topk: bool = declare(
+        True, doc="renormalise the chosen experts' weights to sum to 1 (Qwen3's norm_topk_prob)")
+    moe_n_group: int = declare(1, doc="expert groups of group-limited routing (DeepSeek-V3: 8)")
+    moe_topk_group: int = declare(1, doc="best groups the top-k is chosen inside (DeepSeek-V3: 4)")
+    moe_routed_scale: float = declare(
+        1.0, doc="scale of the routed experts' output (DeepSeek-V3's routed_scaling_factor)")
     # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: keys and values from
     # a compressed latent of kv_lora_rank (with its RMSNorm), queries through a q_lora_rank
     # latent (0: a direct projection, DeepSeek-V2-Lite); each head's query/key is a
     # qk_nope_head_dim part and a qk_rope_head_dim rotary part (the rotary key shared by all
     # heads), its value v_head_dim wide
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    q_lora_rank: int = declare(0, doc="width of MLA's query latent (0: a direct query projection)")
+    kv_lora_rank: int = declare(
+        0,
+        doc="width of MLA's key-value latent (0: grouped-query attention, > 0: multi-head "
+            "latent attention)")
+    qk_nope_head_dim: int = declare(0, doc="MLA: the non-rotary part of a query/key head")
+    qk_rope_head_dim: int = declare(
+        0, doc="MLA: the rotary part of a query/key head (its key shared by all heads)")
+    v_head_dim: int = declare(0, doc="MLA: the width of a value head")
     # YaRN rotary scaling (Peng et al. 2023; DeepSeek-V3's rope_scaling) when rope_factor > 1:
     # the context rope_original_max_len was trained at, stretched rope_factor times
-    rope_factor: float = 1.0
-    rope_original_max_len: int = 0
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: float = 1.0
-    rope_mscale_all_dim: float = 0.0
+    rope_factor: float = declare(
+        1.0, doc="YaRN: how many times the trained context is stretched (1: no scaling)")
+    rope_original_max_len: int = declare(0, doc="YaRN: the context the model was trained at")
+    rope_beta_fast: float = declare(
+        32.0, doc="YaRN: rotations per context above which a frequency is kept")
+    rope_beta_slow: float = declare(
+        1.0, doc="YaRN: rotations per context below which a frequency is interpolated")
+    rope_mscale: float = declare(1.0, doc="YaRN: attention temperature factor")
+    rope_mscale_all_dim: float = declare(
+        0.0, doc="YaRN: the temperature factor's divisor (DeepSeek's mscale_all_dim)")
     # RMSNorm of each head's query and key before the rotation (Qwen3)
-    qk_norm: bool = False
+    qk_norm: bool = declare(
+        False, doc="RMSNorm of each head's query and key before the rotation (Qwen3)")
     # Multi-token prediction (DeepSeek-V3): mtp_depth extra modules, depth k predicting the
     # token k + 1 ahead; their mean loss enters the objective times mtp_loss_weight
-    mtp_depth: int = 0
-    mtp_loss_weight: float = 0.3
+    mtp_depth: int = declare(
+        0,
+        doc="multi-token prediction modules (DeepSeek-V3: 1); depth k predicts the token k + "
+            "1 ahead")
+    mtp_loss_weight: float = declare(
+        0.3, doc="weight of the multi-token prediction loss (mean over depths) in the objective")
 
     def __post_init__(self) -> None:
         problems = self.problems()
