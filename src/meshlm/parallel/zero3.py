@@ -150,17 +150,22 @@ class Zero3Engine(Engine):
         attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
         self.keep = keep_gathered
         axis_of = None if groups is None else {id(p): g.axis for g in groups for _, p in g.named}
-        blocks = list(model.layers.items())
+        # one unit per decoder block, in forward order: the layers, then multi-token
+        # prediction's blocks (``Transformer.blocks``), each named as the model names it
+        named = {id(m): n for n, m in model.named_modules()}
+        blocks = ([(named[id(b)], b) for b in model.blocks().values()]
+                  if hasattr(model, "blocks") else
+                  [(f"layers.{k}", b) for k, b in model.layers.items()])
         in_block = {id(p) for _, blk in blocks for p in blk.parameters()}
         root = [(n, p) for n, p in unique_trainable(list(model.named_parameters()))
                 if id(p) not in in_block]
         # (a middle pipeline stage has no root parameters: it has no root unit)
         self.root = _units("root", root, comm, axis_of, source)
         self.units = [
-            _units(f"layers.{k}", unique_trainable(
-                [(f"layers.{k}.{n}", p) for n, p in blk.named_parameters()]), comm, axis_of,
+            _units(name, unique_trainable(
+                [(f"{name}.{n}", p) for n, p in blk.named_parameters()]), comm, axis_of,
                 source)
-            for k, blk in blocks
+            for name, blk in blocks
         ]
         if not self.keep:
             model.register_forward_pre_hook(self._root_pre_forward)
