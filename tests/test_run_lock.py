@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.checkpoint.sharded import latest_valid
 from meshlm.run_lock import LOCK_NAME, claim
 from meshlm.testing import HANG_GUARD_S, cli, command_env, run_cli
 
@@ -225,12 +226,17 @@ def test_workers_end_with_a_killed_launcher_and_the_run_resumes(args: list[str],
     size = (run / "metrics.jsonl").stat().st_size
     time.sleep(1.0)
     assert (run / "metrics.jsonl").stat().st_size == size  # nobody writes any more
-    last = _steps(run)[-1]
+    before = _steps(run)
     left = json.loads((run / LOCK_NAME).read_text())
     assert left["pid"] == launcher.pid  # the dead launcher's lock: stale
-    proc = run_cli([*args, "--parallel.dp=2", f"--train.steps={last + 2}", f"--run.dir={run}",
+    # the kill may land after a step's checkpoint is complete and before its metrics line
+    latest = latest_valid(run / "checkpoints", log=lambda line: None)
+    assert latest is not None
+    saved = int(latest.name.removeprefix("step_"))
+    assert saved % 4 == 0 and before[-1] - 4 < saved <= before[-1] + 1, (saved, before)
+    proc = run_cli([*args, "--parallel.dp=2", f"--train.steps={saved + 2}", f"--run.dir={run}",
                     "--run.resume=auto"])
     assert proc.returncode == 0, proc.stderr
-    steps = _steps(run)
-    assert steps == list(range(1, last + 3)), steps  # resumed from its latest checkpoint
+    steps = _steps(run)  # resumed from its latest checkpoint; later lines replaced
+    assert steps == [*range(1, min(saved, before[-1]) + 1), saved + 1, saved + 2], (steps, saved)
     assert not (run / LOCK_NAME).exists()
