@@ -1,15 +1,20 @@
 """meshlm's pipeline schedules vs torch.distributed.pipelining, same model, stages and batch.
 
-Pairs: AFAB vs ``ScheduleGPipe``, 1F1B vs ``Schedule1F1B``, interleaved 1F1B (2 virtual
-stages per rank) vs ``ScheduleInterleaved1F1B``; meshlm's ZB-H1 is reported alongside (torch's
-zero-bubble schedules are the V-shaped ZBV / interleaved ZB1P variants, not ZB-H1). Both sides
-split the same layers into the same stages (``partition_layers``), train the same weights on
-the same micro-batches with AdamW + clipping, and read the loss back every step. Protocol of
+Pairs: AFAB vs ``ScheduleGPipe``, 1F1B vs ``Schedule1F1B``, interleaved 1F1B (2 chunks per
+rank) vs ``ScheduleInterleaved1F1B``, ZB-V vs ``ScheduleZBVZeroBubble`` and DualPipeV vs
+``ScheduleDualPipeV`` (2 chunks per rank in a V: rank r holds stages r and 2p - 1 - r, on
+both sides), looped BFS vs ``ScheduleLoopedBFS`` and interleaved zero bubble vs
+``ScheduleInterleavedZeroBubble`` (2 chunks round robin); torch has no ZB-H1, so meshlm's is
+reported against ``Schedule1F1B``. Both sides split the same layers into the same stages
+(``partition_layers``), place them the same way, train the same weights on the same
+micro-batches with AdamW + clipping, and read the loss back every step. Protocol of
 ``_harness.py``: own world per implementation, best of ``rounds`` runs, slowest rank, peak RSS
 growth over the rank's resident memory before building its model.
 
     python benchmarks/pipeline.py [--world 2] [--layers 4] [--microbatches 8] [--steps 8]
-        [--json benchmarks/results/pipeline.json]
+        [--only meshlm-zbv,torch-zbv] [--json benchmarks/results/pipeline.json]
+
+The 2-chunk schedules need 2 x world stages: ``--layers`` a multiple of 2 x world.
 """
 
 from __future__ import annotations
@@ -27,22 +32,36 @@ from torch import nn
 from meshlm.config import load_config
 from meshlm.data import build_data
 from meshlm.data.sampler import StepSampler
-from meshlm.layout import partition_layers
+from meshlm.layout import LOOPED_SCHEDULES, V_SCHEDULES, partition_layers
 from meshlm.models import build_model
+from meshlm.parallel.schedules import rank_stages
 
 TORCH = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
-         "torch-interleaved": "ScheduleInterleaved1F1B"}
+         "torch-interleaved": "ScheduleInterleaved1F1B", "torch-zbv": "ScheduleZBVZeroBubble",
+         "torch-dualpipev": "ScheduleDualPipeV", "torch-looped-bfs": "ScheduleLoopedBFS",
+         "torch-interleaved-zb": "ScheduleInterleavedZeroBubble"}
 MESHLM = {"meshlm-afab": "afab", "meshlm-1f1b": "1f1b", "meshlm-interleaved": "interleaved",
-          "meshlm-zb": "zb"}
+          "meshlm-zb": "zb", "meshlm-zbv": "zbv", "meshlm-dualpipev": "dualpipev",
+          "meshlm-bfs": "bfs", "meshlm-interleaved-zb": "interleaved-zb"}
+# the schedule each torch implementation runs, for the config both sides share
+TORCH_AS = {"torch-gpipe": "afab", "torch-1f1b": "1f1b", "torch-interleaved": "interleaved",
+            "torch-zbv": "zbv", "torch-dualpipev": "dualpipev", "torch-looped-bfs": "bfs",
+            "torch-interleaved-zb": "interleaved-zb"}
 PAIRS = {"meshlm-afab": "torch-gpipe", "meshlm-1f1b": "torch-1f1b",
-         "meshlm-interleaved": "torch-interleaved", "meshlm-1f1b-compiled": "torch-1f1b",
-         "meshlm-zb-compiled": "torch-1f1b"}
+         "meshlm-interleaved": "torch-interleaved", "meshlm-zb": "torch-1f1b",
+         "meshlm-zbv": "torch-zbv", "meshlm-dualpipev": "torch-dualpipev",
+         "meshlm-bfs": "torch-looped-bfs", "meshlm-interleaved-zb": "torch-interleaved-zb",
+         "meshlm-1f1b-compiled": "torch-1f1b", "meshlm-zb-compiled": "torch-1f1b"}
+IMPLS = ["meshlm-afab", "torch-gpipe", "meshlm-1f1b", "torch-1f1b", "meshlm-interleaved",
+         "torch-interleaved", "meshlm-zb", "meshlm-zbv", "torch-zbv", "meshlm-dualpipev",
+         "torch-dualpipev", "meshlm-bfs", "torch-looped-bfs", "meshlm-interleaved-zb",
+         "torch-interleaved-zb", "meshlm-1f1b-compiled", "meshlm-zb-compiled"]
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
     impl, extra = split_compiled(impl)
-    schedule = MESHLM.get(impl, "interleaved" if "interleaved" in impl else "1f1b")
-    v = 2 if schedule == "interleaved" else 1
+    schedule = MESHLM.get(impl) or TORCH_AS[impl]
+    v = 2 if schedule in (*V_SCHEDULES, *LOOPED_SCHEDULES) else 1
     return load_config(None, [
         f"--model.preset={args['preset']}", f"--model.n_layers={args['layers']}",
         "--model.tie_embeddings=false", f"--data.seq_len={args['seq']}",
@@ -83,7 +102,8 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
     model = build_model(cfg.model_config(vocab_size=data.tokenizer.vocab_size), cfg.train.seed)
     n_stages = world * v
     parts = partition_layers(cfg.model_config().n_layers, n_stages)
-    stage_ids = [k * world + rank for k in range(v)]
+    # meshlm's placement, which torch's schedules expect too (a V: stages r and 2p - 1 - r)
+    stage_ids = rank_stages(cfg.parallel.pp_schedule, rank, world, v)
     stages = [pipelining.PipelineStage(
         TorchStage(model, parts[s], s == 0, s == n_stages - 1), s, n_stages,
         torch.device("cpu")) for s in stage_ids]
@@ -116,7 +136,7 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
-        total = torch.tensor([float(sum(float(v) for v in losses))])
+        total = torch.tensor([float(sum(float(v.detach()) for v in losses))])
         dist.all_reduce(total)  # every rank learns the loss, as meshlm reports it
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # (stage-local norm)
         opt.step()
@@ -149,8 +169,7 @@ def main() -> None:
     a = ap.parse_args()
     args = vars(a)
     build_data(config(args, "meshlm-1f1b", "unused").data)
-    impls = ["meshlm-afab", "torch-gpipe", "meshlm-1f1b", "torch-1f1b", "meshlm-interleaved",
-             "torch-interleaved", "meshlm-zb", "meshlm-1f1b-compiled", "meshlm-zb-compiled"]
+    impls = list(IMPLS)
     if a.only:
         unknown = set(a.only.split(",")) - set(impls)
         if unknown:

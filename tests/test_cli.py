@@ -137,7 +137,8 @@ def test_cli_surface_is_frozen() -> None:
                                    "schedule", "train"]
     options = {name: sorted(o for a in p._actions for o in a.option_strings)
                for name, p in sub.choices.items()}
-    assert options["train"] == sorted(["--dry-run", "--keys", "--max-restarts", "-h", "--help"])
+    assert options["train"] == sorted(["--dry-run", "--gpu", "--keys", "--max-restarts", "-h",
+                                       "--help"])
     assert {"--checkpoint", "--prompt", "--max-new-tokens", "--temperature", "--top-k",
             "--seed"} <= set(options["generate"])
     assert {"--seq-len", "--json"} <= set(options["info"])

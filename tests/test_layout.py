@@ -167,6 +167,19 @@ def test_resolve_world_checks_the_inferred_dp_without_validate(
     assert not calls
 
 
+def test_an_inferred_dp_is_checked_against_dp_shard_only_once_known() -> None:
+    """Under torchrun / SLURM dp is inferred from the world after load_config: hybrid sharding
+    with dp left unset validates, and the inferred dp is what dp_shard must divide."""
+    cfg = load_config(None, ["--parallel.dp_shard=2", "--parallel.zero=3",
+                             "--train.global_batch=8", "--train.micro_batch=1"])
+    assert resolve_world(cfg, 4).layout().dp == 4
+    with pytest.raises(ConfigError, match="parallel.dp_shard=2 does not divide parallel.dp=3"):
+        resolve_world(load_config(None, ["--parallel.dp_shard=2", "--parallel.zero=3",
+                                         "--train.global_batch=6", "--train.micro_batch=1"]), 3)
+    with pytest.raises(ConfigError, match="parallel.dp_shard=2 does not divide parallel.dp=1"):
+        resolve_world(cfg, None)  # a local launch: one process
+
+
 def test_partition_layers_is_the_one_partition(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 

@@ -2,7 +2,8 @@
 
 - its loss and gradients equal a hand-written implementation in this file (the tokens ahead
   read from the inputs, each depth run on the positions that have a target only -- causal
-  attention keeps the others from them -- with and without document masking); the weighted
+  attention keeps the others from them -- with and without document masking, where no
+  prediction crosses a document boundary, the window's last token included); the weighted
   losses (torch's, the chunked one) agree; the main model's logits, evaluation and sampling
   do not see the MTP modules; a step reads the device no more often with MTP than without;
 - in spawned worlds of 2, every layout equals the one-process run with MTP -- losses, MTP
@@ -67,10 +68,11 @@ def _reference(model, x: torch.Tensor, y: torch.Tensor,  # noqa: ANN001
                docs: torch.Tensor | None) -> torch.Tensor:
     """DeepSeek-V3's MTP loss written out: depth k at position i reads t_{i+k} = x[i + k] and
     predicts t_{i+k+1} = y[i + k], for i < S - k only; the mean over depths of each depth's
-    mean over its counted predictions (under document masking: t_{i+k} in i's document)."""
+    mean over its counted predictions (under document masking -- ``docs`` (B, S + 1): the
+    window's t_0 ... t_S -- only those whose predicted token t_{i+k+1} is in i's document)."""
     eps = model.cfg.norm_eps
     b, s = x.shape
-    with model.packed(docs):
+    with model.packed(None if docs is None else docs[:, :s]):
         h = model.run_layers(model.tok_embeddings(x), s)
     losses = []
     for k in range(1, model.cfg.mtp_depth + 1):
@@ -87,22 +89,26 @@ def _reference(model, x: torch.Tensor, y: torch.Tensor,  # noqa: ANN001
         ce = F.cross_entropy(logits.flatten(0, 1), y[:, k:k + n].flatten(),
                              reduction="none").view(b, n)
         keep = (torch.ones_like(ce) if docs is None
-                else (docs[:, k:k + n] == docs[:, :n]).float())
+                else (docs[:, k + 1:k + 1 + n] == docs[:, :n]).float())
         losses.append((ce * keep).sum() / keep.sum())
     return torch.stack(losses).mean()
 
 
 def _implemented(model, x: torch.Tensor, y: torch.Tensor,  # noqa: ANN001
                  docs: torch.Tensor | None) -> torch.Tensor:
-    """The runners' way: one micro-batch per sequence, the mean over micro-batches."""
+    """The runners' way: one micro-batch per sequence, the mean over micro-batches (under
+    document masking each carries the inputs' and the targets' document ids, as the sampler's
+    micro-batches do)."""
     mtp = MultiTokenLoss(model, cross_entropy, _OneRank(), None, torch.device("cpu"))
     rows = range(x.shape[0])
-    micro = [(x[i:i + 1], y[i:i + 1], *(() if docs is None else (docs[i:i + 1],)))
+    s = x.shape[1]
+    micro = [(x[i:i + 1], y[i:i + 1],
+              *(() if docs is None else (docs[i:i + 1, :s], docs[i:i + 1, 1:])))
              for i in rows]
     ahead = mtp.prepare(micro)
     total = torch.zeros(())
     for i in rows:
-        with model.packed(None if docs is None else docs[i:i + 1]):
+        with model.packed(None if docs is None else docs[i:i + 1, :s]):
             model(x[i:i + 1])
             total = total + mtp(ahead[i])
     return total / len(rows)
@@ -111,14 +117,19 @@ def _implemented(model, x: torch.Tensor, y: torch.Tensor,  # noqa: ANN001
 @pytest.mark.parametrize("masked", [False, True])
 def test_loss_and_gradients_equal_a_hand_written_implementation(masked: bool) -> None:
     """Also the normalisation: micro-batches of different document layouts weigh each
-    prediction alike (the token mean over the batch, not the mean of micro-batch means)."""
+    prediction alike (the token mean over the batch, not the mean of micro-batch means). The
+    document layouts: row 0's window ends on a new document's first token (t_S: the sampler's
+    targets' ids carry it), row 1 opens with a document of 2 tokens (no prediction of any
+    depth), row 2 is one document."""
     torch.manual_seed(0)
     model = build_model(get_preset("tiny").with_(mtp_depth=3), seed=1).train()
     b, s = 3, 24
     tokens = torch.randint(0, model.cfg.vocab_size, (b, s + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
-    docs = (torch.tensor([[0] * 5 + [1] * 9 + [2] * 10, [0] * 2 + [1] * 3 + [2] * 19,
-                          [0] * 24]) if masked else None)
+    docs = (torch.tensor([[0] * 5 + [1] * 9 + [2] * 10 + [3], [0] * 2 + [1] * 3 + [2] * 20,
+                          [0] * 25]) if masked else None)  # (b, S + 1): the windows' tokens'
+    if masked:  # the rule at work: fewer counted than the tokens read in i's document
+        assert ((docs[:, 2:] == docs[:, :-2]).sum() < (docs[:, 1:-1] == docs[:, :-2]).sum())
     grads = []
     values = []
     for fn in (_reference, _implemented):
@@ -135,6 +146,32 @@ def test_loss_and_gradients_equal_a_hand_written_implementation(masked: bool) ->
     assert worst < 1e-5, (name, worst)
     assert any(n.startswith("mtp.2.") for n in grads[0])  # every depth is trained
     assert model.mtp_input is None  # the kept trunk output is released
+
+
+def test_no_prediction_crosses_a_document() -> None:
+    """Depth k at position i counts only when its predicted token t_{i+k+1} is in i's
+    document -- the window's last token t_S included -- and the count is the sum of
+    ``max(n - k - 1, 0)`` over the window's documents of n tokens."""
+    from meshlm.models.mtp import counted_predictions, depth_inputs
+
+    targets = torch.arange(1, 6)[None]  # t_1 ... t_5 (S = 5)
+    for window, want in (([0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 0]),  # documents of 3 and 3
+                         ([0, 0, 0, 0, 0, 1], [1, 1, 1, 0, 0])):  # t_S opens a document
+        docs = torch.tensor([window])
+        ids, predicted, counted = depth_inputs(targets, 1, doc_ids=docs)
+        assert counted.int().tolist() == [want], window
+        assert ids.tolist() == [[1, 2, 3, 4, 5]]  # reads t_{i+1}
+        ahead = [2, 3, 4, 5, 0]  # t_{i+2} (none past the window)
+        assert predicted.tolist() == [[t if c else 0 for t, c in zip(ahead, want, strict=True)]]
+        assert int(counted_predictions(5, 1, docs, 1)) == sum(want)
+    docs = torch.tensor([[0] * 4 + [1] * 7 + [2]])  # documents of 4, 7 and 1 tokens (S = 11)
+    for k in (1, 2, 3):
+        n = int(counted_predictions(11, k, docs, 1))
+        assert n == sum(max(d - k - 1, 0) for d in (4, 7, 1))
+        assert n == int(depth_inputs(torch.zeros(1, 11, dtype=torch.long), k,
+                                     doc_ids=docs)[2].sum())
+    with pytest.raises(ValueError, match="S \\+ 1"):  # the inputs' ids alone
+        depth_inputs(targets, 1, doc_ids=torch.zeros(1, 5, dtype=torch.long))
 
 
 def test_weighted_losses_agree() -> None:

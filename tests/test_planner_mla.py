@@ -5,8 +5,9 @@ What a layer keeps for backward is measured on meshlm's own model (saved-tensor 
 storages, parameters and autocast weight copies apart, as ``tests/test_planner.py`` measures
 the dense block) and compared with ``memory.py``'s activations; the descriptions
 (``models/attention_cost.py``, ``models/mtp_cost.py``, ``models/moe_cost.py``) against the
-formulas they state; and DeepSeek-V3's published training run through
-``benchmarks/planner_vs_published.py``.
+formulas they state; the tensor-parallel bytes the planner counts per step for MLA, MTP and
+Qwen3's query/key norms against what a tp 2 run's comm log records (one spawned world); and
+DeepSeek-V3's published training run through ``benchmarks/planner_vs_published.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 from conftest import load_benchmark
 
+from meshlm.config import load_config
 from meshlm.layout import Layout
 from meshlm.models import PRESETS, build_model
 from meshlm.models.attention_cost import PROJECTIONS, projection_cost
@@ -27,7 +29,15 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.moe_cost import EXPERT_KERNELS
 from meshlm.models.mtp_cost import MTP
 from meshlm.parallel.context_cost import CONTEXT
-from meshlm.planner import CATALOGUE, ModelSpec, Workload, evaluate, get_accelerator, memory
+from meshlm.planner import (
+    CATALOGUE,
+    ModelSpec,
+    Workload,
+    comm_volumes,
+    evaluate,
+    get_accelerator,
+    memory,
+)
 from meshlm.planner.memory import (
     block_linears,
     head_activations,
@@ -38,6 +48,8 @@ from meshlm.planner.memory import (
     stage_params,
 )
 from meshlm.planner.timing import head_compute, layer_compute, moe_ops
+from meshlm.testing import run_world, train_runs
+from meshlm.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 H800 = CATALOGUE["h800"]
@@ -152,10 +164,72 @@ def test_mla_projections_under_tensor_parallelism() -> None:
     assert block_linears(work, lo, moe=False)[:5] == mla.linears(c, t)
     assert matmul_outputs(work, lo)[:5] == [576, 1536, 128 * 192 / t, 128 * 256 / t, 7168]
     assert mla.largest(c, t) == 128 * 128 / t * 7168  # wo (wq_a, whole: 7168 x 1536)
+    # under tp the latents enter the heads' region (their gradient all-reduced), not the input
+    assert mla.latent_entry(c) == 1536 + 512 + 64 and mla.head_shared_norms(c) == []
+    assert mla.latent_entry(c.with_(q_lora_rank=0)) == 7168 + 512 + 64
     assert largest_tensor(work, lo, 1) == 18432 * 7168 / t  # beside the dense MLP's and experts
     # the latents: norm inputs, up-projection inputs and the rotary key, 16-bit
     items = layer_activations(work, lo)
     assert items["latents"] == (2 * (1536 + 512) + 64) * 2 * 4096
+
+
+# tp 2 runs whose comm log the planner's tp bytes must equal (tiny dense models, fp32, two
+# micro-batches per step): (name, arguments)
+MLA_ARGS = ["--model.n_heads=4", "--model.n_kv_heads=4", "--model.q_lora_rank=32",
+            "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=16",
+            "--model.qk_rope_head_dim=8", "--model.v_head_dim=16"]
+TP2 = ["--parallel.tp=2"]
+SP2 = [*TP2, "--parallel.sp=true"]
+FULL = ["--train.recompute=full"]
+TP_RUNS = [
+    ("mla", [*MLA_ARGS, *TP2]),
+    ("mla-sp-full", [*MLA_ARGS, *SP2, *FULL]),
+    ("mla-no-query-latent-mtp2-sp-chunked", [*MLA_ARGS, "--model.q_lora_rank=0",
+                                             "--model.mtp_depth=2", *SP2,
+                                             "--train.loss=chunked", "--train.loss_chunk=40"]),
+    ("gqa-mtp2", ["--model.mtp_depth=2", *TP2]),
+    ("qk-norm-mtp1-sp", ["--model.qk_norm=true", "--model.mtp_depth=1", *SP2]),
+    ("gqa-sp-full", [*SP2, *FULL]),
+]
+SEQ, BATCH, MICRO = 48, 4, 2
+
+
+def test_tensor_parallel_bytes_equal_the_comm_log(corpus_dir: Path, cache_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """Per step, every tp collective's bytes (``op/tp``) the planner counts equal a tp 2 run's
+    comm log: MLA's latent entry (tp, sp, a second forward under full recomputation), MTP's
+    lookups, ``proj`` and head passes (over GQA and over MLA without a query latent, tp and
+    sp, the chunked loss) and Qwen3's head-shared norms.
+
+    Error model: both sides are tensor shapes times 4 bytes (fp32), so they agree exactly, but
+    for one term the planner counts on purpose for every framework: under full recomputation
+    a layer's last forward collective (the MLP's reduce-scatter with sp) is redone by
+    whole-layer recomputation (Megatron's), not by meshlm's ``torch.utils.checkpoint``, whose
+    recomputation stops early, once the tensors backward needs exist -- one activation per
+    layer and micro-batch, for GQA as for MLA (``gqa-sp-full``); it is subtracted exactly."""
+    base = ["--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
+            "--data.vocab_size=512", f"--data.seq_len={SEQ}", "--train.steps=1",
+            f"--train.global_batch={BATCH}", f"--train.micro_batch={MICRO}",
+            "--train.warmup_steps=0", "--train.eval_every=0", "--run.sample_tokens=0",
+            "--train.peak_flops=1e10"]
+    runs = [[*args, f"--run.dir={tmp_path / name}"] for name, args in TP_RUNS]
+    run_world(2, train_runs, base, runs)
+    failures = []
+    for (name, args), run in zip(TP_RUNS, runs, strict=True):
+        cfg = load_config(None, base + run)
+        model = cfg.model_config(512)
+        work = Workload(ModelSpec(model), SEQ, BATCH, dtype="fp32", states="fp32",
+                        loss=cfg.train.loss)
+        planned = {k: v for k, v in comm_volumes(work, cfg.layout()).items()
+                   if k.endswith("/tp")}
+        if FULL[0] in args:  # (the early stop: the docstring's error model)
+            act = MICRO * SEQ * model.dim * 4
+            planned["reduce_scatter/tp"] -= model.n_layers * BATCH // MICRO * act
+        measured = read_metrics(tmp_path / name / "metrics.jsonl")[-1]["comm_bytes"]
+        print(name, measured)
+        if measured != planned:
+            failures.append((name, measured, planned))
+    assert not failures, failures
 
 
 def test_mla_attention_time_counts_scores_over_qk_and_values_over_v() -> None:

@@ -45,6 +45,7 @@ from meshlm.testing import HANG_GUARD_S, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"  # its make lines: test_make_targets_exist
 MAKEFILE = ROOT / "Makefile"
 VENV_BIN = Path(sys.executable).parent
 
@@ -69,7 +70,6 @@ NOT_RUN: dict[str, str] = {
     'make train ARGS="--train.steps=100"': "as `make train` (ARGS checked in "
                                            "test_make_targets_exist)",
     "make test": "runs the whole test suite, this file included",
-    "make test TEST_WORKERS=0": "as `make test`, in one process",
     "make setup": "creates .venv as `make train` and `make test` do first (target checked in "
                   "test_make_targets_exist)",
     "pip install .": _PIP,
@@ -326,8 +326,12 @@ def test_every_readme_command_is_run_or_listed() -> None:
 
 
 def test_make_targets_exist() -> None:
+    """Every ``make`` line of README.md (all listed in NOT_RUN) and CONTRIBUTING.md names a
+    target the Makefile has, and a variable it reads."""
     targets = set(re.findall(r"^([\w-]+):", MAKEFILE.read_text(), re.M))
-    for cmd in NOT_RUN:
+    contributing = [i.text for i in readme_items(CONTRIBUTING.read_text()) if i.kind == "shell"]
+    assert "make test" in contributing, contributing
+    for cmd in [*NOT_RUN, *contributing]:
         words = shlex.split(cmd)
         if words[0] != "make":
             continue

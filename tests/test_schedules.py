@@ -6,12 +6,25 @@ import itertools
 
 import pytest
 
+from meshlm.layout import LOOPED_SCHEDULES, V_SCHEDULES, schedule_problems
 from meshlm.parallel.pipeline import partition_layers
-from meshlm.parallel.schedules import SCHEDULES, build_schedule, simulate
+from meshlm.parallel.schedules import (
+    SCHEDULE_DEFS,
+    SCHEDULES,
+    build_schedule,
+    simulate,
+    stage_rank,
+)
 
-CASES = [(s, pp, m, 2 if s == "interleaved" else 1)
+
+def chunks(schedule: str) -> int:
+    """Chunks per rank of the cases below: 2 for the V and the looped schedules."""
+    return 2 if schedule in (*V_SCHEDULES, *LOOPED_SCHEDULES) else 1
+
+
+CASES = [(s, pp, m, chunks(s))
          for s, pp, m in itertools.product(SCHEDULES, (2, 3, 4, 8), (1, 2, 4, 8, 12, 16))
-         if not (s == "interleaved" and m % pp)]
+         if not schedule_problems(s, pp, m, chunks(s))]
 
 
 @pytest.mark.parametrize("schedule,pp,m,v", CASES)
@@ -24,7 +37,7 @@ def test_tables_are_complete_ordered_and_matched(schedule: str, pp: int, m: int,
         seen: set = set()
         for a in acts:
             if a.op in "FBIW":
-                assert a.stage % pp == r  # stage s lives on rank s % pp
+                assert stage_rank(schedule, a.stage, pp) == r  # the schedule's placement
                 computes[a.op].add((a.mb, a.stage))
                 if a.op in ("B", "I"):
                     assert ("F", a.mb, a.stage) in seen, f"rank {r}: {a} before its forward"
@@ -37,15 +50,23 @@ def test_tables_are_complete_ordered_and_matched(schedule: str, pp: int, m: int,
                 recvs.add((a.op[-1], a.mb, a.stage, r, a.peer))
     every = {(mb, s) for mb in range(m) for s in range(n_stages)}
     assert computes["F"] == every
-    if schedule == "zb":
+    if schedule in ("zb", "zbv", "interleaved-zb"):
         assert computes["I"] == every and computes["W"] == every and not computes["B"]
+    elif schedule == "dualpipev":  # full backwards, and the later ones split
+        assert computes["B"] | computes["I"] == every and not computes["B"] & computes["I"]
+        assert computes["W"] == computes["I"] != set()
     else:
         assert computes["B"] == every and not computes["I"] and not computes["W"]
+    # each compute exactly once
+    assert sum(a.op in "FBIW" for acts in tables for a in acts) == sum(map(len, computes.values()))
     # every send has exactly one matching receive on the peer, for the neighbouring stage
     matched = {("F", mb, s + 1, peer, r) for (_, mb, s, r, peer) in sends if _ == "F"} | {
         ("B", mb, s - 1, peer, r) for (_, mb, s, r, peer) in sends if _ == "B"}
     assert matched == recvs
-    assert len(sends) == len(recvs) == 2 * m * (n_stages - 1)
+    # a boundary between two ranks moves each micro-batch once each way (none at a V's turn)
+    crossing = sum(stage_rank(schedule, s, pp) != stage_rank(schedule, s + 1, pp)
+                   for s in range(n_stages - 1))
+    assert len(sends) == len(recvs) == 2 * m * crossing
 
 
 @pytest.mark.parametrize("schedule,pp,m,v", CASES)
@@ -54,8 +75,16 @@ def test_no_deadlock_and_ideal_bubble(schedule: str, pp: int, m: int, v: int) ->
     bubble = result["bubble"]
     if schedule in ("afab", "1f1b"):
         assert bubble == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
-    elif schedule == "interleaved":
+    elif schedule in ("interleaved", "bfs"):
         assert bubble == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+    elif schedule in ("zbv", "interleaved-zb") and m >= 2 * pp:
+        # near zero bubble with F = I = W: the idle time of a rank is the others' micro-batch
+        # times 3 (p - 1) split into 6 (ZB-V) or 3 v parts (1F1B: not split)
+        idle = 3 * (pp - 1) / (6 if schedule == "zbv" else 3 * v)
+        assert bubble == pytest.approx(idle / (3 * m + idle), abs=1e-12)
+    elif schedule == "dualpipev":  # (its overlapped pairs run one after the other here)
+        idle = 3 * (pp - 1) / 3
+        assert bubble == pytest.approx(idle / (3 * m + idle), abs=1e-12)
     else:
         one_f_one_b = simulate(build_schedule("1f1b", pp, m, 1))["bubble"]
         assert bubble < one_f_one_b  # zero bubble fills the cool-down with W passes
@@ -97,12 +126,12 @@ def test_partition() -> None:
 
 
 def _all_valid_cases() -> list[tuple[str, int, int, int]]:
-    """Every schedule for pp <= 8 and m <= 4 pp (interleaved: m % pp == 0, v 2-4)."""
+    """Every schedule for pp <= 8 and m <= 4 pp the config allows (looped: v 2-4)."""
     cases = []
     for s, pp in itertools.product(SCHEDULES, range(2, 9)):
         for m in range(1, 4 * pp + 1):
-            for v in ((2, 3, 4) if s == "interleaved" else (1,)):
-                if s != "interleaved" or m % pp == 0:
+            for v in (1, 2, 3, 4):
+                if not schedule_problems(s, pp, m, v):
                     cases.append((s, pp, m, v))
     return cases
 
@@ -111,7 +140,7 @@ def test_every_schedule_passes_nccl_group_rule() -> None:
     """simulate() applies NCCL's rule (groups in order, complete only when matched, pairs
     match in posting order): no table deadlocks or receives the wrong message."""
     cases = _all_valid_cases()
-    assert len(cases) > 500
+    assert len(cases) > 1000 and {c[0] for c in cases} == set(SCHEDULE_DEFS)
     for schedule, pp, m, v in cases:
         simulate(build_schedule(schedule, pp, m, v), v)  # raises on a deadlock or mismatch
 

@@ -120,6 +120,14 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
 
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts={args.max_restarts} must be >= 0")
+    hw = None  # --gpu: the accelerator of the dry run's memory estimate (None: this machine's)
+    if args.gpu is not None:
+        if not args.dry_run:
+            raise ConfigError(f"--gpu {args.gpu} names the accelerator of --dry-run's memory "
+                              "estimate: it needs --dry-run (a run uses the devices it has)")
+        from .planner.hardware import get_accelerator
+
+        hw = get_accelerator(args.gpu)
     cfg = load_config(args.config, _split_overrides(rest))
     world = detect_external_world()
     if world is not None and args.max_restarts:
@@ -139,16 +147,17 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         # local workers will fork from it: its imports (torch, meshlm: seconds) run beside this
         # process's own and its checks, not before the first fork
         start_worker_server()
-    cfg, line = fit_micro_batch(cfg)
+    cfg, line = fit_micro_batch(cfg, hw)
     if line and (world is None or world.rank == 0):
         print(line)
     if not args.dry_run:
         refuse_if_too_big(cfg)
     if args.dry_run:
-        from .planner.cli import config_memory
+        from .planner.cli import config_memory, config_model_line
 
+        print(config_model_line(cfg))  # (the vocabulary and precision, against meshlm plan's)
         print(to_toml(cfg))
-        for line in config_memory(cfg):
+        for line in config_memory(cfg, hw):
             print(line)
         return 0
     from .train.run_dir import claim_run_dir, with_run_dir
@@ -419,8 +428,11 @@ def cmd_schedule(args: argparse.Namespace, rest: list[str]) -> int:
               f"bubble {1 - sum(busy) / (len(rows) * total):.3f}")
         _draw(plot, rows, f"measured {head['schedule']} (pp={len(rows)})", "seconds")
         return 0
+    from .layout import LOOPED_SCHEDULES, V_SCHEDULES
     from .parallel.schedules import build_schedule, format_table, simulate
 
+    if args.virtual is None:  # the fewest chunks per rank the schedule runs with
+        args.virtual = 2 if args.schedule in (*V_SCHEDULES, *LOOPED_SCHEDULES) else 1
     check_schedule_size(args.pp, args.microbatches, args.virtual)
     try:
         tables = build_schedule(args.schedule, args.pp, args.microbatches, args.virtual)
@@ -540,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "does, then exit")
     p.add_argument("--dry-run", action="store_true",
                    help="validate, print the resolved config and the memory estimate")
+    p.add_argument("--gpu", metavar="KIND",
+                   help="with --dry-run: estimate the memory on this accelerator (a meshlm "
+                        "plan --gpu name or TOML file) instead of this machine's")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="when a worker fails, restart all workers up to N times; they resume "
                         "from the latest checkpoint (local workers only; default 0)")
@@ -577,11 +592,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
 
+    from .layout import SCHEDULES
+
     p = sub.add_parser("schedule", help="print and draw a pipeline schedule or a measured step")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--schedule", default="1f1b", help="afab | 1f1b | interleaved | zb")
-    p.add_argument("--virtual", type=int, default=1, help="virtual stages per rank (interleaved)")
+    p.add_argument("--schedule", default="1f1b", help=" | ".join(SCHEDULES))
+    p.add_argument("--virtual", type=int, default=None,
+                   help="virtual stages per rank (default: 2 for interleaved, bfs, "
+                        "interleaved-zb, zbv and dualpipev, else 1)")
     p.add_argument("--timeline", help="a run dir: draw its measured last step instead")
     p.add_argument("--plot", metavar="FILE",
                    help="image to write: .png, .svg, .pdf or .jpg (its folder must exist; "

@@ -48,6 +48,7 @@ from .layout import (
     SCHEDULES,
     ZERO_STAGES,
     Layout,
+    micro_batch_problem,
 )
 from .models.config import ModelConfig
 from .models.presets import PRESETS, get_preset
@@ -224,7 +225,8 @@ class ParallelSection(Section):
     pp_schedule: str = declare(_LAYOUT["pp_schedule"], Choice(SCHEDULES), doc="pipeline schedule")
     pp_virtual: int = declare(
         _LAYOUT["pp_virtual"], Range(ge=1),
-        doc="model chunks per pipeline rank (interleaved)")
+        doc="model chunks per pipeline rank (interleaved, bfs, interleaved-zb: >= 2; zbv, "
+            "dualpipev: 2)")
     pp_layers: str = declare(
         _LAYOUT["pp_layers"],
         doc="explicit layers per stage, e.g. \"3,3,2\"; \"\" -> balanced by count")
@@ -428,9 +430,11 @@ class Config(Section):
 
     def layout(self) -> Layout:
         """The parallel layout: the ``[parallel]`` keys and ``train.micro_batch`` (dp left at 0,
-        to be inferred from a world, reads as 1)."""
+        to be inferred from a world, reads as the smallest dp its rules allow: one shard group,
+        ``dp_shard``, else 1; :func:`resolve_world` checks the dp it infers)."""
         values = {k: getattr(self.parallel, k) for k in PARALLEL_KEYS}
-        return Layout(**{**values, "dp": max(1, self.parallel.dp)},
+        dp = self.parallel.dp or max(1, self.parallel.dp_shard)
+        return Layout(**{**values, "dp": dp},
                       micro_batch=self.train.micro_batch, recompute=self.train.recompute)
 
     def with_layout(self, layout: Layout) -> Config:
@@ -690,14 +694,15 @@ def _auto_micro_batch_problem(cfg: Config, dp: int) -> str | None:
 
 def pipeline_micro_batch(per_rank: int, pp: int, schedule: str) -> int:
     """The micro-batch of ``per_rank`` sequences per step on a pipeline of ``pp`` ranks: the
-    largest divisor of ``per_rank`` that gives at least ``pp`` micro-batches (a multiple of pp
-    for the interleaved schedule), so every stage has work while the first micro-batch goes
-    through; ``per_rank`` without a pipeline; 1 when there are fewer sequences than stages."""
+    largest divisor of ``per_rank`` that gives at least ``pp`` micro-batches (and as many as
+    the schedule needs: a multiple of pp for the interleaved ones, 2 pp for dualpipev), so every
+    stage has work while the first micro-batch goes through; ``per_rank`` without a pipeline;
+    1 when there are fewer sequences than stages."""
     if pp <= 1:
         return per_rank
     for micro in range(per_rank, 0, -1):
         m = per_rank // micro
-        if per_rank % micro == 0 and m >= pp and (schedule != "interleaved" or m % pp == 0):
+        if per_rank % micro == 0 and m >= pp and micro_batch_problem(schedule, pp, m) is None:
             return micro
     return 1
 
@@ -916,7 +921,10 @@ def resolve_world(cfg: Config, world_size: int | None) -> Config:
     p = cfg.parallel
     inner = p.islands * p.pp * p.cp * p.tp
     if world_size is None:
-        p.dp = p.dp or 1  # Config.layout() read 0 as 1 already: nothing new to check
+        inferred, p.dp = p.dp == 0, p.dp or 1
+        if inferred and p.dp_shard > 1:  # Config.layout() read dp as dp_shard: check dp = 1
+            problems = training_problems(cfg, cfg.layout())
+            _check(not problems, problems[0] if problems else "")
         return cfg
     isl = (" * islands", f" * {p.islands}") if p.islands > 1 else ("", "")
     _check(world_size % inner == 0,

@@ -24,7 +24,12 @@ if TYPE_CHECKING:
     from .models.config import ModelConfig
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost: rank = row-major index, tp fastest
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "bfs", "interleaved-zb")
+# Pipeline schedules by placement (parallel/schedules.py, stage_rank): two chunks per rank in a
+# V (rank r: stages r and 2p - 1 - r), and v >= 2 chunks per rank round robin (rank r: stages
+# r, r + p, ...); the others run one stage per rank
+V_SCHEDULES = ("zbv", "dualpipev")
+LOOPED_SCHEDULES = ("interleaved", "bfs", "interleaved-zb")
 CP_MODES = ("zigzag", "ring", "ulysses")  # context-parallel attention (parallel/context.py)
 RECOMPUTE = ("none", "selective", "op", "full")  # least to most recomputation
 OFFLOADS = ("none", "cpu", "disk")  # where AdamW moments live (parallel/offload.py)
@@ -56,7 +61,7 @@ class Layout:
     sp: bool = False  # sequence parallelism (needs tp > 1)
     zero: int = 0  # ZeRO stage, 0-3
     pp_schedule: str = "1f1b"
-    pp_virtual: int = 1  # virtual stages per pipeline rank (interleaved schedule)
+    pp_virtual: int = 1  # model chunks per pipeline rank (interleaved, bfs, interleaved-zb, V)
     pp_layers: str = ""  # explicit layers per stage, e.g. "3,3,2"; "" -> balanced by count
     cp_attention: str = "zigzag"  # one of CP_MODES (used when cp > 1)
     micro_batch: int = 1  # sequences per forward/backward on one data-parallel rank
@@ -259,9 +264,13 @@ class Layout:
             problem = _split_problem(self.pp_layers, c.n_layers, stages, k)
             if problem:
                 out.append(problem)
-        if strict and c.n_layers % stages:
+        if (strict or (self.pp_schedule in V_SCHEDULES and not self.pp_layers)) and (
+                c.n_layers % stages):
             out.append(f"{k.product('pp', 'pp_virtual')} = {stages} stages do not divide "
-                       f"{k('n_layers')}={c.n_layers}")
+                       f"{k('n_layers')}={c.n_layers}" + (
+                           f" ({k('pp_schedule')}={self.pp_schedule} places them in a V; give "
+                           f"{k('pp_layers')} for an uneven split)"
+                           if self.pp_schedule in V_SCHEDULES and not strict else ""))
         return out
 
     def _pipeline_problems(self, global_batch: int, strict: bool, trainer: bool, k: _Names
@@ -316,14 +325,35 @@ def schedule_problems(schedule: str, pp: int, m: int, v: int,
         return [_unknown_schedule(schedule, k)]
     if pp < 1 or m < 1 or v < 1:
         return [f"{k('pp')}={pp}, micro-batches={m} and {k('pp_virtual')}={v} must be >= 1"]
-    if schedule != "interleaved":
-        return [f"{k('pp_virtual')}={v} needs {k('pp_schedule')}=interleaved"] if v != 1 else []
-    if v < 2:
-        return [f"the interleaved schedule needs {k('pp_virtual')} >= 2"]
-    if divisible and m % pp:
-        return [f"the interleaved schedule needs micro-batches ({m}) divisible by "
-                f"{k('pp')} ({pp})" + (f" ({counted})" if counted else "")]
-    return []
+    if schedule in V_SCHEDULES and v != 2:
+        return [f"{k('pp_schedule')}={schedule} places exactly 2 model chunks per rank in a V "
+                f"(rank r holds stages r and 2 * {k.leaf('pp')} - 1 - r): it needs "
+                f"{k('pp_virtual')}=2, not {v}"]
+    if schedule not in (*V_SCHEDULES, *LOOPED_SCHEDULES) and v != 1:
+        # (or another schedule of LOOPED_SCHEDULES / V_SCHEDULES: the README lists them)
+        return [f"{k('pp_virtual')}={v} needs {k('pp_schedule')}=interleaved"]
+    if schedule in LOOPED_SCHEDULES and v < 2:
+        return [f"the {schedule} schedule needs {k('pp_virtual')} >= 2"]
+    problem = micro_batch_problem(schedule, pp, m, keys, divisible)
+    return [problem + (f" ({counted})" if counted else "")] if problem else []
+
+
+def micro_batch_problem(schedule: str, pp: int, m: int, keys: Mapping[str, str] = CONFIG_KEYS,
+                        divisible: bool = True) -> str | None:
+    """Why ``schedule`` cannot run ``m`` micro-batches per step on ``pp`` ranks (None: it can).
+    ``divisible``: as :func:`schedule_problems`."""
+    k = _Names(keys)
+    if schedule in ("interleaved", "interleaved-zb") and divisible and m % pp:
+        return (f"the {schedule} schedule needs micro-batches ({m}) divisible by "
+                f"{k('pp')} ({pp})")
+    if schedule == "bfs" and m < pp:
+        return (f"the bfs schedule needs at least {k('pp')} ({pp}) micro-batches per step, not "
+                f"{m}: a chunk's forwards on the first rank must last until the first "
+                "micro-batch comes round the loop")
+    if schedule == "dualpipev" and m < 2 * pp:
+        return (f"the dualpipev schedule needs at least 2 * {k('pp')} ({2 * pp}) micro-batches "
+                f"per step, not {m}: one per stage of the V")
+    return None
 
 
 def _split_problem(explicit: str, n_layers: int, n_stages: int, k: _Names) -> str | None:

@@ -18,11 +18,14 @@ exactly what it drew before mixtures existed.
 
 Document masking (``data.doc_mask``): each micro-batch also carries the document ids (B, S) of
 its whole sequences, looked up in the source's document starts (``doc_starts``; ids relative
-to each row's first document), so the model masks attention at document boundaries.
+to each row's first document), so the model masks attention at document boundaries; with
+``target_docs`` (multi-token prediction, ``models/mtp.py``) also those of their targets (B, S),
+numbered alike (the window's last token may open the next document).
 
 Memory: drawing offsets costs ``global_batch`` integers; only the rows a rank needs are read
 from the (memory-mapped) token streams, ``micro * (seq_len + 1)`` tokens per micro-batch, and
-their document ids (``micro * seq_len`` int32) under document masking.
+their document ids (``micro * seq_len`` int32; twice with ``target_docs``) under document
+masking.
 """
 
 from __future__ import annotations
@@ -90,10 +93,11 @@ def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
 
 class StepSampler:
     """The global batch of every step from ``tokens`` (one stream, or a list of weighted
-    :class:`Source`); ``doc_mask``: micro-batches carry document ids."""
+    :class:`Source`); ``doc_mask``: micro-batches carry document ids; ``target_docs``: and
+    their targets' (with ``doc_mask``)."""
 
     def __init__(self, tokens: Any, seq_len: int, global_batch: int, seed: int,
-                 doc_mask: bool = False) -> None:
+                 doc_mask: bool = False, target_docs: bool = False) -> None:
         self.sources = as_sources(tokens)
         for src in self.sources:
             _check_length(src.tokens, seq_len, f"the train split{_named(src)}")
@@ -104,6 +108,7 @@ class StepSampler:
             raise ConfigError(f"train.seed={seed} must be >= 0")
         self.tokens = self.sources[0].tokens
         self.doc_mask = doc_mask
+        self.target_docs = doc_mask and target_docs
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
@@ -152,14 +157,18 @@ class StepSampler:
     def _read(self, which: np.ndarray, offsets: np.ndarray,
               positions: np.ndarray | None = None) -> tuple[torch.Tensor, ...]:
         """Rows of the sequences (source ``which``, ``offsets``): (windows [n, seq_len + 1]),
-        or (inputs, targets) at ``positions``; + their document ids under document masking."""
+        or (inputs, targets) at ``positions``; + their document ids under document masking (+
+        the targets' with ``target_docs``), of whole sequences."""
         parts: list[tuple[np.ndarray, tuple[torch.Tensor, ...]]] = []
         for i in np.unique(which):
             rows = np.flatnonzero(which == i)
             src, offs = self.sources[int(i)], offsets[rows]
             got = ((_windows(src.tokens, offs, self.seq_len),) if positions is None
                    else _shares(src.tokens, offs, positions))
-            if self.doc_mask:
+            if self.target_docs:  # the window's S + 1 tokens: the inputs', the targets'
+                ids = doc_ids(src.doc_starts, offs, self.seq_len + 1)
+                got = (*got, ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+            elif self.doc_mask:
                 got = (*got, doc_ids(src.doc_starts, offs, self.seq_len))
             parts.append((rows, got))
         if len(parts) == 1:

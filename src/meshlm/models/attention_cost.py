@@ -33,13 +33,21 @@ token, on one of ``t`` tensor-parallel ranks (heads split over tp; what is not s
 - :meth:`~ProjectionCost.fused_elements`: elements a fused attention block's own memory-bound
   kernels read and write per token, forward + backward: rotary on the query and key features
   it rotates (4 each: GQA all of them, MLA the rope part of each query head and the one shared
-  rotary key) and norms inside attention (5 each: MLA's latents, Qwen3's query/key norms).
+  rotary key) and norms inside attention (5 each: MLA's latents, Qwen3's query/key norms);
+- what tensor parallelism's messages read (``parallel/tensor_cost.py``, as ``parallel/tensor.py``
+  applies it): :meth:`~ProjectionCost.latent_entry`, the features per token that enter the
+  heads' tp region after replicated projections (GQA: none, the layer input enters; MLA: the
+  latents ``q_lora + kv_lora + rope``, ``h + kv_lora + rope`` with ``wq``), and
+  :meth:`~ProjectionCost.head_shared_norms`, the norms every tp rank applies to its own heads
+  with one weight (Qwen3's query/key norms: their gradients all-reduced over tp).
 
 Communication: none of their own. Under tensor parallelism MLA's replicated down-projections
-run on whole tokens on every tp rank (their FLOPs counted on each) and their weight
-gradients, partial per rank, are summed over tp once per step (not counted: ``h (q_lora +
-kv_lora + rope)`` values per layer, 2.8 % of an MLA layer's weights at DeepSeek-V3's shape).
-Memory: as :meth:`~ProjectionCost.saved` and :meth:`~ProjectionCost.params` state.
+run on whole tokens on every tp rank (their FLOPs counted on each); their weight gradients
+need no reduction: the latents' gradient is all-reduced over the heads' shards before it
+reaches them (one all-reduce of ``b s L`` values per layer and micro-batch backward, instead
+of the layer input's ``b s h``: :meth:`~ProjectionCost.latent_entry`), so it is whole and
+equal on every rank, as the layer input is. Memory: as :meth:`~ProjectionCost.saved` and
+:meth:`~ProjectionCost.params` state.
 """
 
 from __future__ import annotations
@@ -96,6 +104,15 @@ class ProjectionCost:
     def readers(self, c: ModelConfig) -> int:
         """Linears reading the attention region's input (each keeps its copy under autocast)."""
         return 3
+
+    def latent_entry(self, c: ModelConfig) -> int:
+        """Features per token entering the heads' tp region after replicated projections
+        (0: the layer input enters it)."""
+        return 0
+
+    def head_shared_norms(self, c: ModelConfig) -> list[int]:
+        """Widths of the norms each tp rank applies to its own heads with one shared weight."""
+        return [c.hd, c.hd] if c.qk_norm else []
 
     def saved(self, c: ModelConfig, t: int, a: float, profile: str,
               fused_norm: bool = False) -> dict[str, float]:
@@ -154,6 +171,13 @@ class LatentCost(ProjectionCost):
 
     def readers(self, c: ModelConfig) -> int:
         return 2  # wkv_a and wq_a (or wq)
+
+    def latent_entry(self, c: ModelConfig) -> int:
+        # (the query latent, or the layer input for wq; the key-value latent, the rotary key)
+        return (c.q_lora_rank or c.dim) + c.kv_lora_rank + c.qk_rope_head_dim
+
+    def head_shared_norms(self, c: ModelConfig) -> list[int]:
+        return []  # (the latent norms run on whole latents: their gradients are whole)
 
     def _latents(self, c: ModelConfig) -> list[int]:
         return [w for w in (c.q_lora_rank, c.kv_lora_rank) if w]

@@ -18,11 +18,17 @@ The data of depth k is a shift of the micro-batch's targets (``targets[j] = t_{j
 position i it reads ``targets[i + k - 1]`` and predicts ``targets[i + k]``
 (:func:`depth_inputs`). The last k positions of a sequence predict nothing (the token is past
 the window): their loss weight is 0 and they read token 0 where the token is past the window
-too (Megatron-Core's choice); the causal mask keeps them from every counted position. Under
-document masking position i's prediction counts only while the token it reads, t_{i+k}, is
-in i's document: as with the main loss, whose prediction at a document's last token (its
-end-of-text) is the next document's first token, the token after that may open the next
-document.
+too (Megatron-Core's choice); the causal mask keeps them from every counted position.
+
+Document masking: no prediction across a document boundary. With ``doc[j]`` the document of
+the window's token t_j (j = 0 ... S: the S inputs and the last target), depth k's prediction
+at position i counts only when ``doc[i + k + 1] == doc[i]``: the token it predicts, and so
+(documents being contiguous) every token it reads, lie in i's document. The main loss is
+document masking's as it was (attention only): its prediction at a document's last token is
+the next document's first token, counted; depth k never makes that prediction -- at a
+document's last k + 1 positions it predicts nothing. A document of n tokens thus gives depth k
+``max(n - k - 1, 0)`` counted predictions (``counted_predictions``); the window's last token
+t_S needs its document too (the sampler's ``target_docs``).
 
 Memory (one rank): per depth one decoder block's activations, the two norms and ``proj``'s
 (B, S, 2 h) input, and one more LM head pass (its logits or a chunk of them); weights
@@ -72,8 +78,9 @@ def depth_inputs(targets: torch.Tensor, k: int, positions: torch.Tensor | None =
     (B, s) at ``positions`` (global positions of the tokens held, e.g. a context-parallel
     share; None: all S).
 
-    ``targets`` (B, S): the whole sequences' targets; ``doc_ids`` (B, S): their document ids
-    (document masking, see the module docstring). Predicted tokens that do not count are 0.
+    ``targets`` (B, S): the whole sequences' targets; ``doc_ids`` (B, S + 1): the documents of
+    the whole windows' tokens t_0 ... t_S (document masking: position i counts when t_{i+k+1}
+    is in i's document, see the module docstring). Predicted tokens that do not count are 0.
     """
     s = targets.shape[1]
     pos = (torch.arange(s, device=targets.device) if positions is None
@@ -83,7 +90,11 @@ def depth_inputs(targets: torch.Tensor, k: int, positions: torch.Tensor | None =
     counted = (ahead < s).expand(targets.shape[0], -1)
     if doc_ids is not None:
         docs = doc_ids.to(targets.device)
-        counted = counted & (docs[:, ahead.clamp(max=s - 1)] == docs[:, pos])
+        if docs.shape[-1] != s + 1:
+            raise ValueError(f"document ids of {docs.shape[-1]} tokens: multi-token prediction "
+                             f"needs the whole windows' S + 1 = {s + 1} (the targets' too)")
+        # t_{i+k+1}, the predicted token, is window token i + k + 1 (clamped: not counted)
+        counted = counted & (docs[:, (ahead + 1).clamp(max=s)] == docs[:, pos])
     predicted = targets[:, ahead.clamp(max=s - 1)].masked_fill(~counted, 0)
     return ids, predicted, counted
 
@@ -92,10 +103,10 @@ def counted_predictions(seq_len: int, k: int, doc_ids: torch.Tensor | None, batc
                         ) -> torch.Tensor | int:
     """How many predictions of depth ``k`` count in ``batch`` whole sequences of ``seq_len``
     (:func:`depth_inputs`'s ``counted``, summed): an int without document ids, else a tensor
-    on their device (no host read)."""
+    on their device (no host read); ``doc_ids`` (..., seq_len + 1) as there."""
     if doc_ids is None:
         return batch * max(seq_len - k, 0)
-    return (doc_ids[..., k:] == doc_ids[..., :-k]).sum()
+    return (doc_ids[..., k + 1:] == doc_ids[..., :-(k + 1)]).sum()
 
 
 __all__ = ["MTPDepth", "counted_predictions", "depth_inputs"]

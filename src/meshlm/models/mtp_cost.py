@@ -23,10 +23,15 @@ the shared LM head. What it adds to the last stage, per micro-batch of ``T`` tok
   (``2 h`` in the compute dtype). Measured with saved-tensor hooks on meshlm's model (CPU,
   fp32): within 0.5 % of the whole model's activations with and without MTP.
 
-Communication: the blocks' own (as any layer's). Not counted: the embedding lookup of the
-tokens ahead, the tp collectives around ``proj`` and of the extra head passes (their
-all-reduces of the loss and of the head input's gradient), the cross-entropy's per-depth
-target shift.
+Communication: the blocks' own (as any layer's); under tensor parallelism, per depth and
+micro-batch, what ``parallel/tensor_cost.py`` composes from this description as
+``parallel/tensor.py`` applies it: the vocab-parallel lookup of the tokens ahead
+(:meth:`MTPCost.lookups`), ``proj``'s input made whole and its column shards gathered
+(:meth:`MTPCost.linears`), one more head input and vocab-parallel loss
+(:meth:`MTPCost.head_passes`) and, with sequence parallelism, the gradients of its three norms
+(:meth:`MTPCost.norms`). Not counted: under document masking the all-reduce over dp of the
+counted predictions (``D`` float64 per step), under cp the all-gather of the step's targets
+(``parallel/loss.py``), the cross-entropy's per-depth target shift.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ class MTPCost:
     def head_passes(self, c: ModelConfig) -> int:
         """LM head and loss passes per micro-batch: the main model's and one per depth."""
         return 1 + c.mtp_depth
+
+    def lookups(self, c: ModelConfig) -> int:
+        """Embedding lookups per micro-batch (the tokens ahead, one per depth)."""
+        return c.mtp_depth
+
+    def norms(self, c: ModelConfig) -> int:
+        """Norm weights outside the blocks (``enorm``, ``hnorm``, ``norm`` per depth)."""
+        return 3 * c.mtp_depth
 
     def linears(self, c: ModelConfig, t: int) -> list[tuple[float, float]]:
         """``(in, out)`` of each ``proj`` on a rank (column parallel over tp)."""

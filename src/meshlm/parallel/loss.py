@@ -31,10 +31,12 @@ micro-batch (one of ``G dp cp`` shares, G micro-batches per rank) weights its co
 positions by ``G dp cp / N_k``, so that the mean over micro-batches and over the dp x cp ranks
 that the runners and the engines take -- as they do of the main loss -- is that global mean.
 Without document masking N_k = ``global_batch (S - k)`` is known; with it, one all-reduce over
-dp of D numbers per step (each rank counts its sequences' predictions from the document ids,
-which every cp rank holds whole). Context parallelism reads the tokens ahead of its positions
-from whole sequences: one all-gather over cp of the step's targets (``G b s / cp`` int64 per
-rank). Memory: per micro-batch and depth three (b, s / cp) tensors (ids, targets, weights).
+dp of D numbers per step (each rank counts its sequences' predictions from the document ids of
+the inputs and of the targets -- a prediction counts only inside its position's document,
+``models/mtp.py`` -- which every cp rank holds whole). Context parallelism reads the tokens
+ahead of its positions from whole sequences: one all-gather over cp of the step's targets
+(``G b s / cp`` int64 per rank). Memory: per micro-batch and depth three (b, s / cp) tensors
+(ids, targets, weights).
 """
 
 from __future__ import annotations
@@ -161,11 +163,11 @@ class MultiTokenLoss:
 
     def prepare(self, micro: list[tuple[torch.Tensor, ...]]) -> list[Ahead]:
         """Each micro-batch's (ids, targets, weights) per depth, (b, s) tensors on this rank's
-        positions (``micro``: this rank's (inputs, targets[, document ids]) of the step)."""
+        positions (``micro``: this rank's (inputs, targets[, document ids, the targets'
+        document ids]) of the step, the document ids of whole sequences)."""
         dev = self.device
         targets = torch.stack([mb[1] for mb in micro]).to(dev)  # (G, b, s) of this rank
-        docs = (torch.stack([mb[2] for mb in micro]).to(dev) if len(micro[0]) > 2
-                else None)  # (G, b, S) whole sequences
+        docs = self._window_docs(micro)
         cp = self.cp.size if self.cp is not None else 1
         whole = self.cp.gather_shares(targets) if cp > 1 else targets  # (G, b, S)
         g, b, s = whole.shape
@@ -189,6 +191,18 @@ class MultiTokenLoss:
                 per.append((ids, tgt, counted.float() * scale[k - 1]))
             out.append(per)
         return out
+
+    def _window_docs(self, micro: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+        """(G, b, S + 1): the documents of the step's whole windows t_0 ... t_S (the inputs'
+        and the last target's), on the device; None without document masking."""
+        if len(micro[0]) <= 2:
+            return None
+        if len(micro[0]) < 4:
+            raise ValueError("multi-token prediction under document masking needs the targets' "
+                             "document ids too (the sampler's target_docs)")
+        inputs = torch.stack([mb[2] for mb in micro])  # (G, b, S)
+        last = torch.stack([mb[3][..., -1:] for mb in micro])  # (G, b, 1): t_S's
+        return torch.cat([inputs, last], dim=-1).to(self.device)
 
     def __call__(self, ahead: Ahead) -> torch.Tensor:
         """Mean over depths of their losses on one micro-batch (after its training forward,

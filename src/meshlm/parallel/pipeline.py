@@ -2,17 +2,22 @@
 
 The decoder's layers are cut into ``S = pp * v`` contiguous stages (balanced by count, or an
 explicit ``parallel.pp_layers`` split); stage 0 also holds the embedding, stage S - 1 the final
-norm, the head and the loss. Rank r keeps stages r, r + pp, ... and deletes every other module
-of the plain model, so parameter names stay those of the one-process model. Multi-token
+norm, the head and the loss. Rank r keeps the stages the schedule places on it
+(``schedules.rank_stages``: r, r + pp, ...; in a V, r and 2 pp - 1 - r) and deletes every other
+module of the plain model, so parameter names stay those of the one-process model (and a
+checkpoint reshards between any two schedules). Multi-token
 prediction (``models/mtp.py``) runs on the last stage after the head: its modules live there,
 with a copy of the embedding table for the tokens ahead -- kept as a tied head is (same
 initial values; the two copies' gradients summed over the embedding group once per step,
-``V h / t`` values), one copy when the head is that table already.
+``V h / t`` values), one copy when the head is that table already, and no copy when the first
+and last stage share a rank (the V schedules).
 
 :class:`PipelineExecutor` runs a rank's list of actions (see ``schedules.py``) for ``m``
 micro-batches. Activations and their gradients move with ``batch_isend_irecv`` over the pp
 axis, each run of consecutive send/recv actions of the table as one group with one handle --
-exactly the groups ``schedules.simulate`` checks under NCCL's rule; shapes are known ahead
+exactly the groups ``schedules.simulate`` checks under NCCL's rule (``schedules.group_end``);
+two neighbouring stages on one rank (the turn of a V) hand the tensor over in memory, with no
+copy and no cast; shapes are known ahead
 (micro-batch x sequence [/ tp with SP] x hidden), so there is no shape handshake. They travel
 in the compute dtype (:func:`compute_dtype`: bf16 / fp16 under autocast, fp32 otherwise) and
 are widened back to fp32 -- the residual stream's dtype -- on arrival. Actions dispatch through
@@ -28,7 +33,9 @@ and output gradient are captured; ``W`` then forms the linear weight gradients
 whose backward exposes no output gradient to a hook, the stage's linears become split linears
 (``split_linear.py``): custom ops whose backward -- run by ``I`` inside the block's compiled
 backward -- forms only the input gradient and hands ``(x, dy)`` to the executor. So ``I``
-forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls.
+forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls. In a
+schedule with the split (``ScheduleDef.split``) a ``B`` runs as ``I`` then ``W`` (DualPipeV
+mixes both), so the deferred linears' gradients are formed the one way.
 A module that forms its own weight gradient (``split_linear.DefersWeightGrad``: a float8
 linear, whose ``dW`` is a float8 matmul with the scales of one process) is told to defer it,
 and ``W`` asks it for ``dW``; in compiled blocks such a module runs its own split custom ops.
@@ -36,8 +43,9 @@ and ``W`` asks it for ``dW``; in compiled blocks such a module runs its own spli
 Communication per micro-batch and stage boundary: one activation forward and one gradient
 backward of ``b s h`` values in the compute dtype (2 bytes each under bf16 / fp16, 4 under fp32;
 ``b s h / tp`` with sequence parallelism); the I/W split adds none. Memory: a rank holds the activations of its in-flight micro-batches -- m on the first
-stage for AFAB, at most p for 1F1B and ZB-H1 (p + more for interleaved) -- which the executor
-measures; ZB-H1 also keeps each linear's input and output gradient from ``I`` until ``W``
+stage for AFAB and looped BFS, at most p for 1F1B and ZB-H1 (p + more for interleaved, ZB-V,
+DualPipeV and interleaved zero bubble) -- which the executor measures (in chunks: a chunk
+forward counts one); the split schedules also keep each linear's input and output gradient from ``I`` until ``W``
 (``b s (h_in + h_out)`` values per linear and micro-batch, eager and compiled alike).
 """
 
@@ -57,7 +65,15 @@ from ..distributed.phases import phase
 from ..distributed.spec import spec_of, update_spec
 from ..layout import partition_layers
 from ..models.llama import Transformer
-from .schedules import Action, build_schedule
+from .schedules import (
+    SCHEDULE_DEFS,
+    Action,
+    build_schedule,
+    group_end,
+    is_p2p,
+    rank_stages,
+    stage_rank,
+)
 from .split_linear import DefersWeightGrad, capture_into, split_linears
 
 if TYPE_CHECKING:
@@ -69,10 +85,11 @@ AXIS = "pp"
 class PipelineModel:
     """This rank's stages of a plain model (the other modules are deleted)."""
 
-    def __init__(self, model: Transformer, pp_rank: int, pp: int, v: int, explicit: str = ""):
+    def __init__(self, model: Transformer, pp_rank: int, pp: int, v: int, explicit: str = "",
+                 schedule: str = "1f1b"):
         self.model, self.n_stages = model, pp * v
         self.layers = partition_layers(model.cfg.n_layers, self.n_stages, explicit)
-        self.stages = [k * pp + pp_rank for k in range(v)]
+        self.stages = rank_stages(schedule, pp_rank, pp, v)  # (the schedule's placement)
         keep = {i for s in self.stages for i in self.layers[s]}
         for name in [n for n in model.layers if int(n) not in keep]:
             del model.layers[name]
@@ -85,9 +102,10 @@ class PipelineModel:
             model.norm, model.output, model.mtp = None, None, None
         # The embedding table on both ends (a tied head, or multi-token prediction's lookups
         # on the last stage): each end keeps its copy (same initial values); their gradients
-        # are summed over the embedding group before the optimizer step.
+        # are summed over the embedding group before the optimizer step. With both ends on
+        # one rank (the V schedules' rank 0) there is one table, as in one process.
         self.tied: nn.Parameter | None = None
-        if (model.cfg.tie_embeddings or mtp) and pp > 1 and (first or last):
+        if (model.cfg.tie_embeddings or mtp) and pp > 1 and (first != last):
             self.tied = (model.tok_embeddings.weight if first or not model.cfg.tie_embeddings
                          else model.output.weight)  # (tied: the same tensor)
             # one global tensor, a copy on each end: counted half each in norms
@@ -189,11 +207,18 @@ class PipelineExecutor:
         self.actions = build_schedule(schedule, self.pp, m, v)[self.rank]
         self.act_shape, self.loss_fn, self.autocast, self.device = (
             act_shape, loss_fn, autocast, device)
-        self.split = schedule == "zb"
+        self.split = SCHEDULE_DEFS[schedule].split
+        self.owner = [stage_rank(schedule, s, self.pp) for s in range(pipe.n_stages)]
+        self.last_rank = self.owner[-1]  # the rank of the last stage (loss, logits)
+        self.local = set(pipe.stages)
         self.wire_dtype = dtype if dtype is not None else compute_dtype(autocast, device)
         self.act_dtype = torch.float32  # stage inputs and outputs (the residual stream)
         self.dispatch: dict[str, Callable[[Action], None]] = {
-            "F": self._do_F, "B": self._do_B, "I": self._do_I, "W": self._do_W}
+            "F": self._do_F, "B": self._do_B_split if self.split else self._do_B,
+            "I": self._do_I, "W": self._do_W}
+        # each module once (a stage's module list may repeat the embedding: MTP's lookups)
+        modules = list({id(mod): mod for st in pipe.stages
+                        for mod in pipe.stage_modules(st)}.values())
         # ZB, eager: forward hooks capture each linear's input, and its output gradient in I.
         # ZB, compiled blocks (train.compile): a block's compiled backward exposes no output
         # gradient to a hook, so the linears become split linears whose backward (in I)
@@ -205,22 +230,19 @@ class PipelineExecutor:
         # dW (by the id of their weight)
         self._own_dw: dict[int, DefersWeightGrad] = {}
         if self.split:
-            for s in pipe.stages:
-                for mod in pipe.stage_modules(s):
-                    for sub in mod.modules():
-                        if isinstance(sub, DefersWeightGrad):
-                            sub.defer_weight_grad(compiled)
-                            self._own_dw[id(sub.weight)] = sub
+            for mod in modules:
+                for sub in mod.modules():
+                    if isinstance(sub, DefersWeightGrad) and id(sub.weight) not in self._own_dw:
+                        sub.defer_weight_grad(compiled)
+                        self._own_dw[id(sub.weight)] = sub
         if self.split and compiled:
-            self._split_weights = split_linears(
-                pipe.model, [mod for s in pipe.stages for mod in pipe.stage_modules(s)])
+            self._split_weights = split_linears(pipe.model, modules)
             self._split_weights += [lin.weight for lin in self._own_dw.values()]
         if self.capture:
-            for s in pipe.stages:
-                for mod in pipe.stage_modules(s):
-                    for lin in mod.modules():
-                        if isinstance(lin, nn.Linear):
-                            lin.register_forward_hook(self._capture_linear)
+            hooked = {id(lin): lin for mod in modules for lin in mod.modules()
+                      if isinstance(lin, nn.Linear)}
+            for lin in hooked.values():
+                lin.register_forward_hook(self._capture_linear)
         self.timeline: list[dict] = []
         self.peak_live = 0
         self.grad_scale = 1.0  # the fp16 loss scale (set by the trainer before each step)
@@ -257,14 +279,12 @@ class PipelineExecutor:
         spans: list[tuple[Action, int, int]] = []
         i = 0
         while i < len(self.actions):
-            j = i
-            while j < len(self.actions) and self.actions[j].op[:4] in ("SEND", "RECV"):
-                j += 1
-            if j > i:  # a run of point-to-point actions: one group
+            a = self.actions[i]
+            if is_p2p(a):  # a group of point-to-point actions
+                j = group_end(self.actions, i)
                 self._p2p(self.actions[i:j])
                 i = j
                 continue
-            a = self.actions[i]
             self._wait_input(a)  # (waiting is bubble, not compute: outside the timed interval)
             start = clock.mark()
             with phase("forward" if a.op == "F" else "backward"):
@@ -339,8 +359,14 @@ class PipelineExecutor:
         return buf.to(self.act_dtype)
 
     def _send(self, key: tuple[str, int, int], x: torch.Tensor) -> None:
-        """Queue an activation or gradient for its send action, in the wire dtype."""
-        self.to_send[key] = x.to(self.wire_dtype)
+        """Queue an activation or gradient for its send action, in the wire dtype; hand it
+        over as it is when the neighbouring stage is on this rank."""
+        kind, mb, s = key
+        there = s + 1 if kind == "F" else s - 1
+        if there in self.local:
+            self.recvd[(kind, mb, there)] = (x, None)
+        else:
+            self.to_send[key] = x.to(self.wire_dtype)
 
     # -- compute actions ----------------------------------------------------------------------
     def _do_F(self, a: Action) -> None:
@@ -393,6 +419,11 @@ class PipelineExecutor:
         if a.stage > 0:
             self._send(("B", a.mb, a.stage), slot.inp.grad)
 
+    def _do_B_split(self, a: Action) -> None:
+        """A full backward in a schedule with the split: I, then W."""
+        self._do_I(a)
+        self._do_W(a)
+
     def _do_I(self, a: Action) -> None:
         """Gradient of the stage input and of every non-matmul weight; linears deferred to W."""
         slot = self.slots[(a.mb, a.stage)]
@@ -439,18 +470,20 @@ class PipelineExecutor:
         x: torch.Tensor = ids.to(self.device)
         out = None
         for s in range(self.pipe.n_stages):
-            owner = s % self.pp
-            if owner != self.rank:
+            if self.owner[s] != self.rank:
                 continue
-            if s > 0:
+            if s > 0 and self.owner[s - 1] != self.rank:
                 buf = torch.empty(shape, dtype=self.wire_dtype, device=self.device)
-                self.comm.batch_p2p([("recv", buf, (s - 1) % self.pp)], AXIS).wait()
+                self.comm.batch_p2p([("recv", buf, self.owner[s - 1])], AXIS).wait()
                 x = buf.to(self.act_dtype)
             with self.autocast():
                 out, _ = self.pipe.forward(s, x, ids.shape[1])
             if s < self.pipe.n_stages - 1:
-                self.comm.batch_p2p([("send", out.to(self.wire_dtype).contiguous(),
-                                      (s + 1) % self.pp)], AXIS).wait()
+                if self.owner[s + 1] == self.rank:
+                    x = out  # (the next stage is this rank's too)
+                else:
+                    self.comm.batch_p2p([("send", out.to(self.wire_dtype).contiguous(),
+                                          self.owner[s + 1])], AXIS).wait()
         return out if self.pipe.n_stages - 1 in self.pipe.stages else None
 
 

@@ -1,33 +1,82 @@
-"""Pipeline schedules as the planner sees them (torch-free): activations held, bubble.
+"""Pipeline schedules as the planner sees them (torch-free): placement, activations held,
+bubble, sends.
 
 The schedules themselves are the action tables of :mod:`.schedules`, run by :mod:`.pipeline`;
 ``parallel.pp_schedule`` accepts exactly the names here. For ``p`` pipeline ranks, ``v``
-virtual stages per rank and ``m`` micro-batches per step:
+model chunks per rank and ``m`` micro-batches per step; ``f``, ``i``, ``w``: the time of one
+micro-batch's forward, input-gradient and weight-gradient passes over a rank's whole layer
+share (a full backward is ``b = i + w``; a chunk takes 1 / v of each).
 
-**Memory**: pipeline rank ``r`` holds, at its peak, the activations of ``min(p - r, m)``
-micro-batches under 1F1B (Narayanan et al. 2021) and ZB-H1 (Qi et al. 2023), ``m`` under AFAB
-(GPipe); interleaving runs ``2 (p - r - 1) + (v - 1) p`` warm-up chunk forwards (Megatron's
-schedule, as ``schedules.py``) -- ``p (1 + (p - 1) / (p v))`` on the first rank (Korthikanti
-et al. 2022, sec. 4.2.3) -- and all of them when m == p (Megatron-Core's rule); counted in
-units of the rank's whole layer share (``v`` chunks).
+**Placement**: stage ``s`` of ``p v`` on rank ``s % p`` (Megatron's interleaving; one stage
+per rank when v = 1); the V schedules (ZB-V, DualPipeV) put stages r and ``2p - 1 - r`` on
+rank r, so rank 0 holds the first and the last stage and the turn of the V (stage p - 1 ->
+p) stays on rank p - 1.
 
-**Bubble**: ``(p - 1) / v`` micro-batch times for AFAB, 1F1B and interleaved 1F1B (Narayanan
-et al. 2021), ``(p - 1) / 3`` for ZB-H1 with equal forward, input- and weight-gradient times
-(Qi et al. 2023) -- the fractions ``schedules.simulate`` gives. With unequal stages the planner
-passes the other stages' micro-batch times, summed, for ``p - 1``.
+**Memory** (``held``): micro-batches of the rank's whole layer share alive at rank r's peak,
+counted as ``schedules.simulate`` and the executor's ``peak_live`` count them -- a chunk from
+its forward to its last backward pass (its ``W`` in the split schedules, so the linears'
+inputs and output gradients kept from ``I`` to ``W`` count as a whole micro-batch: an upper
+bound). AFAB (GPipe) and looped BFS ``m``; 1F1B (Narayanan et al. 2021) ``min(p - r, m)``;
+ZB-H1 (Qi et al. 2023) ``min(p, m)`` on every rank (rank r's r deferred W passes fill 1F1B's
+p - r up to p); interleaved 1F1B ``2 (p - r - 1) + (v - 1) p + 1`` chunks (Megatron's warm-up,
+``p (1 + (p - 1) / (p v))`` on the first rank, Korthikanti et al. 2022, sec. 4.2.3) and all
+``m v`` when m == p; ZB-V ``min(2p, m + 1 + r, 2m)`` chunks (``p`` micro-batches once m >=
+2p - 1, as 1F1B's first stage: the paper's claim); DualPipeV ``2p + 1`` chunks; interleaved
+zero bubble ``min(m, p)``.
 
-Communication: the stage boundaries' sends, the same for every schedule (counted by the
-planner from the stages a rank holds).
+**Bubble** (``idle``): the idle time per step of a rank with equal stages, transfers free, as
+the executor runs the tables (a compute starts when its rank is free and its input is made).
+Closed forms, exact for meshlm's tables for every (f, i, w):
+
+- AFAB, 1F1B (Narayanan et al. 2021): ``(p - 1)(f + b)``; interleaved 1F1B and looped BFS
+  (Lamy-Poirier 2022): ``(p - 1)(f + b) / v``;
+- ZB-H1: ``(p - 1)(f + i) - min(m - 1, p - 1) min(i, w)`` -- the paper's ``(p - 1)(T_F + T_B
+  - T_W)`` once m >= p and w <= i (each rank's r deferred W passes fill its cool-down).
+
+ZB-V, DualPipeV and interleaved zero bubble are replayed (:func:`replay`: their compute
+orders, ``schedules.compute_order``, with these costs); with f = i = w they give ``(p - 1)(f +
+b) / 6`` (ZB-V, once m >= 2p), ``(p - 1)(f + b) / 3`` (DualPipeV, its overlapped F + B pair
+counted as run one after the other, as the executor runs it) and ``(p - 1)(f + b) / (3 v)``
+(interleaved zero bubble). With unequal passes they follow no published formula: DualPipe's
+``(p/2 - 1)(F&B + B - 3W)`` (DeepSeek-V3) matches only at f = i = w; ZB-V's bubble is not
+linear in p; interleaved zero bubble's grows with m when i > f (its W passes, deferred r steps
+on rank r, no longer fill the gap). ``schedules.simulate`` also holds each rank's messages to
+the order it posts them (NCCL's rule): with unequal passes that can add idle time to these
+three, so the replay is the bound a run reaches where transfers never wait on each other
+(gloo, or NCCL when the posted order happens to fit the times).
+
+The planner scales the idle time to unequal stages: ``bubble(others, ...)`` is ``others``
+(the other stages' micro-batch times, summed: ``(p - 1)(f + b)`` with equal stages) times the
+schedule's idle time per ``(p - 1)(f + b)``.
+
+**Communication** (``messages``): per micro-batch rank r sends one activation forward for each
+of its stages whose next stage is on another rank, one gradient back for each whose previous
+stage is, and receives the same from its neighbours: 2 v (fewer on the end ranks) round
+robin, 4 per middle rank and 2 on ranks 0 and p - 1 in a V (the turn needs no send).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .cost import Registry
 
+Split = tuple[float, float, float]  # (f, i, w): forward, input gradient, weight gradient
+EQUAL: Split = (1.0, 1.0, 1.0)
 
+
+# ---------------------------------------------------------------------- placement
+def _round_robin(p: int, v: int, r: int) -> tuple[int, ...]:
+    return tuple(k * p + r for k in range(v))
+
+
+def _v_shape(p: int, v: int, r: int) -> tuple[int, ...]:
+    return (r, 2 * p - 1 - r)
+
+
+# ---------------------------------------------------------------------- held
 def _all(p: int, v: int, m: int, r: int) -> float:
     return float(m)
 
@@ -36,11 +85,138 @@ def _one_f_one_b(p: int, v: int, m: int, r: int) -> float:
     return float(min(m, p - r))
 
 
+def _up_to_p(p: int, v: int, m: int, r: int) -> float:
+    return float(min(m, p))
+
+
 def _interleaved(p: int, v: int, m: int, r: int) -> float:
     chunks = m * v if m == p else min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
     return chunks / v
 
 
+def _zbv(p: int, v: int, m: int, r: int) -> float:
+    return min(2 * p, m + 1 + r, 2 * m) / 2
+
+
+def _dualpipev(p: int, v: int, m: int, r: int) -> float:
+    return (2 * p + 1) / 2
+
+
+# ---------------------------------------------------------------------- idle time
+def _flush(p: int, v: int, m: int, split: Split) -> float:
+    """AFAB, 1F1B, interleaved 1F1B, looped BFS: ``(p - 1)(f + b) / v``."""
+    return (p - 1) * sum(split) / v
+
+
+def _zb_h1(p: int, v: int, m: int, split: Split) -> float:
+    f, i, w = split
+    return (p - 1) * (f + i) - min(m - 1, p - 1) * min(i, w)
+
+
+# Replays beyond this many micro-batches per rank extrapolate linearly from two shorter ones
+# (the idle time is constant or linear in m once the steady state is reached).
+REPLAY_ROUNDS = 6
+
+
+def replay(schedule: str, p: int, v: int, m: int, split: Split = EQUAL,
+           stages: Sequence[Split] | None = None, latency: float = 0.0
+           ) -> tuple[float, list[float]]:
+    """(step time, each rank's compute time) of ``schedule``'s compute orders, a compute
+    starting when its rank is free and its input is made -- ``latency`` later when it was
+    made on another rank (default: transfers free). Each pass of a chunk costs ``split`` / v,
+    or ``stages[s]``: stage s's own (f, i, w) per micro-batch. Torch-free: the orders are
+    ``schedules.compute_order``'s."""
+    from .schedules import COMPUTE, compute_order, stage_rank  # (torch-free)
+
+    n_stages = p * v
+    costs = [tuple(x / v for x in split)] * n_stages if stages is None else list(stages)
+    if len(costs) != n_stages:
+        raise ValueError(f"{len(costs)} stage costs for {n_stages} stages")
+    units: list[list[list[tuple[str, int, int]]]] = []
+    for r in range(p):
+        rank_units: list[list[tuple[str, int, int]]] = []
+        for op, mb, s in compute_order(schedule, p, m, v, r):
+            if op == "B+":  # a backward overlapped with the forward before it: run after it
+                rank_units[-1].append(("B", mb, s))
+            else:
+                assert op in COMPUTE, op
+                rank_units.append([(op, mb, s)])
+        units.append(rank_units)
+
+    def cost(op: str, s: int) -> float:
+        f, i, w = costs[s]
+        return {"F": f, "B": i + w, "I": i, "W": w}[op]
+
+    def needs(op: str, mb: int, s: int) -> list[tuple[str, int, int]]:
+        if op == "F":
+            return [("F", mb, s - 1)] if s > 0 else []
+        if op in ("B", "I"):
+            return [("F", mb, s)] + ([("B", mb, s + 1)] if s < n_stages - 1 else [])
+        return [("I", mb, s)]
+
+    made: dict[tuple[str, int, int], float] = {}
+    pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    while any(pos[r] < len(units[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(units[r]):
+                unit = units[r][pos[r]]
+                deps = [d for a in unit for d in needs(*a)]
+                if any(d not in made for d in deps):
+                    break
+                t = max([clock[r], *(made[d] + (latency if stage_rank(schedule, d[2], p) != r
+                                                 else 0.0) for d in deps)])
+                for op, mb, s in unit:
+                    t += cost(op, s)
+                    busy[r] += cost(op, s)
+                    made[("B" if op in ("B", "I") else op, mb, s)] = t
+                    if op == "I":
+                        made[("I", mb, s)] = t
+                clock[r], pos[r], moved = t, pos[r] + 1, True
+        if not moved:
+            raise RuntimeError(f"{schedule}: the compute orders of p={p}, m={m}, v={v} wait on "
+                               "each other")
+    return max(clock), busy
+
+
+@functools.lru_cache(maxsize=4096)
+def _replayed_idle(schedule: str, p: int, v: int, m: int, split: Split,
+                   weights: tuple[float, ...] | None = None) -> float:
+    """Idle time of the busiest rank; ``weights``: each rank's micro-batch time over the
+    slowest rank's (its chunks' passes scaled by it; None: equal ranks)."""
+    stages = None
+    if weights is not None:
+        from .schedules import stage_rank
+
+        stages = [tuple(weights[stage_rank(schedule, s, p)] * x / v for x in split)
+                  for s in range(p * v)]
+    time, busy = replay(schedule, p, v, m, split, stages)
+    return time - max(busy)
+
+
+def _replayed(schedule: str) -> Callable[..., float]:
+    def idle(p: int, v: int, m: int, split: Split, ranks: Sequence[float] | None = None
+             ) -> float:
+        # (the cache's key: the passes' ratios to the forward, to 4 decimals, and the ranks'
+        # times over the slowest one's, to 2; idle time scales with the forward's)
+        scale = split[0]
+        key = (1.0, round(split[1] / scale, 4), round(split[2] / scale, 4))
+        weights = None
+        if ranks is not None:
+            slow = max(ranks)
+            weights = tuple(round(t / slow, 2) for t in ranks)
+            scale = slow * split[0] / sum(split)
+        hi = REPLAY_ROUNDS * p
+        if m <= hi:
+            return scale * _replayed_idle(schedule, p, v, m, key, weights)
+        a = _replayed_idle(schedule, p, v, hi - p, key, weights)
+        b = _replayed_idle(schedule, p, v, hi, key, weights)
+        return scale * (b + (b - a) * (m - hi) / p)
+
+    return idle
+
+
+# ---------------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class ScheduleCost:
     """One pipeline schedule's cost, as the planner reads it (see the module docstring)."""
@@ -48,25 +224,64 @@ class ScheduleCost:
     name: str
     doc: str
     held: Callable[[int, int, int, int], float]  # (p, v, m, r) -> micro-batches held
-    bubble_parts: int = 0  # the others' time is split into this many parts (0: v)
+    idle: Callable[..., float]  # (p, v, m, (f, i, w)) -> idle time per step
+    stages: Callable[[int, int, int], tuple[int, ...]] = _round_robin  # (p, v, r) -> stages
+    replayed: bool = False  # idle(..., ranks=...) replays unequal ranks too
 
     def in_flight(self, p: int, v: int, m: int, r: int) -> float:
         """Micro-batches (of the rank's whole layer share) rank ``r`` holds at its peak."""
         return self.held(p, v, m, r)
 
-    def bubble(self, others: float, v: int) -> float:
-        """Idle time per step of a rank, given ``others``: the other stages' micro-batch
-        times, summed ((p - 1) t_mb with equal stages)."""
-        return others / (self.bubble_parts or v)
+    def bubble(self, others: float, v: int, p: int, m: int, split: Split = EQUAL,
+               ranks: Sequence[float] | None = None) -> float:
+        """Idle time per step of the slowest rank, given ``others``: the other stages'
+        micro-batch times, summed ((p - 1) t_mb with equal stages), and the forward /
+        input-gradient / weight-gradient shares ``split`` of a micro-batch's time. ``ranks``
+        (each rank's micro-batch time): the replayed schedules replay them, each rank's chunks
+        sharing its time (a V's rank 0 holds the embedding and the head)."""
+        if p < 2:
+            return 0.0
+        if ranks is not None and self.replayed:
+            return self.idle(p, v, m, split, ranks)
+        return others * self.idle(p, v, m, split) / ((p - 1) * sum(split))
+
+    def fraction(self, p: int, v: int, m: int, split: Split = EQUAL) -> float:
+        """The ideal bubble fraction with equal stages: idle / (idle + m (f + b)) -- what
+        ``schedules.simulate`` reports, and the executor measures, for these costs."""
+        idle = self.idle(p, v, m, split) if p > 1 else 0.0
+        return idle / (idle + m * sum(split))
+
+    def last_rank(self, p: int, v: int) -> int:
+        """The rank holding the last stage (final norm, head, loss)."""
+        return next(r for r in range(p) if p * v - 1 in self.stages(p, v, r))
+
+    def messages(self, p: int, v: int, r: int) -> tuple[int, int]:
+        """(sends, receives) of rank ``r`` per micro-batch: activations forward and gradients
+        back across the stage boundaries that cross ranks."""
+        mine = set(self.stages(p, v, r))
+        last = p * v - 1
+        sends = sum((s < last and s + 1 not in mine) + (s > 0 and s - 1 not in mine)
+                    for s in mine)
+        return sends, sends  # (a stage's neighbours on other ranks: received from as sent to)
 
 
 SCHEDULES: Registry[ScheduleCost] = Registry("pipeline schedule")
-SCHEDULES.register(ScheduleCost("afab", "all forwards, then all backwards (GPipe)", _all))
+SCHEDULES.register(ScheduleCost("afab", "all forwards, then all backwards (GPipe)", _all,
+                                _flush))
 SCHEDULES.register(ScheduleCost("1f1b", "one forward, one backward (PipeDream-Flush)",
-                                _one_f_one_b))
+                                _one_f_one_b, _flush))
 SCHEDULES.register(ScheduleCost("interleaved", "1F1B over v virtual stages per rank (Megatron)",
-                                _interleaved))
+                                _interleaved, _flush))
 SCHEDULES.register(ScheduleCost("zb", "ZB-H1: backward split into input and weight gradients",
-                                _one_f_one_b, bubble_parts=3))
+                                _up_to_p, _zb_h1))
+SCHEDULES.register(ScheduleCost("zbv", "ZB-V: two chunks per rank in a V, backward split", _zbv,
+                                _replayed("zbv"), _v_shape, replayed=True))
+SCHEDULES.register(ScheduleCost("dualpipev", "DualPipeV: a V, one micro-batch's forward paired "
+                                "with another's backward", _dualpipev, _replayed("dualpipev"),
+                                _v_shape, replayed=True))
+SCHEDULES.register(ScheduleCost("bfs", "looped BFS: all micro-batches through a chunk, then the "
+                                "next", _all, _flush))
+SCHEDULES.register(ScheduleCost("interleaved-zb", "interleaved 1F1B with the backward split",
+                                _up_to_p, _replayed("interleaved-zb"), replayed=True))
 
-__all__ = ["SCHEDULES", "ScheduleCost"]
+__all__ = ["EQUAL", "SCHEDULES", "ScheduleCost", "Split", "replay"]

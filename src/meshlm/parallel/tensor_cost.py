@@ -22,14 +22,71 @@ norms' inputs, the residual stream, the layer input) only with sp (:meth:`Tensor
 - the vocab-parallel loss: 3 all-reduces of ``b s`` fp32 values (max, target logit, sum) on
   the last stage; once per step the clipping norm (8 bytes).
 
+What the model's layers add (:class:`StageTerms`, read from their declared costs when the
+planner passes the model, as ``tensor.py`` applies them):
+
+- multi-head latent attention (``models/attention_cost.py``: ``latent_entry``, a width ``L``):
+  the replicated down-projections take the layer input whole -- no ``f`` (tp), an all-gather
+  forward only (sp) -- and the latents enter the heads' region through one ``f``: per layer
+  one all-reduce of ``A L / h`` backward instead of the input's all-reduce (tp) or
+  reduce-scatter (sp) of ``A``;
+- norms every rank applies to its own heads (Qwen3's ``q_norm`` / ``k_norm``): their weight
+  gradients all-reduced, tp or sp, per layer and micro-batch;
+- multi-token prediction on the last stage (``models/mtp_cost.py``), per depth: the
+  embedding's lookup of the tokens ahead (as the first stage's), ``proj``'s input made whole
+  (``2 A``: all-reduce backward; sp: all-gather forward, reduce-scatter backward) and its
+  column shards gathered by feature (``A``: all-gather forward; sp: and backward), one more
+  head input and loss, and with sp its three norms' gradients; its blocks are among the
+  ``L`` layers.
+
 Pipeline boundaries: with sp a stage sends its sequence shard, ``A / t`` (:attr:`split_sends`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
+from ..models.attention_cost import projection_cost
+from ..models.config import ModelConfig
+from ..models.mtp_cost import MTP
 from .cost import Collective, Registry
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """What one stage's model passes through tp's collectives per micro-batch besides its
+    blocks' attention and MLP regions (widths in ``h`` per token; module docstring)."""
+
+    lookups: int = 0  # vocab-parallel embedding lookups (the embedding; MTP's tokens ahead)
+    heads: int = 0  # head passes: the head's column-parallel input and the vocab-parallel loss
+    norms: int = 0  # replicated norm weights outside the regions (their gradients: sp)
+    proj_in: tuple[float, ...] = ()  # column-parallel inputs made whole (MTP's proj), widths
+    proj_out: tuple[float, ...] = ()  # column-parallel outputs gathered by feature, widths
+    entry: float = 0.0  # per attention region: the latents entering through f (MLA); 0: none
+    head_norms: tuple[int, ...] = ()  # per attention layer: head-shared norms' values (Qwen3)
+
+
+def stage_terms(c: ModelConfig | None, first: bool, last: bool) -> StageTerms:
+    """The :class:`StageTerms` of a stage of model ``c`` (None: the embedding on the first
+    stage, the head, its loss and the final norm on the last, nothing else)."""
+    if c is None:
+        return StageTerms(int(first), int(last), int(last))
+    att = projection_cost(c)
+    depths = MTP.head_passes(c) - 1 if last else 0  # multi-token prediction's (last stage)
+    proj = MTP.linears(c, 1) if last else []
+    return StageTerms(
+        lookups=int(first) + (MTP.lookups(c) if last else 0), heads=int(last) + depths,
+        norms=int(last) + (MTP.norms(c) if last else 0),
+        proj_in=tuple(i / c.dim for i, _ in proj), proj_out=tuple(o / c.dim for _, o in proj),
+        entry=att.latent_entry(c) / c.dim, head_norms=tuple(att.head_shared_norms(c)))
+
+
+def _widths(op: str, act: float, widths: list[float], calls: float, overlap: str
+            ) -> list[Collective]:
+    """One collective per distinct width (``act`` x width bytes), ``calls`` per occurrence."""
+    return [Collective(op, act * w, n * calls, overlap)
+            for w, n in sorted(Counter(widths).items())]
 
 
 @dataclass(frozen=True)
@@ -49,25 +106,36 @@ class TensorCost:
         return t if self.name else 1
 
     def collectives(self, act: float, norm_grad: float, tokens: float, layers: int,
-                    first: bool, last: bool, forwards: int, m: int, overlap: str
-                    ) -> list[Collective]:
+                    first: bool, last: bool, forwards: int, m: int, overlap: str,
+                    model: ModelConfig | None = None) -> list[Collective]:
         """One step's tp messages on a rank (``act``: bytes of one micro-batch's activation;
-        ``norm_grad``: of one norm's weight gradient; ``overlap``: the regions'); the clipping
+        ``norm_grad``: of one norm's weight gradient, ``h`` values; ``overlap``: the regions';
+        ``model``: the model whose layers' terms to add, :func:`stage_terms`); the clipping
         norm's last."""
+        terms = stage_terms(model, first, last)
         redo = (forwards + 1) / 2  # recomputed forwards communicate again
+        latent = layers if terms.entry else 0  # attention regions entered by their latents
+        # the regions' boundaries, the lookups' and the head inputs' (entries of A)
+        ends = 4 * layers * redo - latent + terms.lookups + terms.heads
         out = []
         if self.name:
-            ends = 4 * layers * redo + (1 if last else 0) + (1 if first else 0)
-            out.append(Collective("all_gather", act, ends * m, overlap))
+            out.append(Collective("all_gather", act, (ends + latent) * m, overlap))
             out.append(Collective("reduce_scatter", act, ends * m, overlap))
-            out.append(Collective("all_reduce", norm_grad, (2 * layers + (1 if last else 0)) * m,
+            out.append(Collective("all_reduce", norm_grad, (2 * layers + terms.norms) * m,
                                   overlap))
+            out += _widths("all_gather", act, [*terms.proj_in, *terms.proj_out * 2], m, overlap)
+            out += _widths("reduce_scatter", act, list(terms.proj_in), m, overlap)
         else:
-            out.append(Collective("all_reduce", act,
-                                  (4 * layers * redo + (1 if first else 0) + (1 if last else 0))
-                                  * m, overlap))
-        if last:
-            out.append(Collective("all_reduce", tokens * 4, 3 * m, overlap))  # the loss
+            out.append(Collective("all_reduce", act, ends * m, overlap))
+            out += _widths("all_reduce", act, list(terms.proj_in), m, overlap)
+            out += _widths("all_gather", act, list(terms.proj_out), m, overlap)
+        if latent:  # the latents' f: their gradient summed over the heads' shards
+            out.append(Collective("all_reduce", act * terms.entry, latent * m, overlap))
+        if terms.head_norms and model is not None:  # each head-shared norm's weight gradient
+            out += _widths("all_reduce", norm_grad / model.dim, list(terms.head_norms),
+                           layers * m, overlap)
+        if terms.heads:
+            out.append(Collective("all_reduce", tokens * 4, 3 * terms.heads * m, overlap))
         out.append(Collective("all_reduce", 8, 1, "exposed"))  # clipping
         return out
 
@@ -76,4 +144,4 @@ TENSOR: Registry[TensorCost] = Registry("sequence parallelism")
 TENSOR.register(TensorCost(False, "tensor parallelism: regions split, the rest replicated"))
 TENSOR.register(TensorCost(True, "tensor + sequence parallelism: the rest split by sequence"))
 
-__all__ = ["TENSOR", "TensorCost"]
+__all__ = ["TENSOR", "StageTerms", "TensorCost", "stage_terms"]

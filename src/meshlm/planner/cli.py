@@ -5,10 +5,13 @@ and for the trainer's config.
 [--layout "tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2"]
 [--json]`` prints the fastest layouts that fit (a table), or with ``--layout`` the breakdown
 of that one layout (``dp_shard=N`` in it: hybrid sharding, ZeRO over shard groups of N dp
-ranks replicated dp / N times). ``meshlm plan --calibrate`` measures this machine and stores
-the ``cpu`` entry. :func:`auto_layout` answers ``meshlm train --parallel.auto=true``,
-:func:`config_memory` the memory lines of ``meshlm train --dry-run``, :func:`oom_advice` the
-planner's part of a rank's out-of-memory line.
+ranks replicated dp / N times). Its first line states what the plan assumes (vocabulary,
+batch in tokens, precision) and where ``meshlm train``'s defaults differ; each layout comes
+with the ``meshlm train`` arguments that run it (:mod:`.train_args`; ``train_args`` in the
+JSON). ``meshlm plan --calibrate`` measures this machine and stores the ``cpu`` entry.
+:func:`auto_layout` answers ``meshlm train --parallel.auto=true``, :func:`config_model_line`
+and :func:`config_memory` the model and memory lines of ``meshlm train --dry-run``,
+:func:`oom_advice` the planner's part of a rank's out-of-memory line.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .hardware import GIB, Accelerator, get_accelerator
 from .levers import levers_text, size_text
 from .memory import MemoryBreakdown, memory
 from .search import MAX_WORLD, Plan, evaluate, search, world_problem
+from .train_args import train_args, train_gaps, train_line
 from .workload import (
     DTYPES,
     KERNELS,
@@ -105,18 +109,19 @@ def cmd_plan(args: argparse.Namespace, rest: list[str]) -> int:
         if plan.problems:
             raise ConfigError(f"--layout {args.layout!r}: " + "; ".join(plan.problems))
         if args.json:
-            print(json.dumps({**context(work, hw, args.gpus), **plan.to_dict()}, indent=1))
+            print(json.dumps({**context(work, hw, args.gpus), **plan_dict(work, plan)},
+                             indent=1))
         else:
-            print_breakdown(work, hw, plan)
+            print_breakdown(work, hw, plan, args.gpu)
         return 0
     if why := world_problem(work, args.gpus, hw):
         raise ConfigError(f"--gpus={args.gpus}: {why}")
     plans = search(work, args.gpus, hw, top=args.top)
     if args.json:
         print(json.dumps({**context(work, hw, args.gpus),
-                          "plans": [p.to_dict() for p in plans]}, indent=1))
+                          "plans": [plan_dict(work, p) for p in plans]}, indent=1))
     else:
-        print_ranking(work, hw, args.gpus, plans)
+        print_ranking(work, hw, args.gpus, plans, args.gpu)
     return 0 if plans else 1
 
 
@@ -175,10 +180,65 @@ def build_workload(spec: ModelSpec, hw: Accelerator, seq_len: int | None,
 
 def context(work: Workload, hw: Accelerator, gpus: int) -> dict[str, Any]:
     c = work.model.config
-    return {"model": c.name, "params": work.model.num_params(), "gpus": gpus,
-            "hardware": hw.name, "hardware_sources": hw.sources, "seq_len": work.seq_len,
-            "global_batch_seqs": work.global_batch, "precision": work.dtype,
+    return {"model": c.name, "params": work.model.num_params(), "vocab_size": c.vocab_size,
+            "gpus": gpus, "hardware": hw.name, "hardware_sources": hw.sources,
+            "seq_len": work.seq_len, "global_batch_seqs": work.global_batch,
+            "global_batch_tokens": work.tokens_per_step, "precision": work.dtype,
             "states": work.states, "loss": work.loss}
+
+
+def plan_dict(work: Workload, plan: Plan) -> dict[str, Any]:
+    """A plan's JSON: :meth:`Plan.to_dict`, the ``meshlm train`` words that run its layout
+    (``train_args``) and what they cannot give the trainer (``train_gaps``, empty: none)."""
+    return {**plan.to_dict(), "train_args": train_args(work, plan.layout),
+            "train_gaps": train_gaps(work, plan.layout)}
+
+
+def _count(n: float) -> str:
+    """``8.03 B``, ``3.95 M``, ``158.02 K``."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def assumptions(work: Workload, hw: Accelerator, gpus: int) -> str:
+    """The plan's first line: model (with the vocabulary it counts), cluster, sequence, batch
+    in sequences and tokens, precision, states; and which of them ``meshlm train``'s defaults
+    differ in (the train lines set them)."""
+    from ..config import Config
+
+    c = work.model.config
+    d = Config()
+    line = (f"{c.name} ({_count(work.model.num_params())} params at vocabulary "
+            f"{c.vocab_size:,}) on {gpus} x {hw.name}: seq {work.seq_len}, global batch "
+            f"{work.global_batch} seqs ({work.tokens_per_step:,} tokens), {work.dtype}, "
+            f"states {work.states}")
+    differ = [what for what, same in (
+        (d.precision.dtype, work.dtype == d.precision.dtype),
+        (f"seq {d.data.seq_len}", work.seq_len == d.data.seq_len),
+        (f"{d.train.global_batch} seqs", work.global_batch == d.train.global_batch),
+        (f"a {d.data.vocab_size:,}-entry BPE vocabulary",
+         c.vocab_size == d.data.vocab_size)) if not same]
+    if differ:
+        line += (f"; meshlm train's defaults differ ({', '.join(differ)}): the train lines "
+                 "below set these")
+    return line
+
+
+def print_train_lines(work: Workload, gpu: str, plans: list[Plan]) -> None:
+    """``meshlm train`` of each listed layout (numbered as the table), and once what they
+    cannot give the trainer; ``gpu``: the plan's ``--gpu``, for the dry run's."""
+    import shlex
+
+    gaps = list(dict.fromkeys(g for p in plans for g in train_gaps(work, p.layout)))
+    which = "each layout" if len(plans) > 1 else "it"
+    print(f"to run {which} (add --dry-run --gpu {shlex.quote(gpu)} to check it on any "
+          "machine):")
+    for i, p in enumerate(plans, 1):
+        print(f"{f'{i:>3}' if len(plans) > 1 else ''}  {train_line(work, p.layout)}")
+    if gaps:
+        print("  these run meshlm's nearest equivalent, not the plan: " + "; ".join(gaps))
 
 
 def _gib(x: float) -> str:
@@ -189,19 +249,16 @@ def _size(x: float) -> str:
     return f"{x / GIB:.2f} GiB" if x >= GIB else f"{x / 2**20:.1f} MiB"
 
 
-def print_ranking(work: Workload, hw: Accelerator, gpus: int, plans: list[Plan]) -> None:
+def print_ranking(work: Workload, hw: Accelerator, gpus: int, plans: list[Plan],
+                  gpu: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    c = work.model.config
-    n = work.model.num_params()
-    size = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-    title = (f"{c.name} ({size} params) on {gpus} x {hw.name}, "
-             f"seq {work.seq_len}, batch {work.global_batch} seqs, {work.dtype}")
+    print(assumptions(work, hw, gpus))
     if not plans:
-        print(f"{title}: no layout fits in {_gib(hw.memory)} GiB per device")
+        print(f"no layout fits in {_gib(hw.memory)} GiB per device")
         return
-    table = Table(title=title)
+    table = Table()
     for col in ("#", "layout", "tokens/s", "MFU", "step s", "bubble", "exposed comm",
                 "mem GiB"):
         table.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
@@ -213,14 +270,15 @@ def print_ranking(work: Workload, hw: Accelerator, gpus: int, plans: list[Plan])
                       f"{t.step:.3g}", f"{t.items['pipeline bubble'] / t.step:.1%}",
                       f"{comm / t.step:.1%}", f"{_gib(p.memory.total)}/{_gib(hw.memory)}")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print_train_lines(work, gpu or hw.name, plans)
 
 
-def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
-    c, t, m = work.model.config, plan.time, plan.memory
+def print_breakdown(work: Workload, hw: Accelerator, plan: Plan, gpu: str | None = None
+                    ) -> None:
+    t, m = plan.time, plan.memory
     assert t is not None
-    print(f"{c.name} on {plan.layout.world_size} x {hw.name}: {plan.layout.describe()}")
-    print(f"  seq {work.seq_len}, global batch {work.global_batch} seqs "
-          f"({t.micro_batches} micro-batches per replica), {work.dtype}, states {work.states}, "
+    print(assumptions(work, hw, plan.layout.world_size))
+    print(f"  layout {plan.layout.describe()}: {t.micro_batches} micro-batches per replica, "
           f"{work.loss} loss")
     lo = plan.layout
     if lo.hybrid:
@@ -241,6 +299,7 @@ def print_breakdown(work: Workload, hw: Accelerator, plan: Plan) -> None:
         print(f"communication before overlap: {before}")
     print(f"tokens/s {t.tokens_per_s:,.0f} ({t.tokens_per_s / plan.layout.world_size:,.0f} per "
           f"device), MFU {t.mfu:.1%}, HFU {t.hfu:.1%}")
+    print_train_lines(work, gpu or hw.name, [plan])
 
 
 # ---------------------------------------------------------------------- the trainer's config
@@ -288,14 +347,38 @@ def config_vocab(cfg: Config) -> int:
     return cfg.data.vocab_size
 
 
-def config_memory(cfg: Config) -> list[str]:
-    """``meshlm train --dry-run``: the planner's memory of the config's layout, per rank."""
+def config_model_line(cfg: Config) -> str:
+    """``meshlm train --dry-run``'s first line: the model's parameters at the vocabulary the run
+    will have, and its precision -- each against what ``meshlm plan`` assumes (the preset's
+    published vocabulary; bf16 on GPUs) when they differ."""
+    vocab, published = config_vocab(cfg), cfg.model_config().vocab_size
+    mc = cfg.model_config(vocab)
+    source = ("the tokenizer's" if cfg.data.tokenizer
+              else "data.vocab_size: the BPE meshlm trains on the data")
+    line = (f"# model {mc.name}: {_count(ModelSpec(mc).num_params())} parameters at vocabulary "
+            f"{vocab:,} ")
+    if vocab == published:
+        line += "(the model's own)"
+    else:
+        whose = "model.init_from" if cfg.model.init_from else "the preset"
+        line += (f"({source}; {whose} publishes {published:,}, which meshlm plan counts: "
+                 f"{_count(ModelSpec(cfg.model_config(published)).num_params())} -- set "
+                 f"data.vocab_size={published} or data.tokenizer to match)")
+    dtype = cfg.precision.dtype
+    return line + f"; precision {dtype}" + (
+        " (meshlm train's default; meshlm plan's on GPUs: bf16)" if dtype == "fp32" else "")
+
+
+def config_memory(cfg: Config, hw: Accelerator | None = None) -> list[str]:
+    """``meshlm train --dry-run``: the planner's memory of the config's layout, per rank, on
+    ``hw`` (``--gpu``; None: this machine's device)."""
     work = config_workload(cfg, config_vocab(cfg))
     lo = cfg.layout()
-    try:
-        hw = hardware_here("memory estimate")
-    except ConfigError as e:
-        return [f"# memory estimate: {e}"]
+    if hw is None:
+        try:
+            hw = hardware_here("memory estimate")
+        except ConfigError as e:
+            return [f"# memory estimate: {e}"]
     m = memory(work, lo, hw)
     stage = f" (pipeline stage {m.stage}, the most loaded)" if lo.pp > 1 else ""
     alive = set(m.phases[m.peak_phase])
@@ -344,17 +427,18 @@ def checkpoint_host_line(m: MemoryBreakdown, cpu: bool) -> str:
     return line
 
 
-def fit_micro_batch(cfg: Config) -> tuple[Config, str | None]:
+def fit_micro_batch(cfg: Config, hw: Accelerator | None = None) -> tuple[Config, str | None]:
     """An automatic ``train.micro_batch`` (left at 0: global / (dp x islands)) made the
-    largest divisor of global / (dp x islands) whose layout the planner says fits this
-    machine's device: (the config, a copy when it changed; the line saying so, None when
-    unchanged). Nothing fits even at 1: 1, for the memory check to report."""
+    largest divisor of global / (dp x islands) whose layout the planner says fits ``hw``
+    (None: this machine's device): (the config, a copy when it changed; the line saying so,
+    None when unchanged). Nothing fits even at 1: 1, for the memory check to report."""
     if not cfg.micro_batch_auto:
         return cfg, None
-    try:
-        hw = hardware_here("train.micro_batch")
-    except ConfigError:
-        return cfg, None
+    if hw is None:
+        try:
+            hw = hardware_here("train.micro_batch")
+        except ConfigError:
+            return cfg, None
     work = config_workload(cfg, config_vocab(cfg))
     layout = cfg.layout()
     per_rank = cfg.train.global_batch // (layout.dp * cfg.parallel.islands)

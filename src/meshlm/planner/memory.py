@@ -195,23 +195,32 @@ def shard_ranks(lo: Layout) -> int:
 
 
 def stage_layers(n_layers: int, lo: Layout, rank: int) -> list[int]:
-    """Layer ids held by pipeline rank ``rank``: its stages ``rank, rank + pp, ...`` of
-    ``pp x pp_virtual`` (Megatron's interleaving), split as the trainer splits them."""
-    return list(_stage_layers(n_layers, lo.pp, lo.pp_virtual, lo.pp_layers, rank))
+    """Layer ids held by pipeline rank ``rank``: its stages of ``pp x pp_virtual`` (the
+    schedule's placement, ``parallel/schedule_cost.py``: ``rank, rank + pp, ...``, Megatron's
+    interleaving; in a V ``rank`` and ``2 pp - 1 - rank``), split as the trainer splits them."""
+    return list(_stage_layers(n_layers, lo.pp, lo.pp_virtual, lo.pp_layers, rank,
+                              lo.pp_schedule))
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks again for every layout of one pipeline
-def _stage_layers(n_layers: int, pp: int, pp_virtual: int, pp_layers: str, rank: int
-                  ) -> tuple[int, ...]:
+def _stage_layers(n_layers: int, pp: int, pp_virtual: int, pp_layers: str, rank: int,
+                  schedule: str = "1f1b") -> tuple[int, ...]:
     stages = partition_layers(n_layers, pp * pp_virtual, pp_layers)
-    return tuple(i for k in range(pp_virtual) for i in stages[k * pp + rank])
+    return tuple(i for s in SCHEDULES[schedule].stages(pp, pp_virtual, rank) for i in stages[s])
+
+
+def last_rank(lo: Layout) -> int:
+    """The pipeline rank holding the last stage (final norm, head, loss): ``pp - 1``, or 0
+    in a V (``parallel/schedule_cost.py``)."""
+    return SCHEDULES[lo.pp_schedule].last_rank(lo.pp, lo.pp_virtual) if lo.pp > 1 else 0
 
 
 def layer_kinds(work: Workload, lo: Layout, stage: int) -> dict[bool, int]:
     """How many dense (False) and MoE (True) decoder blocks pipeline rank ``stage`` holds: its
     layers, and on the last rank the model's blocks after them (multi-token prediction's,
     ``models/mtp_cost.py``)."""
-    return dict(_layer_kinds(work.model.config, lo.pp, lo.pp_virtual, lo.pp_layers, stage))
+    return dict(_layer_kinds(work.model.config, lo.pp, lo.pp_virtual, lo.pp_layers, stage,
+                             lo.pp_schedule))
 
 
 def stage_blocks(work: Workload, lo: Layout, stage: int) -> int:
@@ -220,12 +229,13 @@ def stage_blocks(work: Workload, lo: Layout, stage: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_kinds(c: ModelConfig, pp: int, pp_virtual: int, pp_layers: str, stage: int
-                 ) -> tuple[tuple[bool, int], ...]:
-    layers = _stage_layers(c.n_layers, pp, pp_virtual, pp_layers, stage)
+def _layer_kinds(c: ModelConfig, pp: int, pp_virtual: int, pp_layers: str, stage: int,
+                 schedule: str = "1f1b") -> tuple[tuple[bool, int], ...]:
+    layers = _stage_layers(c.n_layers, pp, pp_virtual, pp_layers, stage, schedule)
     moe = sum(1 for i in layers if c.is_moe_layer(i))
     dense = len(layers) - moe
-    if stage == pp - 1:  # the blocks after the last layer (multi-token prediction)
+    last = SCHEDULES[schedule].last_rank(pp, pp_virtual) if pp > 1 else 0
+    if stage == last:  # the blocks after the last layer (multi-token prediction)
         extra = MTP.blocks(c)
         moe += sum(extra)
         dense += len(extra) - sum(extra)
@@ -262,14 +272,15 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
     root = 0.0
     if stage == 0:
         root += vocab
-    if stage == lo.pp - 1:
+    if stage == last_rank(lo):
         # An untied head is its own matrix; a tied one is a second copy on the last stage
-        # when the embedding lives on another stage (Megatron keeps both in sync).
-        root += h + (vocab if not c.tie_embeddings or lo.pp > 1 else 0)
+        # when the embedding lives on another rank (Megatron keeps both in sync).
+        apart = last_rank(lo) != 0
+        root += h + (vocab if not c.tie_embeddings or apart else 0)
         matmul += vocab
         # multi-token prediction's own layers (its blocks are among the kinds above), with a
-        # copy of the embedding when it lives on another stage and the head is not one
-        own = MTP.params(c, t, lo.pp > 1 and not c.tie_embeddings)
+        # copy of the embedding when it lives on another rank and the head is not one
+        own = MTP.params(c, t, apart and not c.tie_embeddings)
         root += own
         matmul += sum(i * o for i, o in MTP.linears(c, t))
     dense += root
@@ -512,7 +523,7 @@ def largest_tensor(work: Workload, lo: Layout, stage: int) -> float:
     sizes = [projection_cost(c).largest(c, t), work.model.mlp_matrices and c.ffn_hidden * h / t]
     if c.moe_experts:
         sizes.append(c.expert_hidden * h)
-    if stage in (0, lo.pp - 1):
+    if stage in (0, last_rank(lo)):
         sizes.append(math.ceil(c.vocab_size / t) * h)
     return max(sizes)
 
@@ -554,7 +565,7 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
         per_layer += count * recomputed(full, work, lo, is_moe)
         working = max(working, sum(full.values()))
     acts = per_layer * in_flight(lo, m, stage)
-    acts += head_activations(work, lo, stage == 0, stage == lo.pp - 1)
+    acts += head_activations(work, lo, stage == 0, stage == last_rank(lo))
     items["activations"] = acts
     # Transient peaks on top of the saved activations (they do not coincide): the loss's
     # backward holds the fp32 gradients of the log-probabilities and of the logits beside the
@@ -564,11 +575,11 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
     tokens = lo.micro_batch * work.seq_len / lo.cp
     v_local = math.ceil(work.model.config.vocab_size / lo.tp)
     loss = 0.0
-    if stage == lo.pp - 1 and work.loss == "torch":
+    if stage == last_rank(lo) and work.loss == "torch":
         per_logit = (work.precision.act_bytes if compiled(work) and lo.tp == 1
                      else LOSS_WORKING)
         loss = per_logit * tokens * v_local
-    elif stage == lo.pp - 1 and work.loss == "chunked":  # one chunk's logits, twice in fp32
+    elif stage == last_rank(lo) and work.loss == "chunked":  # one chunk's logits, twice in fp32
         loss = LOSS_WORKING * min(tokens, work.loss_chunk) * v_local
     # the float8 casts of one linear: beside a fully recomputed layer's rebuilt activations
     recompute = RECOMPUTE[lo.recompute]
@@ -607,7 +618,8 @@ def stage_memory(work: Workload, lo: Layout, hw: Accelerator, stage: int) -> Mem
 
 
 def memory(work: Workload, lo: Layout, hw: Accelerator) -> MemoryBreakdown:
-    """Memory of the most loaded pipeline stage: the first or the last (any stage under an
-    explicit ``pp_layers`` split)."""
-    stages = range(lo.pp) if lo.pp_layers else {0, lo.pp - 1}
+    """Memory of the most loaded pipeline stage: the first, the last or the last rank (in a V
+    rank 0 holds the first and the last stage, rank pp - 1 the most chunks in flight; any
+    stage under an explicit ``pp_layers`` split)."""
+    stages = range(lo.pp) if lo.pp_layers else {0, lo.pp - 1, last_rank(lo)}
     return max((stage_memory(work, lo, hw, s) for s in stages), key=lambda b: b.total)

@@ -5,10 +5,15 @@ the model (tp divides the heads, KV heads and MLP width and stays inside a node;
 divides the layers; cp divides the sequence into 2 cp chunks; ep divides the experts and
 dp x cp), crossed with the ZeRO stage (0-3; 0-1 with pipelining, as Megatron and DeepSpeed
 allow), every micro-batch size dividing the per-replica batch, recomputation and, with pp > 1,
-the schedules 1F1B, interleaved 1F1B (v = 2, 4, ... dividing the layers per stage) and ZB-H1.
+the schedules 1F1B and ZB-H1; interleaved 1F1B, interleaved zero bubble and looped BFS with
+v = 2, 4, 8 chunks per rank dividing the layers per rank; ZB-V and DualPipeV (two chunks in a
+V) where the 2 pp stages divide the layers. The layout rules then drop what a schedule cannot
+run (interleaving: micro-batches divisible by pp; BFS: at least pp of them; DualPipeV: at
+least 2 pp).
 With ZeRO, ZeRO's group is every divisor ``dp_shard`` of dp (hybrid sharding: shard groups of
 dp_shard x cp ranks, replicated dp / dp_shard times); dp_shard = dp is plain ZeRO.
 AFAB is left out: it has 1F1B's bubble and holds more activations, so it never ranks higher.
+Among equally fast layouts the simpler schedule ranks first (:data:`SIMPLER`).
 
 Four cuts keep the search fast without losing the best layout. The splits of the world
 come from the divisors of the model's dimensions and of the batch, so the work is bounded
@@ -32,11 +37,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layout import RECOMPUTE, Layout
+from ..layout import LOOPED_SCHEDULES, RECOMPUTE, SCHEDULES, V_SCHEDULES, Layout
 from .hardware import Accelerator
 from .memory import MemoryBreakdown, frees_gradients, memory
 from .timing import TimeBreakdown, step_time
 from .workload import Workload
+
+# Schedules from the simplest: the tie-break among equally fast layouts
+SIMPLER = ("1f1b", "zb", "interleaved", "interleaved-zb", "bfs", "zbv", "dualpipev", "afab")
+assert set(SIMPLER) == set(SCHEDULES), "every schedule of layout.SCHEDULES ranked"
 
 
 @dataclass
@@ -156,8 +165,11 @@ def base_layouts(work: Workload, world: int, hw: Accelerator,
         scheds = [("1f1b", 1)]
         if pp > 1:
             per_stage = c.n_layers // pp
-            scheds += [("interleaved", v) for v in (2, 4, 8) if per_stage % v == 0]
             scheds.append(("zb", 1))
+            scheds += [(name, v) for name in LOOPED_SCHEDULES for v in (2, 4, 8)
+                       if per_stage % v == 0]
+            if per_stage % 2 == 0:
+                scheds += [(name, 2) for name in V_SCHEDULES]
         per_replica = work.global_batch // dp
         mbss = [m for m in range(1, min(128, per_replica) + 1) if per_replica % m == 0]
         for ep in eps:
@@ -267,8 +279,8 @@ def _best_recompute(work: Workload, world: int, hw: Accelerator,
 def _rank_key(p: Plan) -> tuple:
     """Fastest first; among equally fast layouts (to 1e-6) the simpler one: fewer pipeline
     and context ranks, less tensor parallelism, lower ZeRO stage, fewer shard-group replicas,
-    no interleaving."""
+    fewer chunks per rank, the simpler schedule (:data:`SIMPLER`)."""
     lo = p.layout
     return (-round(p.tokens_per_s, -int(math.floor(math.log10(max(p.tokens_per_s, 1e-30)))) + 5),
             lo.cp, lo.pp, lo.tp, lo.ep, lo.zero, lo.dp_rep, lo.pp_virtual,
-            lo.pp_schedule != "1f1b", lo.sp, -lo.micro_batch)
+            SIMPLER.index(lo.pp_schedule), lo.sp, -lo.micro_batch)

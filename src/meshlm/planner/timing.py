@@ -86,9 +86,10 @@ do it:
 - on CPU (gloo) nothing overlaps: the transport uses the same cores.
 
 **Bubble**: the schedule's share of the other stages' micro-batch times
-(``parallel/schedule_cost.py``: ``(p - 1) / v`` for AFAB, 1F1B and interleaved 1F1B,
-``(p - 1) / 3`` for ZB-H1); with unequal stages (embedding, head and loss on the ends) the
-slowest stage sets the pace and the bubble is the other stages' times. **Optimizer**: clipping and AdamW move
+(``parallel/schedule_cost.py``: ``(p - 1) / v`` for AFAB, 1F1B, interleaved 1F1B and looped
+BFS, ``(p - 1) / 3`` for ZB-H1, ZB-V / DualPipeV / interleaved zero bubble replayed, given the
+forward / input-gradient / weight-gradient shares); with unequal stages (embedding, head and
+loss on the ends) the slowest stage sets the pace and the bubble is the other stages' times. **Optimizer**: clipping and AdamW move
 ``ADAMW_BYTES[work.optimizer]`` per parameter a rank owns (torch's fused or foreach kernels;
 CPU: measured per parameter). With fp32 states and 16-bit matmuls (meshlm) autocast's weight
 casts and the fp32 gradient accumulation add the precision's cast bytes per parameter and
@@ -123,6 +124,7 @@ from ..precision_cost import (
 )
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
+    last_rank,
     layer_activations,
     layer_kinds,
     shard_ranks,
@@ -446,8 +448,8 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
     if lo.tp > 1:  # tensor / sequence parallelism's (parallel/tensor_cost.py)
         act = tokens * c.dim * a
         cols = TENSOR[lo.sp].collectives(act, c.dim * 4, tokens, p.layers, stage == 0,
-                                         stage == lo.pp - 1, RECOMPUTE[lo.recompute].forwards,
-                                         m, "gemm" if lo.tp_overlap else "exposed")
+                                         stage == last_rank(lo), RECOMPUTE[lo.recompute].forwards,
+                                         m, "gemm" if lo.tp_overlap else "exposed", c)
         ev += [CommEvent("tp", col.op, "tp", col.nbytes, col.calls, lo.tp, 1, col.overlap)
                for col in cols]
     if lo.pp > 1:
@@ -456,10 +458,9 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         seq_split = TENSOR[lo.sp].split_sends
         split = seq_split or (work.p2p_split and lo.tp > 1)
         act = tokens * c.dim * (4 if work.p2p_dtype == "fp32" else a) / (lo.tp if split else 1)
-        last = lo.pp * lo.pp_virtual - 1
-        chunks = [k * lo.pp + stage for k in range(lo.pp_virtual)]
-        sends = sum((s < last) + (s > 0) for s in chunks)  # activation out, gradient back
-        recvs = sum((s > 0) + (s < last) for s in chunks)
+        # activations out, gradients back, at the boundaries that cross ranks (a V's turn
+        # stays on its rank: parallel/schedule_cost.py)
+        sends, recvs = SCHEDULES[lo.pp_schedule].messages(lo.pp, lo.pp_virtual, stage)
         stride = lo.tp * lo.cp * lo.dp
         ev.append(CommEvent("pp", "send", "pp", act, sends * m, 2, stride, "exposed"))
         ev.append(CommEvent("pp", "recv", "pp", act, recvs * m, 2, stride, "free"))
@@ -548,7 +549,7 @@ def stage_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, sta
     for is_moe, count in layer_kinds(work, lo, stage).items():
         for k, v in layer_compute(work, lo, hw, rates, is_moe).items():
             out[k] = out.get(k, 0.0) + count * v
-    for k, v in head_compute(work, lo, hw, rates, stage == 0, stage == lo.pp - 1).items():
+    for k, v in head_compute(work, lo, hw, rates, stage == 0, stage == last_rank(lo)).items():
         out[k] = out.get(k, 0.0) + v
     return out
 
@@ -565,7 +566,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     oversub = max(1.0, procs * threads / hw.cpu.cores) if hw.cpu is not None else 1.0
     m = lo.micro_batches(work.global_batch)
     busiest = max(range(lo.pp), key=lambda r: stage_blocks(work, lo, r))
-    stages = sorted({0, lo.pp - 1, busiest})  # embedding, head, most layers
+    stages = sorted({0, lo.pp - 1, last_rank(lo), busiest})  # embedding, head, most layers
     per_stage = {s: stage_compute(work, lo, hw, rates, s) for s in stages}
     slow = max(per_stage, key=lambda s: sum(per_stage[s].values()))
     mb_items = per_stage[slow]
@@ -580,7 +581,13 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
         times = {st: sum(v.values()) for st, v in per_stage.items()}
         middle = times[busiest]
         others = sum(times.values()) + (lo.pp - len(times)) * middle - t_mb
-        bubble = SCHEDULES[lo.pp_schedule].bubble(others, lo.pp_virtual)
+        # the passes' shares (backward = input + weight gradients, each one forward's time;
+        # recomputation runs before the input gradient)
+        rc = mb_items.get("recompute", 0.0)
+        f = (t_mb - rc) / 3
+        ranks = [times.get(r, middle) for r in range(lo.pp)]  # (a schedule may replay them)
+        bubble = SCHEDULES[lo.pp_schedule].bubble(others, lo.pp_virtual, lo.pp, m,
+                                                  (f, f + rc, f), ranks)
     # A time-shared core runs the other ranks while one waits in the bubble: the bubble only
     # costs what exceeds the extra time the sharing already added.
     out.items["pipeline bubble"] = max(0.0, bubble - (oversub - 1) * m * t_mb)

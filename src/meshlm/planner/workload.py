@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..dtypes import FP8_REST, PRECISIONS
-from ..layout import SHORT_KEYS, Layout
+from ..layout import SHORT_KEYS, V_SCHEDULES, Layout
 from ..models.attention_spec import AttentionSpec, spec
 from ..models.config import ModelConfig
 from ..models.moe_cost import EXPERT_KERNELS
@@ -224,7 +224,7 @@ def parse_layout(text: str, world: int | None = None) -> Layout:
     """``"tp=8,pp=4,dp=16,zero=1,mbs=1,recompute=selective,schedule=interleaved,vpp=2"``.
 
     ``sp`` alone means ``sp=true``. Unset dp is inferred as world / (tp pp cp) when the world
-    is given. Raises ConfigError with one line naming the bad item.
+    is given; ``vpp`` is 2 for the V schedules (``schedule=zbv``, ``dualpipev``) unless given. Raises ConfigError with one line naming the bad item.
     """
     values: dict[str, Any] = {}
     for raw in filter(None, (s.strip() for s in text.split(","))):
@@ -253,6 +253,8 @@ def parse_layout(text: str, world: int | None = None) -> Layout:
         values["dp"] = world // inner
     if values.get("pp_virtual", 1) > 1 and "pp_schedule" not in values:
         values["pp_schedule"] = "interleaved"
+    if values.get("pp_schedule") in V_SCHEDULES and "pp_virtual" not in values:
+        values["pp_virtual"] = 2  # (a V: exactly two chunks per rank)
     return Layout(**values)
 
 

@@ -113,9 +113,10 @@ class PipelineRunner:
                 "actions": self.executor.timeline}
 
     def logits(self, ids: torch.Tensor, v_local: int) -> torch.Tensor:
-        """(B, S, V_local) logits of the last stage, broadcast to every stage."""
+        """(B, S, V_local) logits of the last stage, broadcast from its rank (the schedule's
+        placement: rank pp - 1, or rank 0 in a V) to every stage."""
         out = self.forward(ids)
         logits = out.float() if out is not None else torch.empty(
             ids.shape[0], ids.shape[1], v_local, device=ids.device)
-        self.comm.broadcast(logits, "pp", src=self.comm.size("pp") - 1)
+        self.comm.broadcast(logits, "pp", src=self.executor.last_rank)
         return logits

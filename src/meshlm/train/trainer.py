@@ -137,7 +137,8 @@ class Trainer:
             self.run_dir, self.log, m.compile_cache)
         self.islands = Islands(cfg.diloco, m.engine, self.comm, m.model_cfg.n_layers,
                                cfg.train.steps)
-        self.batches = Batches(cfg.data, cfg.train, self.data, self.mesh, self.context.positions)
+        self.batches = Batches(cfg.data, cfg.train, self.data, self.mesh, self.context.positions,
+                               target_docs=m.model_cfg.mtp_depth > 0)  # (MTP's document rule)
         own: dict[str, Stateful] = dict(zip(self.STATES, (self.batches, self.optimizer, m,
                                                            self.islands), strict=True))
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run, lambda: to_toml(cfg),

@@ -6,7 +6,8 @@ hands this rank its share: data-parallel ranks of every island split the batch (
 ranks read shares k dp ... (k + 1) dp - 1 of dp * islands), context-parallel ranks read their
 positions of each sequence. A mixture (``data.mix``) draws every batch from its sources by
 weight; under ``data.doc_mask`` every micro-batch and validation batch carries the document ids
-of its whole sequences. Checkpoints hold the sampler's position and skip list (``sampler``) and
+of its whole sequences (training micro-batches with multi-token prediction: their targets' too,
+``target_docs``). Checkpoints hold the sampler's position and skip list (``sampler``) and
 the tokens trained on (``tokens_seen``). No communication after start-up; memory: the
 memory-mapped token arrays and one step's micro-batches.
 """
@@ -64,21 +65,23 @@ class Batches:
     SECTION = "data"
 
     def __init__(self, section: DataSection, train: TrainSection, data: DataBundle,
-                 mesh: Mesh, positions: np.ndarray | None = None) -> None:
+                 mesh: Mesh, positions: np.ndarray | None = None,
+                 target_docs: bool = False) -> None:
         self.section, self.train = section, train
         self.tokens_per_step = train.global_batch * section.seq_len
         self.dp_size = mesh.size("dp") * mesh.islands
         self.dp_rank = mesh.island * mesh.size("dp") + mesh.local_rank("dp")
         self.positions = positions  # this rank's share of each sequence (context parallel)
         self.sampler = StepSampler(sources(data, "train"), section.seq_len, train.global_batch,
-                                   train.seed, section.doc_mask)
+                                   train.seed, section.doc_mask, target_docs)
         self.sampler.skip_batches(skip_batches(train.skip_batches))
         # (B, S + 1) windows and their document ids (None without document masking)
         self.val = val_set(sources(data, "val"), section.seq_len, train.eval_batch_size,
                            train.eval_batches, section.doc_mask)
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
-        """This rank's (inputs, targets[, document ids]) micro-batches of ``step``."""
+        """This rank's (inputs, targets[, document ids[, the targets' document ids]])
+        micro-batches of ``step``."""
         return self.sampler.rank_micro_batches(step, self.dp_rank, self.dp_size,
                                                self.train.micro_batch, self.positions)
 
