@@ -9,7 +9,9 @@ reported against ``Schedule1F1B``. Both sides split the same layers into the sam
 (``partition_layers``), place them the same way, train the same weights on the same
 micro-batches with AdamW + clipping, and read the loss back every step. Protocol of
 ``_harness.py``: own world per implementation, best of ``rounds`` runs, slowest rank, peak RSS
-growth over the rank's resident memory before building its model.
+growth over the rank's resident memory before building its model; the time ratio of a pair is
+the median over the rounds of its ratio within a round (the two run one after the other, so a
+load that comes and goes on a shared machine moves both alike).
 
     python benchmarks/pipeline.py [--world 2] [--layers 4] [--microbatches 8] [--steps 8]
         [--only meshlm-zbv,torch-zbv] [--json benchmarks/results/pipeline.json]
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
+from _harness import meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
 from torch import nn
 
 from meshlm.config import load_config
@@ -35,6 +39,7 @@ from meshlm.data.sampler import StepSampler
 from meshlm.layout import LOOPED_SCHEDULES, V_SCHEDULES, partition_layers
 from meshlm.models import build_model
 from meshlm.parallel.schedules import rank_stages
+from meshlm.testing import run_world
 
 TORCH = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
          "torch-interleaved": "ScheduleInterleaved1F1B", "torch-zbv": "ScheduleZBVZeroBubble",
@@ -153,6 +158,27 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
     return summary(times, base)
 
 
+def rounds_of(world: int, impls: list[str], args: dict, rounds: int
+              ) -> tuple[dict[str, dict], dict[str, list[float]]]:
+    """``_harness.best_of`` that also keeps each round's step time of each implementation."""
+    best: dict[str, dict] = {}
+    runs: dict[str, list[float]] = {impl: [] for impl in impls}
+    tmp = Path(tempfile.mkdtemp(prefix="meshlm-bench-"))
+    for r in range(rounds):
+        for impl in impls:
+            res = run_world(world, worker, impl, args, str(tmp / f"{impl}-{r}"))
+            step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
+            mem = max(x["peak_rss_growth"] for x in res)
+            runs[impl].append(step)
+            if impl not in best or step < best[impl]["step_time_s"]:
+                best[impl] = {"impl": impl, "step_time_s": step,
+                              "peak_rss_growth": min(mem, best.get(impl, {}).get(
+                                  "peak_rss_growth", mem))}
+            else:
+                best[impl]["peak_rss_growth"] = min(best[impl]["peak_rss_growth"], mem)
+    return best, runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
@@ -175,18 +201,24 @@ def main() -> None:
         if unknown:
             ap.error(f"--only: unknown implementation(s) {', '.join(sorted(unknown))}")
         impls = [i for i in impls if i in a.only.split(",")]
-    best = best_of(a.world, worker, impls, args, a.rounds)
+    best, runs = rounds_of(a.world, impls, args, a.rounds)
     tokens = a.batch * a.seq
     rows = []
     for impl in impls:
-        b, ref = best[impl], best.get(PAIRS.get(impl, ""))
-        rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], vs=PAIRS.get(impl),
-                         time_ratio=b["step_time_s"] / ref["step_time_s"] if ref else None,
+        b, peer = best[impl], PAIRS.get(impl, "")
+        ref = best.get(peer)
+        # the pair's ratio in each round (run one after the other), the median of the rounds:
+        # a load that comes and goes on a shared machine moves both sides of a round alike
+        ratios = [x / y for x, y in zip(runs[impl], runs[peer], strict=True)] if ref else []
+        rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], vs=peer or None,
+                         time_ratio=statistics.median(ratios) if ratios else None,
+                         round_ratios=ratios,
                          memory_ratio=b["peak_rss_growth"] / ref["peak_rss_growth"] if ref
                          else None))
     print(f"model {a.preset} ({a.layers} layers, untied), pp {a.world} (gloo, 1 thread/rank), "
           f"batch {a.batch} x {a.seq} in {a.microbatches} micro-batches, fp32, median of steps "
-          f"3..{a.steps}, best of {a.rounds} runs")
+          f"3..{a.steps}, best of {a.rounds} runs; time ratio: the median over the rounds of "
+          "the pair's ratio in a round")
     print_rows(rows, 18)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -177,7 +177,7 @@ def test_train_refuses_before_writing_anything(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cli, "refuse_if_too_big", lambda cfg: None)  # (no GPU to size)
     import meshlm.planner.cli as planner_cli
 
-    monkeypatch.setattr(planner_cli, "fit_micro_batch", lambda cfg: (cfg, None))
+    monkeypatch.setattr(planner_cli, "fit_micro_batch", lambda cfg, hw=None: (cfg, None))
     rc = cli.main(["train", "--model.preset=tiny", "--parallel.dp=2", "--train.micro_batch=1",
                    f"--run.dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()

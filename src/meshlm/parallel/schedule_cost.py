@@ -47,7 +47,10 @@ three, so the replay is the bound a run reaches where transfers never wait on ea
 
 The planner scales the idle time to unequal stages: ``bubble(others, ...)`` is ``others``
 (the other stages' micro-batch times, summed: ``(p - 1)(f + b)`` with equal stages) times the
-schedule's idle time per ``(p - 1)(f + b)``.
+schedule's idle time per ``(p - 1)(f + b)``; the three replayed schedules replay each rank's
+own micro-batch time instead (``ranks``: in a V rank 0 holds both the embedding and the head).
+Replays are cached on the passes' and ranks' ratios; beyond ``REPLAY_ROUNDS`` p micro-batches
+the idle time is extrapolated linearly (it is constant or linear in m there).
 
 **Communication** (``messages``): per micro-batch rank r sends one activation forward for each
 of its stages whose next stage is on another rank, one gradient back for each whose previous
