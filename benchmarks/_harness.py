@@ -60,8 +60,10 @@ def summary(times: list[float], base_rss: int) -> dict:
 
 
 def best_of(world: int, worker: Callable[..., dict], impls: list[str], args: dict,
-            rounds: int) -> dict[str, dict]:
-    """{impl: best run} with ``worker(impl, args, run_dir)`` run on every rank."""
+            rounds: int, runs: dict[str, list[float]] | None = None) -> dict[str, dict]:
+    """{impl: best run} with ``worker(impl, args, run_dir)`` run on every rank: the fastest
+    round's step time and the smallest round's peak memory; ``runs`` (when given) also gets
+    each round's step time of each implementation."""
     best: dict[str, dict] = {}
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-bench-"))
     for r in range(rounds):
@@ -69,10 +71,13 @@ def best_of(world: int, worker: Callable[..., dict], impls: list[str], args: dic
             res = run_world(world, worker, impl, args, str(tmp / f"{impl}-{r}"))
             step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
             mem = max(x["peak_rss_growth"] for x in res)
+            if runs is not None:
+                runs.setdefault(impl, []).append(step)
+            mem = min(mem, best.get(impl, {}).get("peak_rss_growth", mem))
             if impl not in best or step < best[impl]["step_time_s"]:
                 best[impl] = {"impl": impl, "step_time_s": step, "peak_rss_growth": mem}
             else:
-                best[impl]["peak_rss_growth"] = min(best[impl]["peak_rss_growth"], mem)
+                best[impl]["peak_rss_growth"] = mem
     return best
 
 

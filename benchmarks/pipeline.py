@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
+from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
 from torch import nn
 
 from meshlm.config import load_config
@@ -39,7 +38,6 @@ from meshlm.data.sampler import StepSampler
 from meshlm.layout import LOOPED_SCHEDULES, V_SCHEDULES, partition_layers
 from meshlm.models import build_model
 from meshlm.parallel.schedules import rank_stages
-from meshlm.testing import run_world
 
 TORCH = {"torch-gpipe": "ScheduleGPipe", "torch-1f1b": "Schedule1F1B",
          "torch-interleaved": "ScheduleInterleaved1F1B", "torch-zbv": "ScheduleZBVZeroBubble",
@@ -161,22 +159,8 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
 def rounds_of(world: int, impls: list[str], args: dict, rounds: int
               ) -> tuple[dict[str, dict], dict[str, list[float]]]:
     """``_harness.best_of`` that also keeps each round's step time of each implementation."""
-    best: dict[str, dict] = {}
     runs: dict[str, list[float]] = {impl: [] for impl in impls}
-    tmp = Path(tempfile.mkdtemp(prefix="meshlm-bench-"))
-    for r in range(rounds):
-        for impl in impls:
-            res = run_world(world, worker, impl, args, str(tmp / f"{impl}-{r}"))
-            step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
-            mem = max(x["peak_rss_growth"] for x in res)
-            runs[impl].append(step)
-            if impl not in best or step < best[impl]["step_time_s"]:
-                best[impl] = {"impl": impl, "step_time_s": step,
-                              "peak_rss_growth": min(mem, best.get(impl, {}).get(
-                                  "peak_rss_growth", mem))}
-            else:
-                best[impl]["peak_rss_growth"] = min(best[impl]["peak_rss_growth"], mem)
-    return best, runs
+    return best_of(world, worker, impls, args, rounds, runs), runs
 
 
 def main() -> None:
