@@ -8,7 +8,14 @@ same quantity in the row's FLOP convention and prints reported, predicted and th
 error; rows it cannot predict are listed with the reason. One set of constants serves every
 row (the hardware catalogue and the time model's constants); nothing here is per row.
 
-How a row becomes a question (the same rules for every row, any CSV with these columns):
+How a row becomes a question (the same rules for every row, any CSV with these columns). Every
+rule reads a property of the run stated in its columns -- never the source's name, the model's
+name, the table reference or the notes, which document the row (a test replaces them with text
+that names nothing and requires the same question). The columns beyond the shape, layout and
+reported figures (``benchmarks/data/README.md``): ``stack`` (the software as a kernel family,
+``meshlm.planner.stacks``), ``year``, ``architecture`` (a catalogue entry for what no column
+holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_overlap``,
+``pp_schedule``, ``loss_kernel``, ``fp8_recipe``, ``derived_tokens_per_sec_per_gpu``.
 
 - model: layers, hidden, heads, vocab and seq_len are required; a blank ffn_hidden is 4 x
   hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
@@ -16,7 +23,8 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   count is closest to ``params_B`` is taken. What its columns cannot say -- an explicit head
   width, the experts' width, shared experts and dense first layers, multi-head latent
   attention, query/key norms, multi-token prediction, the routing -- comes from the
-  catalogue entry the model name names (``meshlm.models.published``), flagged as filled.
+  catalogue entry the ``architecture`` column names (``meshlm.models.published``), flagged as
+  filled.
 - hardware: the catalogue entry named in the hardware text (A100 40/80GB, H100 SXM/PCIe,
   H800, H200, B200, MI300X; an H100 whose text says HBM2e and not PCIe is the 96 GB HBM2e SXM
   part at 500 W, the only SXM H100 with HBM2e -- torchtitan's); a memory size ("96GB"), a
@@ -27,27 +35,31 @@ How a row becomes a question (the same rules for every row, any CSV with these c
   modelled and is completed like a blank.
 - layout: blank tp/pp/cp/ep = 1, blank dp = GPUs / (tp pp cp), vpp > 1 = interleaved 1F1B;
   ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1);
-  "sequence parallel" in the text = sp; "tp-comm-overlap" / "AsyncTP" = tensor-parallel
-  communication overlapped with its GEMMs. A blank global batch with pp = 1 is one
-  micro-batch per replica (torchtitan's convention). A blank micro-batch size or recomputation
+  sequence parallelism and tensor-parallel communication overlapped with its GEMMs where the
+  ``sequence_parallel`` and ``tp_comm_overlap`` columns say yes. A blank global batch with
+  pp = 1 is one micro-batch per replica (torchtitan's convention). A blank micro-batch size or recomputation
   is the one the planner itself finds fastest among those that fit -- as the source would have
   tuned it -- and so is sequence parallelism when tp > 1 and the row does not mention it;
   such rows are marked ``completed``.
-- software era: techniques are not assumed before they existed. Rows whose source year is 2022
+- software era: techniques are not assumed before they existed. Rows whose ``year`` is 2022
   or earlier materialise attention scores (FlashAttention appeared in May 2022) and use sequence
   parallelism only where they say so (it was introduced in 2022); later rows get flash
   attention, and sequence parallelism is completed like the other blank knobs. States are
-  mixed precision (2 + 2 + 12 bytes) for every row. The loss is torch's cross-entropy
-  unless the row says "fused" or comes from llm-foundry, whose MPT model defaults to
-  flash-attn's fused cross-entropy.
+  mixed precision (2 + 2 + 12 bytes) for every row. The loss is the ``loss_kernel`` column's,
+  else the stack's default (llm-foundry's MPT: flash-attn's fused cross-entropy), else
+  torch's cross-entropy.
+- stack (``meshlm.planner.stacks``): the kernel family and the framework defaults -- fused or
+  eager memory-bound kernels, the dtype gradients are reduced in, Megatron's pipeline
+  scatter/gather, a separate fp32 accumulation pass, the split of an interleaved schedule,
+  how float8 casts run.
 - metric: reported MFU if given, else TFLOP/s per GPU, else tokens/s per GPU, else step time;
-  a row that reports none of them but whose notes give ``derived tokens/s per GPU N`` (a
-  throughput the source states in other units, e.g. GPU-hours per trillion tokens) is
-  compared with that, flagged as a rule.
-  FLOP conventions from the notes: "96Bslh" / "incl. recompute" / "counts recompute" /
-  "HFU-like" rows count ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (Narayanan et al. 2021),
-  "72Bslh" rows ``72 B s l h^2 (1 + s/6h + V/12lh)``, others 6N + attention (PaLM); the peak
-  is the hardware's 16-bit one unless the notes say "FP8 peak". ``mfu_error`` is the relative
+  a row that reports none of them but gives ``derived_tokens_per_sec_per_gpu`` (a throughput
+  the source states in other units, e.g. GPU-hours per trillion tokens, worked out in its
+  notes) is compared with that, flagged as a rule.
+  FLOP conventions (``flop_convention``): ``96Bslh`` rows' TFLOP/s count
+  ``96 B s l h^2 (1 + s/6h + V/16lh)`` per step (Narayanan et al. 2021, recomputation
+  included), ``72Bslh`` rows ``72 B s l h^2 (1 + s/6h + V/12lh)``, others 6N + attention
+  (PaLM); an MFU's peak is the hardware's 16-bit one unless ``mfu_peak`` is ``fp8``. ``mfu_error`` is the relative
   error of the implied MFU (for a step time: reported / predicted - 1).
 """
 
@@ -67,9 +79,9 @@ from typing import Any
 from meshlm.layout import Layout
 from meshlm.models.config import ModelConfig
 from meshlm.models.published import CATALOGUE as MODELS
-from meshlm.models.published import match as match_model
 from meshlm.planner.hardware import CATALOGUE, GIB, Accelerator
 from meshlm.planner.search import Plan, evaluate, search
+from meshlm.planner.stacks import STACKS, Stack, workload_options
 from meshlm.planner.workload import ModelSpec, Workload
 
 ROOT = Path(__file__).resolve().parent
@@ -87,7 +99,6 @@ CATALOGUE_ONLY = ("head_dim", "moe_ffn_hidden", "moe_shared_experts", "moe_first
                   "moe_n_group", "moe_topk_group", "moe_routed_scale", "q_lora_rank",
                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                   "qk_norm", "mtp_depth", "mtp_loss_weight")
-DERIVED_TPS = re.compile(r"derived tokens/s per GPU\s*([\d.]+)", re.IGNORECASE)
 
 
 @dataclass
@@ -121,7 +132,8 @@ class Rules:
     - ``hbm2e_part``: an H100 with HBM2e is the 96 GB, 500 W SXM part (off: the H100 SXM);
     - ``op_recompute``: torchtitan's "selective (op)" is op-level recomputation (off:
       Korthikanti's attention-core recomputation);
-    - ``foundry_loss``: llm-foundry's MPT uses flash-attn's fused cross-entropy, its default
+    - ``stack_loss``: a row that names no loss kernel runs its stack's default (llm-foundry's
+      MPT: flash-attn's fused cross-entropy, ``loss_fn`` default ``fused_crossentropy``)
       (off: torch's cross-entropy);
     - ``interleaved_default``: torchtitan's multi-stage (interleaved) schedule whose split is
       not given runs 2 stages per rank (``generate_split_points`` in torchtitan's pipelining
@@ -142,7 +154,11 @@ class Rules:
       nanotron's accumulator also adds each micro-batch's gradient into its fp32 buffer in a
       pass of its own (``FP32GradientAccumulator``; Megatron fuses the accumulation into the
       weight-gradient GEMM) (off: gradients reduced in the 16-bit dtype of the states, and
-      no accumulation pass).
+      no accumulation pass);
+    - ``fp8_stack``: an FP8 run's casts and experts as its stack runs them -- separate cast
+      kernels in torchao eager, fused in Transformer Engine and under torch.compile; routed
+      experts in float8 with Transformer Engine's grouped linears and DeepSeek-V3's -- and its
+      ``fp8_recipe``'s scaling granularity (off: casts fused, experts in 16-bit, tensorwise).
     """
 
     kernels: str = "eager"
@@ -150,11 +166,12 @@ class Rules:
     power_cap: bool = True
     hbm2e_part: bool = True
     op_recompute: bool = True
-    foundry_loss: bool = True
+    stack_loss: bool = True
     interleaved_default: bool = True
     p2p_16bit: bool = True
     p2p_scatter_gather: bool = True
     fp32_grad_reduce: bool = True
+    fp8_stack: bool = True
 
     def describe(self) -> str:
         off = [f.name for f in fields(self) if f.name != "kernels" and not getattr(self, f.name)]
@@ -174,12 +191,21 @@ def _int(raw: dict[str, str], key: str) -> int | None:
     return int(v) if v is not None else None
 
 
+def architecture(raw: dict[str, str]) -> str | None:
+    """The catalogue entry (``meshlm.models.published``) the row's ``architecture`` column
+    names, None when blank."""
+    key = (raw.get("architecture") or "").strip()
+    if key and key not in MODELS:
+        raise ValueError(f"architecture {key!r} is not one of {', '.join(MODELS)}")
+    return key or None
+
+
 def complete_shape(raw: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """The row with blank shape fields taken from the catalogue entry its model name names
-    (``meshlm.models.published``), and vocabulary / sequence length still blank from
-    :data:`DEFAULTS`; plus field -> where its value came from."""
+    """The row with blank shape fields taken from the catalogue entry its ``architecture``
+    column names (``meshlm.models.published``), and vocabulary / sequence length still blank
+    from :data:`DEFAULTS`; plus field -> where its value came from."""
     out, filled = dict(raw), {}
-    key = match_model(raw.get("model_name", ""))
+    key = architecture(raw)
     for col, attr in SHAPE_FIELDS.items():
         if (raw.get(col) or "").strip():
             continue
@@ -200,10 +226,10 @@ def complete_shape(raw: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]
     return out, filled
 
 
-def catalogue_extras(name: str) -> tuple[dict[str, Any], str]:
-    """Shape fields of :data:`CATALOGUE_ONLY` the model ``name`` names, where they differ from
-    ModelConfig's defaults, and the catalogue entry they come from ("" when none)."""
-    key = match_model(name)
+def catalogue_extras(raw: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """Shape fields of :data:`CATALOGUE_ONLY` of the row's ``architecture``, where they differ
+    from ModelConfig's defaults, and the catalogue entry they come from ("" when none)."""
+    key = architecture(raw)
     if key is None:
         return {}, ""
     cfg, base = MODELS[key].config, ModelConfig()
@@ -221,7 +247,7 @@ def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
     kv = _int(raw, "kv_heads") or dims["heads"]
     experts, topk = _int(raw, "moe_experts") or 0, _int(raw, "moe_topk") or 2
     target = (_num(raw, "params_B") or 0) * 1e9
-    extras, _ = catalogue_extras(raw.get("model_name", ""))
+    extras, _ = catalogue_extras(raw)
     best: tuple[float, ModelSpec] | None = None
     for gated in (True, False):
         for tied in (True, False):
@@ -299,41 +325,29 @@ def recompute_mode(text: str, rules: Rules = Rules()) -> str | None:
     return "none"
 
 
-# Kernel families (planner Workload.kernels): fused memory-bound kernels in Megatron-LM /
-# Megatron-Core (apex / Transformer Engine fused norms, bias-GeLU, fused softmax; also under
-# Megatron-DeepSpeed), NeMo, nanotron (flash-attn's fused RMSNorm and rotary kernels) and
-# torch.compile'd torchtitan; eager PyTorch otherwise (torchtitan without compile,
-# llm-foundry's MPT blocks). Read from the row's text, never from its error.
-FUSED_STACKS = ("megatron", "nemo", "transformer engine", "nanotron", "compile")
+def stack_of(raw: dict[str, str]) -> Stack | None:
+    """The software stack the row's ``stack`` column names (``meshlm.planner.stacks``): its
+    kernel family and framework defaults; None when blank."""
+    name = (raw.get("stack") or "").strip()
+    return STACKS[name] if name else None
 
 
 def kernel_family(raw: dict[str, str], mode: str) -> str:
-    """``mode`` "family": by :data:`FUSED_STACKS`; "eager" / "fused": that for every row."""
+    """``mode`` "family": the row's stack's kernels (eager where no stack is given); "eager" /
+    "fused": that for every row."""
     if mode != "family":
         return mode
-    text = " ".join(raw.get(k, "") for k in ("source", "model_name", "notes")).lower()
-    return "fused" if any(k in text for k in FUSED_STACKS) else "eager"
+    stack = stack_of(raw)
+    return stack.kernels if stack else "eager"
 
 
-def megatron_pipeline(raw: dict[str, str]) -> bool:
-    """Whether the row's pipeline is Megatron's (its scatter/gather; see :class:`Rules`), not
-    DeepSpeed's pipeline engine under Megatron's tensor parallelism (MT-NLG)."""
-    source = raw.get("source", "").lower()
-    return "megatron" in source and "deepspeed" not in source
+def run_year(raw: dict[str, str]) -> int | None:
+    """The row's ``year`` column."""
+    return _int(raw, "year")
 
 
-def fp32_reduce(raw: dict[str, str]) -> bool:
-    """Whether the row's framework reduces 16-bit training's gradients in fp32 (see
-    :class:`Rules`): Megatron unless the run is fp16, nanotron, torchtitan."""
-    source = raw.get("source", "").lower()
-    fp16 = "fp16" in raw.get("precision", "").lower()
-    return ("nanotron" in source or "torchtitan" in source
-            or ("megatron" in source and not fp16 and "deepspeed" not in source))
-
-
-def source_year(source: str) -> int | None:
-    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", source)]
-    return years[0] if years else None
+def _yes(raw: dict[str, str], key: str) -> bool:
+    return (raw.get(key) or "").strip().lower() in ("yes", "true", "1")
 
 
 def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
@@ -348,19 +362,19 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
         if value is not None:
             row.metric, row.reported = metric, value / (100 if metric == "mfu" else 1)
             break
-    derived = DERIVED_TPS.search(raw.get("notes", ""))
+    derived = _num(raw, "derived_tokens_per_sec_per_gpu")
     if not row.metric and derived:  # a throughput the source states in other units
-        row.metric, row.reported = "tokens_per_s_per_gpu", float(derived.group(1))
+        row.metric, row.reported = "tokens_per_s_per_gpu", derived
         row.rules.append("throughput derived from the source's figures (notes)")
     if not row.metric:
         row.reason = "no reported throughput, MFU or step time"
         return row
     raw, row.filled = complete_shape(raw)
-    extras, origin = catalogue_extras(raw.get("model_name", ""))
+    extras, origin = catalogue_extras(raw)
     if extras:  # shape fields no column holds (module docstring)
         row.filled[", ".join(extras)] = origin
     row.raw = raw
-    spec = build_model(raw, raw.get("model_name", f"row{index}"))
+    spec = build_model(raw, f"row{index}")
     if isinstance(spec, str):
         row.reason = spec
         return row
@@ -381,7 +395,7 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
         row.reason = f"layout tp*pp*dp*cp = {tp * pp * dp * cp} != {gpus} GPUs"
         return row
     mbs, gb = _int(raw, "micro_batch"), _int(raw, "global_batch_seqs")
-    key = match_model(raw.get("model_name", ""))
+    key = architecture(raw)
     if gb is None and mbs is None and key is not None and MODELS[key].train_batch:
         gb = MODELS[key].train_batch  # the model's published training batch
         row.filled["global_batch_seqs"] = f"{key} training batch {gb}"
@@ -399,34 +413,37 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
         row.rules.append(f"pipeline splits the local batch of {mbs} into {pp} micro-batches")
         mbs //= pp
     vpp = _int(raw, "vpp") or 1
-    if (rules.interleaved_default and pp > 1 and vpp == 1
-            and "torchtitan" in raw.get("source", "")
-            and "interleaved" in raw.get("model_name", "").lower()):
-        vpp = 2  # torchtitan: 2 stages per rank for a multi-stage schedule without a split
-        row.rules.append("interleaved schedule: 2 stages per rank (torchtitan's default)")
-    year = source_year(raw.get("source", ""))
+    stack = stack_of(raw)
+    schedule = (raw.get("pp_schedule") or "").strip().lower()
+    if (rules.interleaved_default and pp > 1 and vpp == 1 and schedule == "interleaved"
+            and stack and stack.interleaved_vpp):
+        vpp = stack.interleaved_vpp  # the stack's split of a multi-stage schedule
+        row.rules.append(f"interleaved schedule: {vpp} stages per rank ({stack.name}'s "
+                         "default)")
+    year = run_year(raw)
     rc = recompute_mode(raw.get("recompute", ""), rules)
     precision = raw.get("precision", "").lower()
     dtype = "fp8" if ("fp8" in precision or "float8" in precision) else "bf16"
-    text = " ".join(raw.get(k, "") for k in ("model_name", "notes", "recompute")).lower()
-    sp_given = "sequence parallel" in text
+    sp_given = _yes(raw, "sequence_parallel")
     # FlashAttention and sequence parallelism: 2022
     modern = year is None or year > 2022 or not rules.era
-    # llm-foundry's MPT defaults to flash-attn's fused cross-entropy (loss_fn default
-    # 'fused_crossentropy' in llmfoundry/models/mpt/modeling_mpt.py)
-    fused = bool(re.search(r"fused[ _-]?(cross[ _-]?entropy|ce\b|loss)|loss[ _-]fusion", text)
-                 or ("llm-foundry" in raw.get("source", "").lower() and rules.foundry_loss))
+    opts = (workload_options(stack, precision, pipeline_split=rules.p2p_scatter_gather,
+                             loss=rules.stack_loss, grad_reduce=rules.fp32_grad_reduce,
+                             fp8=rules.fp8_stack, fp8_recipe=raw.get("fp8_recipe") or "")
+            if stack else {})
+    loss = (raw.get("loss_kernel") or "").strip().lower() or opts.get("loss", "torch")
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
-                        profile="megatron", flash=modern, loss="fused" if fused else "torch",
+                        profile="megatron", flash=modern, loss=loss,
                         kernels=kernel_family(raw, rules.kernels),
                         p2p_dtype="compute" if rules.p2p_16bit else "fp32",
-                        p2p_split=rules.p2p_scatter_gather and megatron_pipeline(raw),
-                        fp32_grad_reduce=rules.fp32_grad_reduce and fp32_reduce(raw),
-                        grad_accum_pass=rules.fp32_grad_reduce
-                        and "nanotron" in raw.get("source", "").lower())
+                        p2p_split=opts.get("p2p_split", False),
+                        fp32_grad_reduce=opts.get("fp32_grad_reduce", False),
+                        grad_accum_pass=opts.get("grad_accum_pass", False),
+                        fp8_casts=opts.get("fp8_casts", "fused"),
+                        fp8_recipe=opts.get("fp8_recipe", "tensorwise"),
+                        fp8_experts=opts.get("fp8_experts", False))
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
-                        tp_overlap=any(k in text.replace(" ", "")
-                                       for k in ("tp-comm-overlap", "asynctp")),
+                        tp_overlap=_yes(raw, "tp_comm_overlap"),
                         zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), micro_batch=mbs or 1,
                         recompute=rc or "none",
                         pp_schedule="interleaved" if vpp > 1 else "1f1b", pp_virtual=vpp)
@@ -464,12 +481,10 @@ def flops_per_token(row: Row, recompute_counted: bool) -> float:
     """FLOPs per token in the row's convention (see module docstring)."""
     assert row.work
     c, s = row.work.model.config, row.work.seq_len
-    notes = row.raw.get("notes", "")
-    lo_notes = notes.lower()
     n, h, v = c.n_layers, c.dim, c.vocab_size
     if recompute_counted:
         return 96 * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
-    if "72bslh" in lo_notes.replace(" ", ""):
+    if (row.raw.get("flop_convention") or "").strip() == "72Bslh":
         return 72 * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
     return row.work.model.flops_per_token(s)
 
@@ -477,9 +492,7 @@ def flops_per_token(row: Row, recompute_counted: bool) -> float:
 def predicted_metric(row: Row, plan: Plan) -> float:
     assert plan.time and row.work and row.hw
     tps_gpu = plan.time.tokens_per_s / plan.layout.world_size
-    notes = row.raw.get("notes", "").lower().replace(" ", "")
-    hfu = any(k in notes for k in ("96bslh", "incl.recompute", "countsrecompute", "hfu-like",
-                                   "incl.full-recompute"))
+    hfu = (row.raw.get("flop_convention") or "").strip() == "96Bslh"
     if row.metric == "tokens_per_s_per_gpu":
         return tps_gpu
     if row.metric == "step_time_s":
@@ -487,7 +500,8 @@ def predicted_metric(row: Row, plan: Plan) -> float:
     flops = flops_per_token(row, hfu and row.metric == "tflops") * tps_gpu
     if row.metric == "tflops":
         return flops / 1e12
-    peak = row.hw.peak_flops("fp8" if "fp8peak" in notes else "bf16")
+    peak = row.hw.peak_flops("fp8" if (row.raw.get("mfu_peak") or "").strip() == "fp8"
+                             else "bf16")
     return flops / peak
 
 
@@ -640,13 +654,16 @@ def leave_one_source_out(path: Path) -> dict[str, Any]:
     scored = [i for i, e in enumerate(in_sample) if e is not None]
     sources = sorted({source_of(raws[i].get("source", "")) for i in scored})
 
+    groups = row_groups(raws, scored)
+
     def score(candidates: list[Rules]) -> dict[str, Any]:
-        out = []
+        out, held_errors = [], {}
         for src in sources:
             held = [i for i in scored if source_of(raws[i].get("source", "")) == src]
             rest = [i for i in scored if source_of(raws[i].get("source", "")) != src]
             best = max(candidates, key=lambda c, rest=rest: _fitness(errs[c], rest, c))
             e = [errs[best][i] for i in held]
+            held_errors.update({i: errs[best][i] for i in held})
             out.append({"source": src, "rows": len(held), "rules": best.describe(),
                         "in_sample_within_20pct": sum(abs(in_sample[i]) <= TOLERANCE
                                                       for i in held),
@@ -659,10 +676,46 @@ def leave_one_source_out(path: Path) -> dict[str, Any]:
         return {"rows": n, "within_20pct": within, "fraction_within_20pct": within / max(1, n),
                 "within_10pct": sum(r["within_10pct"] for r in out),
                 "in_sample_within_20pct": sum(r["in_sample_within_20pct"] for r in out),
-                "combinations": len(candidates), "sources": out}
+                "combinations": len(candidates), "sources": out,
+                "by": {kind: _grouped(held_errors, {i: g[kind] for i, g in groups.items()})
+                       for kind in GROUPS}}
 
     fixed = [c for c in combos if all(getattr(c, u) for u in UNIVERSAL)]
     return {**score(fixed), "universal_kept": list(UNIVERSAL), "strict": score(combos)}
+
+
+GROUPS = ("precision", "family", "stack")
+
+
+def row_groups(raws: list[dict[str, str]], rows: list[int]) -> dict[int, dict[str, str]]:
+    """Each row's precision (bf16 / fp16 / fp8), model family (GPT-like: GELU MLP; Llama-like:
+    SwiGLU; MoE) and stack, as the planner models it."""
+    out = {}
+    for i in rows:
+        row = build_row(i, raws[i])
+        assert row.work is not None
+        text = raws[i].get("precision", "").lower()
+        precision = row.work.dtype if row.work.dtype == "fp8" else (
+            "fp16" if "fp16" in text else "bf16")
+        c = row.work.model.config
+        family = ("MoE" if c.moe_experts else
+                  "Llama-like (SwiGLU)" if row.work.model.gated_mlp else "GPT-like (GELU)")
+        out[i] = {"precision": precision, "family": family,
+                  "stack": (raws[i].get("stack") or "").strip() or "(not given)"}
+    return out
+
+
+def _grouped(errors: dict[int, float | None], label: dict[int, str]) -> list[dict[str, Any]]:
+    """Held-out errors gathered by ``label``: rows, within 20 % and 10 %, not predicted."""
+    out = []
+    for name in sorted(set(label.values())):
+        e = [errors[i] for i in errors if label[i] == name]
+        ok = [abs(x) for x in e if x is not None]
+        out.append({"group": name, "rows": len(e),
+                    "within_20pct": sum(x <= TOLERANCE for x in ok),
+                    "within_10pct": sum(x <= 0.10 for x in ok),
+                    "median_abs_error": _median(ok), "not_predicted": len(e) - len(ok)})
+    return out
 
 
 def print_loso(loso: dict[str, Any]) -> None:
@@ -683,6 +736,13 @@ def print_loso(loso: dict[str, Any]) -> None:
         print(f"| **all** | **{res['rows']}** | | **{res['in_sample_within_20pct']}** | "
               f"**{res['within_20pct']} ({res['fraction_within_20pct']:.0%})** | "
               f"**{res['within_10pct']}** | |")
+        for kind in GROUPS:
+            print(f"\n| held out, by {kind} | rows | within 20 % | within 10 % | median "
+                  "abs error |")
+            print("|---|---:|---:|---:|---:|")
+            for g in res["by"][kind]:
+                print(f"| {g['group']} | {g['rows']} | {g['within_20pct']} | "
+                      f"{g['within_10pct']} | {g['median_abs_error']:.1%} |")
         print(f"\nleave-one-source-out ({title.split(';')[0]}): {res['within_20pct']}/"
               f"{res['rows']} within 20 % ({res['fraction_within_20pct']:.0%}), "
               f"{res['within_10pct']} within 10 %, over {res['combinations']} rule "

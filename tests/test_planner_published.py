@@ -41,7 +41,7 @@ def _write(path: Path, rows: list[dict[str, str]]) -> None:
 def test_any_csv_json_rows_and_reasons(bench, tmp_path: Path) -> None:  # noqa: ANN001
     gpt = {"model_name": "GPT-1.3B", "params_B": "1.3", "layers": "24", "hidden": "2048",
            "heads": "16", "vocab": "50257", "seq_len": "2048", "num_gpus": "16",
-           "global_batch_seqs": "256", "source": "a test (2024)", "precision": "bf16"}
+           "global_batch_seqs": "256", "source": "a test", "year": "2024", "precision": "bf16"}
     _write(tmp_path / "runs.csv", [
         {**gpt, "hardware": "A100-SXM-80GB", "dp": "16", "micro_batch": "4",
          "reported_tflops_per_gpu": "150"},
@@ -133,10 +133,10 @@ def test_published_shapes_count_their_totals() -> None:
 
 
 def test_blank_fields_are_completed_and_flagged(bench) -> None:  # noqa: ANN001
-    base = {"source": "a test (2025)", "hardware": "H100-80GB", "num_gpus": "8",
+    base = {"source": "a test", "year": "2025", "hardware": "H100-80GB", "num_gpus": "8",
             "reported_mfu_pct": "40", "precision": "bf16"}
-    # the whole shape from the named model, with its source
-    row = bench.build_row(0, {**base, "model_name": "Llama-like 8B (nanotron)", "seq_len": "4096",
+    # the whole shape from the architecture the row names, with its source
+    row = bench.build_row(0, {**base, "architecture": "nanotron-llama-8b", "seq_len": "4096",
                               "dp": "8", "micro_batch": "1", "global_batch_seqs": "64"})
     assert not row.reason
     assert set(row.filled) == {"layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab"}
@@ -151,7 +151,7 @@ def test_blank_fields_are_completed_and_flagged(bench) -> None:  # noqa: ANN001
     assert row.work.model.config.vocab_size == 50257 and row.work.seq_len == 2048
     assert row.filled["vocab"].startswith("default") and row.filled["seq_len"].startswith("default")
     # a model's published training batch when the row gives neither batch nor micro-batch
-    nlg = {**base, "model_name": "MT-NLG 530B", "num_gpus": "2240", "tp": "8", "pp": "35",
+    nlg = {**base, "architecture": "mt-nlg-530b", "num_gpus": "2240", "tp": "8", "pp": "35",
            "dp": "8", "seq_len": "2048", "hardware": "A100-SXM-80GB"}
     row = bench.build_row(2, nlg)
     assert row.work.global_batch == 1920 and "global_batch_seqs" in row.filled
@@ -171,7 +171,7 @@ def test_pipeline_that_cannot_fill_splits_the_local_batch_for_every_source(
     row = {"layers": "16", "hidden": "2048", "heads": "16", "vocab": "50257",
            "seq_len": "2048", "hardware": "H100-80GB", "num_gpus": "16", "tp": "2", "pp": "4",
            "dp": "2", "micro_batch": "8", "global_batch_seqs": "16", "reported_mfu_pct": "40",
-           "source": "Some lab (2024)", "precision": "bf16"}
+           "source": "Some lab", "year": "2024", "precision": "bf16"}
     for rules in (bench.Rules(), bench.Rules(**{t: False for t in bench.TOGGLES})):
         built = bench.build_row(0, row, rules=rules)
         assert built.layout.micro_batch == 2 and built.rules
@@ -183,41 +183,81 @@ def test_pipeline_that_cannot_fill_splits_the_local_batch_for_every_source(
 
 
 def test_framework_rules_read_from_the_row(bench) -> None:  # noqa: ANN001
-    """Which rows the framework rules touch: torchtitan's interleaved default (2 stages per
-    rank when the split is not given), Megatron's pipeline scatter/gather, the fp32 gradient
-    reduction (Megatron bf16, nanotron, torchtitan; not Megatron fp16, not llm-foundry) and
-    nanotron's separate accumulation pass; every rule off restores meshlm's own behaviour."""
+    """Which rows the stack rules touch (``meshlm.planner.stacks``, by the ``stack`` column):
+    torchtitan's interleaved default (2 stages per rank when the split is not given),
+    Megatron's pipeline scatter/gather, the fp32 gradient reduction (Megatron bf16, nanotron,
+    torchtitan; not Megatron fp16, not llm-foundry) and nanotron's separate accumulation pass,
+    llm-foundry's fused loss; every rule off restores meshlm's own behaviour."""
     gpt = {"layers": "16", "hidden": "2048", "heads": "16", "vocab": "50257",
            "seq_len": "2048", "hardware": "H100-80GB", "num_gpus": "16", "tp": "2", "pp": "4",
            "dp": "2", "micro_batch": "1", "global_batch_seqs": "64", "reported_mfu_pct": "40"}
-    titan = {**gpt, "source": "pytorch/torchtitan benchmarks (2024-12)", "precision": "bf16",
-             "model_name": "X [Interleaved 1F1B, compile]"}
+    titan = {**gpt, "stack": "torchtitan-compile", "year": "2024", "precision": "bf16",
+             "pp_schedule": "interleaved"}
     row = bench.build_row(0, titan)
     assert (row.layout.pp_schedule, row.layout.pp_virtual) == ("interleaved", 2)
     assert row.work.fp32_grad_reduce and not row.work.grad_accum_pass
     assert row.work.p2p_dtype == "compute" and not row.work.p2p_split
     assert bench.build_row(0, {**titan, "vpp": "4"}).layout.pp_virtual == 4
-    assert bench.build_row(0, {**titan, "model_name": "X [1F1B]"}).layout.pp_virtual == 1
+    assert bench.build_row(0, {**titan, "pp_schedule": "1f1b"}).layout.pp_virtual == 1
+    assert bench.build_row(0, {**titan, "stack": "nanotron"}).layout.pp_virtual == 1
     off = bench.Rules(interleaved_default=False, p2p_16bit=False, fp32_grad_reduce=False)
     row = bench.build_row(0, titan, rules=off)
     assert row.layout.pp_virtual == 1 and row.work.p2p_dtype == "fp32"
     assert not row.work.fp32_grad_reduce
-    mega = {**gpt, "source": "Narayanan et al. 2021 (Megatron-LM)", "model_name": "GPT",
-            "precision": "fp16 mixed"}
+    mega = {**gpt, "stack": "megatron", "year": "2021", "precision": "fp16 mixed"}
     row = bench.build_row(0, mega)
     assert row.work.p2p_split and not row.work.fp32_grad_reduce  # fp16 reduces in fp16
     assert bench.build_row(0, {**mega, "precision": "bf16"}).work.fp32_grad_reduce
     assert not bench.build_row(0, mega, rules=bench.Rules(p2p_scatter_gather=False)
                                ).work.p2p_split
-    nlg = {**mega, "source": "Smith et al. 2022 'Using DeepSpeed and Megatron to Train MT-NLG'"}
+    nlg = {**mega, "stack": "megatron-deepspeed"}
     assert not bench.build_row(0, nlg).work.p2p_split  # DeepSpeed's pipeline engine
-    nano = {**gpt, "source": "HF nanotron 'The Ultra-Scale Playbook' (2025)",
-            "model_name": "Llama-like 1B (nanotron)"}
+    nano = {**gpt, "stack": "nanotron", "year": "2025"}
     row = bench.build_row(0, nano)
     assert row.work.fp32_grad_reduce and row.work.grad_accum_pass and not row.work.p2p_split
-    foundry = {**gpt, "source": "mosaicml/llm-foundry README", "model_name": "MPT",
-               "precision": "amp_bf16"}
-    assert not bench.build_row(0, foundry).work.fp32_grad_reduce
+    foundry = {**gpt, "stack": "llm-foundry", "precision": "amp_bf16"}
+    row = bench.build_row(0, foundry)
+    assert not row.work.fp32_grad_reduce and row.work.loss == "fused"
+    assert bench.build_row(0, foundry, rules=bench.Rules(stack_loss=False)).work.loss == "torch"
+    assert bench.build_row(0, {**foundry, "loss_kernel": "torch"}).work.loss == "torch"
+    # the kernel family by stack ("family"), or one for every row
+    fam = bench.Rules(kernels="family")
+    assert bench.build_row(0, mega, rules=fam).work.kernels == "fused"
+    assert bench.build_row(0, {**titan, "stack": "torchtitan"}, rules=fam).work.kernels == "eager"
+    assert bench.build_row(0, mega).work.kernels == "eager"  # the default: eager everywhere
+    with pytest.raises(ValueError, match="stack 'megatron-xl' is not one of"):
+        bench.build_row(0, {**gpt, "stack": "megatron-xl"})
+
+
+def test_no_rule_reads_the_source_or_the_model_name(bench) -> None:  # noqa: ANN001
+    """Every rule is a property of the run stated in its columns: with the source, the model
+    name, the table reference and the notes of every shipped row replaced by text that names
+    nothing, every row is the same question -- model, workload, layout, hardware, the knobs
+    the planner completes, the metric and its value -- and the same predicted figure for a
+    plan (the FLOP convention and the MFU's peak are columns too)."""
+    with SHIPPED.open(newline="") as f:
+        raws = list(csv.DictReader(f))
+    names = ("source", "table_ref", "model_name", "notes")
+    keyed = 0
+    for i, raw in enumerate(raws):
+        blind = {**raw, **{k: f"run {i} of an unknown publisher" for k in names}}
+        a, b = bench.build_row(i, raw), bench.build_row(i, blind)
+        assert a.reason == b.reason, i
+        if a.reason:
+            continue
+        assert (a.work, a.layout, a.hw, a.free, a.metric, a.reported, a.rules) == (
+            b.work, b.layout, b.hw, b.free, b.metric, b.reported, b.rules), i
+        assert set(a.filled) == set(b.filled), i
+        plan = bench.evaluate(a.work, a.layout, a.hw, a.layout.world_size)
+        if plan.time:
+            assert bench.predicted_metric(a, plan) == bench.predicted_metric(b, plan), i
+        keyed += bool(raw.get("stack"))
+    assert keyed >= 95  # the shipped rows state their stack
+    # and the names the old rules read are gone from the script's rules
+    text = (ROOT / "benchmarks" / "planner_vs_published.py").read_text()
+    for needle in ('"torchtitan" in', '"nanotron" in', '"llm-foundry" in', '"megatron" in',
+                   "match_model("):
+        assert needle not in text, needle
 
 
 def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
@@ -232,11 +272,12 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
            "global_batch_seqs": "256"}
     capped = {**gpt, "hardware": "H100 SXM @350W", "num_gpus": "16", "tp": "2", "dp": "8",
               "micro_batch": "4"}
-    raws = [{**capped, "source": "alpha (2024)"}, {**capped, "source": "beta (2024)"},
+    raws = [{**capped, "source": "alpha", "year": "2024"},
+            {**capped, "source": "beta", "year": "2024"},
             {**gpt, "hardware": "A100-SXM-80GB", "num_gpus": "8", "dp": "8",
-             "micro_batch": "8", "source": "mosaicml/llm-foundry README"},
+             "micro_batch": "8", "source": "mosaicml/llm-foundry README", "stack": "llm-foundry"},
             {**gpt, "hardware": "A100-SXM-80GB", "num_gpus": "8", "dp": "8",
-             "micro_batch": "8", "source": "gamma (2021)"}]
+             "micro_batch": "8", "source": "gamma", "year": "2021"}]
 
     def tokens(raw: dict[str, str], rules) -> float:  # noqa: ANN001
         row = bench.build_row(0, {**raw, "reported_tokens_per_sec_per_gpu": "1"}, rules=rules)
@@ -247,7 +288,7 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
         r["reported_tokens_per_sec_per_gpu"] = f"{tokens(r, on):.6f}"
     uncapped = tokens(raws[0], bench.Rules(power_cap=False))
     assert uncapped / tokens(raws[0], on) - 1 > 0.2  # the cap matters beyond the tolerance
-    torch_loss = tokens(raws[2], bench.Rules(foundry_loss=False))
+    torch_loss = tokens(raws[2], bench.Rules(stack_loss=False))
     flash_2021 = tokens(raws[3], bench.Rules(era=False))
     _write(tmp_path / "runs.csv", raws)
     loso = bench.leave_one_source_out(tmp_path / "runs.csv")
@@ -258,7 +299,7 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
         assert by[name]["within_20pct"] == 1
         assert abs(by[name]["errors"][0]) < 1e-5
     foundry = by["mosaicml/llm-foundry README"]
-    assert "foundry_loss" in foundry["rules"].split("off: ")[1]
+    assert "stack_loss" in foundry["rules"].split("off: ")[1]
     expected = torch_loss / float(raws[2]["reported_tokens_per_sec_per_gpu"]) - 1
     assert abs(expected) > 1e-3  # the fused loss changes the prediction: the rule was off
     assert foundry["errors"][0] == pytest.approx(expected, rel=1e-6)

@@ -44,6 +44,22 @@ adds its gradient into the fp32 one (read 4 + 4, write 4): :data:`CAST_BYTES` pe
 Weight-only ops are left out of the traffic ratio above (they do not grow with the tokens),
 so they are counted here.
 
+**Float8 as a stack runs it** (the planner's ``megatron`` profile, ``planner/stacks.py``): the
+linears' GEMMs at the accelerator's float8 rate; the LM head, the router, attention's scores
+and MTP's projections in the rest dtype (no published stack runs them in float8: Transformer
+Engine's Megatron output layer is not a TE module, torchao's converter skips ``output``,
+DeepSeek-V3 keeps the head, the gating and attention in BF16, its sec. 3.3.1); the routed
+experts in float8 where the stack's grouped linears are (Transformer Engine, DeepSeek-V3).
+The casts move :data:`FP8_CAST_TRAFFIC` bytes per element of each cast operand beyond the
+GEMMs (:meth:`PrecisionCost.cast_traffic`): none where they are fused into the kernels that
+produce the operand (Transformer Engine's ``LayerNormLinear`` and fused cast-transpose,
+Inductor under torch.compile); as separate kernels (torchao eager) an amax pass (read),
+the scaled cast (read, write one byte) and, for the transposed operand the other GEMM reads,
+a transposed copy (read and write one byte) -- tensorwise scaling casts each operand once;
+rowwise and blockwise scaling cast it once per orientation (a scale per row or block of the
+orientation the GEMM reduces over), so twice. Weights are cast from their 16-bit copy each
+micro-batch.
+
 **MFU peak**: the accelerator's datasheet peak the MFU is counted against -- fp32's for fp32,
 the 16-bit one otherwise, fp8 runs too (as torchtitan reports them).
 
@@ -65,6 +81,13 @@ from .named import Registry
 FP8_CAST = 4 + 4 + 1
 # bytes per parameter of the weight casts under fp32 states (module docstring)
 CAST_BYTES = {"forward": 6.0, "backward": 6.0, "accumulate": 12.0}
+# float8 casts' traffic beyond the GEMMs, bytes per element of a cast operand whose source has
+# ``a`` bytes per value (module docstring): "fused" none; "separate" per scaling granularity:
+# tensorwise amax read (a) + cast read and write (a + 1) + transposed copy (1 + 1); rowwise /
+# blockwise one amax and cast per orientation, 2 (2a + 1)
+FP8_CAST_TRAFFIC = {"fused": {}, "separate": {"tensorwise": (2, 3), "rowwise": (4, 2),
+                                              "blockwise": (4, 2)}}
+FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
 # bytes moved by memory-bound ops per byte meshlm's block saves, by compute dtype (counted;
 # module docstring)
 C_TRAFFIC = {"fp32": 7.6, "bf16": 11.0, "fp16": 11.0}  # fp16: bf16's casts
@@ -160,6 +183,23 @@ class PrecisionCost:
         return (m * (forwards * CAST_BYTES["forward"] + CAST_BYTES["backward"])
                 + (m - 1) * CAST_BYTES["accumulate"])
 
+    def cast_traffic(self, casts: str, scaling: str, m: float, k: float, n: float,
+                     weights: float = 1, weight_bytes: float = 2) -> float:
+        """Bytes the float8 casts of one linear move in its forward + backward beyond the GEMMs
+        (``m`` tokens, ``k`` input and ``n`` output features; :data:`FP8_CAST_TRAFFIC`): the
+        input ``x`` and the output gradient ``dy`` from the rest dtype, ``weights`` k x n
+        weights (a MoE layer's local experts, whose rows share the ``m`` tokens) from
+        ``weight_bytes`` per value; 0 when the linears are not float8 or the casts fused."""
+        if not self.float8_linears or casts not in FP8_CAST_TRAFFIC:
+            return 0.0
+        per = FP8_CAST_TRAFFIC[casts].get(scaling)
+        if per is None:
+            return 0.0
+        reads, writes = per
+        a = self.act_bytes
+        return ((reads * a + writes) * (m * k + m * n)
+                + (reads * weight_bytes + writes) * weights * k * n)
+
     def cast_peak(self, m: float, k: float, n: float) -> float:
         """Peak bytes one decoder-block linear's float8 casts allocate in its forward or its
         backward (``m`` tokens, ``k`` input and ``n`` output features), outputs included
@@ -215,6 +255,7 @@ PRECISION.register(PrecisionCost(
     "fp8", "decoder-block linears in float8 with dynamic scales, the rest in "
     "precision.fp8_rest", "fp8", None, "bf16", float8_linears=True, recipes=FP8_RECIPES))
 
-__all__ = ["CAST_BYTES", "COMPUTE", "C_TRAFFIC", "FP8_CAST", "PRECISION",
+__all__ = ["CAST_BYTES", "COMPUTE", "C_TRAFFIC", "FP8_CAST", "FP8_CAST_TRAFFIC", "FP8_SCALINGS",
+           "PRECISION",
            "STATE_MODES", "ComputeDtype", "PrecisionCost", "Registry", "StatesCost",
            "fp8_linear_peak", "value_bytes"]

@@ -267,11 +267,15 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
 
 def other_dtype(work: Workload) -> str:
     """The dtype of the matmuls outside the decoder-block linears (the LM head, the router,
-    the routed experts, materialised attention scores): the precision's compute dtype in
-    meshlm; the linears' for the ``megatron`` profile, whose frameworks may run them in float8
-    too (``precision_cost.py``)."""
-    precision = work.precision
-    return precision.compute.name if work.profile == "meshlm" else precision.linears
+    materialised attention scores, MTP's projections): the precision's compute dtype
+    (``precision_cost.py``: no stack runs them in float8)."""
+    return work.precision.compute.name
+
+
+def expert_dtype(work: Workload) -> str:
+    """The dtype of a MoE layer's routed experts: the linears' (float8) where the workload's
+    stack runs them so (``Workload.fp8_experts``), else the compute dtype."""
+    return work.precision.linears if work.fp8_experts else other_dtype(work)
 
 
 def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
@@ -302,15 +306,22 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     proj = projection_cost(c)  # the attention layer's projections (models/attention_cost.py)
     widths = proj.widths(c)
     g_rate, o_rate = rates.gemm[work.precision.linears], rates.gemm[other_dtype(work)]
+    e_rate = rates.gemm[expert_dtype(work)]
     lin = proj.linears(c, t)
+    casts = 0.0  # float8 casts' traffic (precision_cost.py)
     if moe:
         routed = tokens * c.moe_topk  # balanced router: each rank computes this many rows
         fe = c.expert_hidden
         # each local expert's rows by its own weights (models/moe_cost.py: the kernel family)
         kernel = EXPERT_KERNELS[work.experts]
         n_gemms, rows = kernel.gemms(routed, c.moe_experts / lo.ep)
-        gemm = (n_gemms * 3 * _gemm(rows, h, fe, a, o_rate * kernel.efficiency, rates)
+        gemm = (n_gemms * 3 * _gemm(rows, h, fe, a, e_rate * kernel.efficiency, rates)
                 + _gemm(tokens, h, c.moe_experts, a, o_rate, rates))
+        if work.fp8_experts:
+            local = c.moe_experts / lo.ep
+            casts += sum(work.precision.cast_traffic(work.fp8_casts, work.fp8_recipe, routed,
+                                                     k, n, weights=local)
+                         for k, n in ((h, fe), (h, fe), (fe, h)))
         shared = [(h, fe * c.moe_shared_experts / t)] * 2 + [(fe * c.moe_shared_experts / t,
                                                               h)]
         lin += shared if c.moe_shared_experts else []
@@ -320,6 +331,8 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         gemm = 0.0
     per_linear = [_gemm(tokens, k, n, a, g_rate, rates) for k, n in lin]
     gemm += sum(per_linear)
+    casts += sum(work.precision.cast_traffic(work.fp8_casts, work.fp8_recipe, tokens, k, n)
+                 for k, n in lin)
     # Causal attention over the whole sequence: queries of this rank's s/cp tokens. Flash
     # kernels compute the kernel's share of the scores (models/attention_spec.py: the causal
     # half; all of them under a boolean mask; the unmasked tiles of a block-sparse kernel);
@@ -351,7 +364,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
         traffic = work.precision.traffic * eager_saved(work, lo, moe)
         # one kernel per op reaches less of the line rate than fused kernels (hardware.py)
         bw = rates.bandwidth(tensor) * rates.eager_scale
-    elem = (traffic + copies) / bw
+    elem = (traffic + copies + casts) / bw
     out = {"gemm": gemm, "attention": 3 * attn_fwd, "memory-bound": elem}
     redo = RECOMPUTE[lo.recompute].compute(gemm, per_linear, attn_fwd, elem, moe, work.flash)
     if redo is not None:

@@ -25,7 +25,14 @@ from ..models.attention_spec import AttentionSpec, spec
 from ..models.config import ModelConfig
 from ..models.moe_cost import EXPERT_KERNELS
 from ..models.presets import PRESETS
-from ..precision_cost import PRECISION, STATE_MODES, PrecisionCost, StatesCost
+from ..precision_cost import (
+    FP8_CAST_TRAFFIC,
+    FP8_SCALINGS,
+    PRECISION,
+    STATE_MODES,
+    PrecisionCost,
+    StatesCost,
+)
 
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = PRECISIONS
@@ -135,6 +142,16 @@ class Workload:
     # dtype="fp8": what runs outside the decoder-block linears (precision.fp8_rest): bf16
     # autocast, or fp32 (no autocast: 4-byte activations, no weight copies)
     fp8_rest: str = "bf16"
+    # dtype="fp8", as a stack runs it (precision_cost.py, planner/stacks.py): the float8 casts
+    # "fused" into the kernels that produce each GEMM operand (Transformer Engine,
+    # torch.compile: no traffic of their own) or "separate" kernels (torchao eager: an amax
+    # pass, the scaled cast, a transposed copy); the scaling granularity (tensorwise: one
+    # scale per tensor, delayed or current; rowwise / blockwise: one per row or block, each
+    # operand cast once per GEMM orientation); whether a MoE layer's routed experts run in
+    # float8 (Transformer Engine's grouped linears, DeepSeek-V3) or in the rest dtype
+    fp8_casts: str = "fused"
+    fp8_recipe: str = "tensorwise"
+    fp8_experts: bool = False
     # document masking (data.doc_mask): the mean document length in tokens (0: no masking);
     # the attention kernel and the sliding window are the model's (model.attention, its
     # description in models/attention_spec.py; model.sliding_window)
@@ -201,6 +218,12 @@ class Workload:
                        f"{', '.join(OPTIMIZER_KERNELS)}")
         if self.fp8_rest not in FP8_REST:
             out.append(f"fp8_rest {self.fp8_rest!r} is not one of {', '.join(FP8_REST)}")
+        if self.fp8_casts not in FP8_CAST_TRAFFIC:
+            out.append(f"fp8_casts {self.fp8_casts!r} is not one of "
+                       f"{', '.join(FP8_CAST_TRAFFIC)}")
+        if self.fp8_recipe not in FP8_SCALINGS:
+            out.append(f"fp8_recipe {self.fp8_recipe!r} is not one of "
+                       f"{', '.join(FP8_SCALINGS)}")
         if self.experts not in EXPERT_KERNELS:
             out.append(f"experts {self.experts!r} is not one of {', '.join(EXPERT_KERNELS)}")
         if self.doc_len < 0:

@@ -1,0 +1,126 @@
+"""Software stacks as the planner sees them: the kernel family and framework defaults of a run,
+named by the ``stack`` column of ``benchmarks/data/published_runs.csv``.
+
+A published run's throughput depends on the software that ran it as much as on its layout:
+whether the memory-bound kernels are fused, in which dtype gradients are reduced, how the
+pipeline sends its boundary activations, how float8 casts run. Each of these is a property of
+the stack, stated once here and read from the row's ``stack`` value -- never from who published
+the run -- so a run from a publisher the planner has never seen is modelled by what it ran.
+:func:`workload_options` turns a stack into the planner's ``Workload`` fields.
+
+Stacks (the CSV's values):
+
+- ``megatron``: Megatron-LM before Transformer Engine (2019-2023): apex / custom fused
+  kernels, the pipeline's scatter/gather of boundary activations under tp, gradients reduced
+  in fp32 for bf16 (``accumulate_allreduce_grads_in_fp32``, forced for bf16) and in fp16 for
+  fp16 runs, gradient accumulation fused into the weight-gradient GEMM.
+- ``megatron-te``: Megatron-Core, NeMo or Megatron-LM with Transformer Engine (2023 on): as
+  ``megatron``, and float8 casts fused into the norm / activation kernels that produce the
+  GEMM inputs (``LayerNormLinear``, fused cast-transpose), amax kept by the kernels, the
+  routed experts' grouped linears in float8 too.
+- ``megatron-deepspeed``: Megatron's tensor parallelism under DeepSpeed's engine (MT-NLG,
+  BLOOM): fused kernels, DeepSpeed's pipeline engine (whole activations between stages),
+  gradients reduced in the 16-bit dtype.
+- ``deepspeed``: DeepSpeed ZeRO over a Hugging Face model: eager kernels, 16-bit reduction.
+- ``torchtitan``: eager PyTorch, FSDP2 with ``reduce_dtype`` float32, a multi-stage pipeline
+  schedule whose split is not given runs 2 stages per rank (``generate_split_points``),
+  torchao float8 casts as separate kernels (an amax reduction, then the scaled cast).
+- ``torchtitan-compile``: the same under ``torch.compile``: memory-bound kernels and the
+  float8 casts fused by Inductor.
+- ``nanotron``: flash-attn's fused RMSNorm and rotary kernels, gradients accumulated and
+  reduced in fp32 (``FP32GradientAccumulator``: its own pass per micro-batch).
+- ``llm-foundry``: MosaicML's MPT blocks in eager PyTorch with flash-attn's fused
+  cross-entropy as the default loss; float8 through Transformer Engine (fused casts).
+- ``meshlm``: this framework (the planner's own ``meshlm`` profile is more exact: use it).
+- ``in-house``: a stack that is not published (Meta's Llama 3 training, DeepSeek's HAI-LLM):
+  modelled as an optimised one -- fused kernels, fp32 gradient reduction, fused float8 casts,
+  float8 experts (DeepSeek-V3's, sec. 3.3).
+- ``gpt-neox``: EleutherAI's Megatron-DeepSpeed derivative: as ``megatron-deepspeed``.
+
+No communication, no memory: a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..named import Registry
+
+FP8_CASTS = ("fused", "separate")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One software stack's kernel family and defaults (module docstring)."""
+
+    name: str
+    doc: str
+    kernels: str  # memory-bound kernels: "fused" | "eager" (Workload.kernels)
+    p2p_split: bool  # Megatron's scatter/gather of pipeline boundary activations under tp
+    grad_reduce: str  # dp gradient reduction of 16-bit training: "fp32" | "16bit" | "bf16-fp32"
+    grad_accum_pass: bool = False  # fp32 accumulation as its own pass per micro-batch
+    loss: str = "torch"  # default loss kernel: "torch" | "fused"
+    interleaved_vpp: int = 0  # stages per rank of an interleaved schedule without a split
+    fp8_casts: str = "fused"  # float8 casts: "fused" into producers | "separate" kernels
+    fp8_experts: bool = False  # a MoE layer's routed experts in float8 under an FP8 run
+
+    def fp32_grad_reduce(self, precision: str) -> bool:
+        """Whether 16-bit training's gradients go over the wire in fp32 (``precision`` is the
+        run's precision text: Megatron reduces fp16 runs' gradients in fp16)."""
+        if self.grad_reduce == "bf16-fp32":
+            return "fp16" not in precision.lower()
+        return self.grad_reduce == "fp32"
+
+
+STACKS: Registry[Stack] = Registry("stack")
+for _stack in (
+    Stack("megatron", "Megatron-LM before Transformer Engine", "fused", True, "bf16-fp32"),
+    Stack("megatron-te", "Megatron-Core / NeMo with Transformer Engine", "fused", True,
+          "bf16-fp32", fp8_experts=True),
+    Stack("megatron-deepspeed", "Megatron's tensor parallelism under DeepSpeed", "fused", False,
+          "16bit"),
+    Stack("gpt-neox", "EleutherAI's GPT-NeoX (Megatron-DeepSpeed)", "fused", False, "16bit"),
+    Stack("deepspeed", "DeepSpeed ZeRO over an eager model", "eager", False, "16bit",
+          fp8_casts="separate"),
+    Stack("torchtitan", "torchtitan, eager", "eager", False, "fp32", interleaved_vpp=2,
+          fp8_casts="separate"),
+    Stack("torchtitan-compile", "torchtitan under torch.compile", "fused", False, "fp32",
+          interleaved_vpp=2),
+    Stack("nanotron", "nanotron", "fused", False, "fp32", grad_accum_pass=True),
+    Stack("llm-foundry", "MosaicML llm-foundry (MPT)", "eager", False, "16bit", loss="fused"),
+    Stack("meshlm", "meshlm", "eager", False, "fp32", fp8_casts="separate"),
+    Stack("in-house", "an unpublished, optimised stack", "fused", False, "fp32",
+          fp8_experts=True),
+):
+    STACKS.register(_stack)
+
+
+# the CSV's ``fp8_recipe`` values -> the planner's scaling granularity (Workload.fp8_recipe):
+# delayed and current scaling are both one scale per tensor; MX blocks are blocks
+FP8_RECIPE_SCALING = {"delayed": "tensorwise", "current": "tensorwise",
+                      "tensorwise": "tensorwise", "rowwise": "rowwise",
+                      "blockwise": "blockwise", "mxfp8": "blockwise"}
+
+
+def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
+                     loss: bool = True, grad_reduce: bool = True, fp8: bool = True,
+                     fp8_recipe: str = "") -> dict[str, Any]:
+    """The planner ``Workload`` fields a run on ``stack`` implies (``precision`` the run's
+    precision text, ``fp8_recipe`` its scaling, one of :data:`FP8_RECIPE_SCALING` or blank);
+    each switch off leaves its fields at the planner's generic default (the published-runs
+    validation turns them off one by one)."""
+    recipe = fp8_recipe.strip().lower()
+    if recipe and recipe not in FP8_RECIPE_SCALING:
+        raise ValueError(f"fp8_recipe {recipe!r} is not one of {', '.join(FP8_RECIPE_SCALING)}")
+    return {"kernels": stack.kernels,
+            "fp8_casts": stack.fp8_casts if fp8 else "fused",
+            "fp8_recipe": FP8_RECIPE_SCALING.get(recipe, "tensorwise") if fp8 else "tensorwise",
+            "fp8_experts": fp8 and stack.fp8_experts,
+            "p2p_split": pipeline_split and stack.p2p_split,
+            "loss": stack.loss if loss else "torch",
+            "fp32_grad_reduce": grad_reduce and stack.fp32_grad_reduce(precision),
+            "grad_accum_pass": grad_reduce and stack.grad_accum_pass}
+
+
+__all__ = ["FP8_CASTS", "FP8_RECIPE_SCALING", "STACKS", "Stack", "workload_options"]

@@ -1,0 +1,99 @@
+"""Software stacks (``meshlm.planner.stacks``) and FP8 as the stacks run it
+(``precision_cost.PrecisionCost.cast_traffic``, ``Workload.fp8_*``): torch-free arithmetic.
+
+Communication: none. Memory: none to speak of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshlm.layout import Layout
+from meshlm.models.presets import PRESETS
+from meshlm.planner import ModelSpec, Workload
+from meshlm.planner.hardware import CATALOGUE
+from meshlm.planner.stacks import FP8_CASTS, FP8_RECIPE_SCALING, STACKS, workload_options
+from meshlm.planner.timing import head_compute, layer_compute, step_time
+from meshlm.precision_cost import PRECISION
+
+H100 = CATALOGUE["h100-sxm"]
+LO = Layout(dp=8, zero=1, micro_batch=1)
+
+
+def _work(cfg=PRESETS["llama3-8b"], **kw) -> Workload:  # noqa: ANN001
+    return Workload(ModelSpec(cfg), 8192, 64, states="mixed", profile="megatron", **kw)
+
+
+def test_every_stack_is_stated_and_named_values_are_checked() -> None:
+    assert {"megatron", "megatron-te", "torchtitan", "torchtitan-compile", "nanotron",
+            "llm-foundry", "meshlm", "in-house"} <= set(STACKS)
+    for stack in STACKS.values():
+        assert stack.doc and stack.kernels in ("eager", "fused")
+        assert stack.fp8_casts in FP8_CASTS
+        opts = workload_options(stack, "bf16")
+        assert not _work(**opts).problems()
+    with pytest.raises(ValueError, match="stack 'jax' is not one of"):
+        STACKS["jax"]
+    with pytest.raises(ValueError, match="fp8_recipe 'per-channel' is not one of"):
+        workload_options(STACKS["torchtitan"], "fp8", fp8_recipe="per-channel")
+    assert _work(fp8_casts="sometimes").problems() and _work(fp8_recipe="mx").problems()
+    # Megatron reduces bf16 gradients in fp32 and fp16 ones in fp16; torchtitan always fp32
+    assert workload_options(STACKS["megatron"], "bf16 mixed")["fp32_grad_reduce"]
+    assert not workload_options(STACKS["megatron"], "fp16 mixed")["fp32_grad_reduce"]
+    assert workload_options(STACKS["torchtitan"], "fp16")["fp32_grad_reduce"]
+    assert workload_options(STACKS["torchtitan"], "fp8", fp8_recipe="rowwise")[
+        "fp8_recipe"] == "rowwise"
+    assert set(FP8_RECIPE_SCALING.values()) <= {"tensorwise", "rowwise", "blockwise"}
+
+
+def test_cast_traffic_counts_each_operand_by_how_the_casts_run() -> None:
+    """Separate cast kernels, tensorwise: per element of x (m x k) and dy (m x n) an amax read
+    (2 bytes), the cast (read 2, write 1) and the transposed copy (read 1, write 1) = 7; the
+    16-bit weight likewise 7 per element; rowwise / blockwise cast each operand once per
+    orientation: 2 x (2 + 2 + 1) = 10. Fused casts move nothing of their own; bf16 has no
+    casts."""
+    fp8 = PRECISION["fp8"].with_rest("bf16")
+    m, k, n = 8192.0, 4096.0, 14336.0
+    assert fp8.cast_traffic("separate", "tensorwise", m, k, n) == 7 * (m * k + m * n + k * n)
+    assert fp8.cast_traffic("separate", "rowwise", m, k, n) == 10 * (m * k + m * n + k * n)
+    assert fp8.cast_traffic("separate", "blockwise", m, k, n, weights=4) == (
+        10 * (m * k + m * n) + 10 * 4 * k * n)
+    assert fp8.cast_traffic("fused", "tensorwise", m, k, n) == 0
+    assert PRECISION["bf16"].cast_traffic("separate", "tensorwise", m, k, n) == 0
+
+
+def test_separate_casts_add_their_traffic_to_the_memory_bound_time() -> None:
+    rates = H100.rates()
+    fused = _work(dtype="fp8")
+    separate = dataclasses.replace(fused, fp8_casts="separate")
+    a = layer_compute(fused, LO, H100, rates, False)
+    b = layer_compute(separate, LO, H100, rates, False)
+    assert a["gemm"] == b["gemm"]
+    cfg = PRESETS["llama3-8b"]
+    h, f, kv = cfg.dim, cfg.ffn_hidden, cfg.n_kv_heads * cfg.dim // cfg.n_heads
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    traffic = sum(fused.precision.cast_traffic("separate", "tensorwise", 8192, k, n)
+                  for k, n in linears)
+    bw = rates.bandwidth(8192 * h * 2) * rates.eager_scale  # eager kernels (the default)
+    assert b["memory-bound"] - a["memory-bound"] == pytest.approx(traffic / bw, rel=1e-9)
+    assert step_time(separate, LO, H100).step > step_time(fused, LO, H100).step
+
+
+def test_what_stays_in_16_bit_under_fp8() -> None:
+    """The head runs in the rest dtype for every stack; a MoE layer's routed experts run in
+    float8 only where the stack's grouped linears do (fp8_experts), faster there."""
+    rates = H100.rates()
+    bf16, fp8 = _work(dtype="bf16"), _work(dtype="fp8")
+    head = [head_compute(w, LO, H100, rates, False, True)["head gemm"] for w in (bf16, fp8)]
+    assert head[0] == head[1]
+    moe = PRESETS["mixtral-8x7b"]
+    lo = Layout(dp=8, ep=8, zero=1, micro_batch=1)
+    plain = _work(moe, dtype="fp8")
+    grouped = dataclasses.replace(plain, fp8_experts=True)
+    g = [layer_compute(w, lo, H100, rates, True)["gemm"] for w in (plain, grouped)]
+    assert g[1] < 0.8 * g[0]
+    bf16_moe = layer_compute(_work(moe, dtype="bf16"), lo, H100, rates, True)["gemm"]
+    dense_part = layer_compute(plain, lo, H100, rates, True)["gemm"]
+    assert dense_part < bf16_moe  # attention's linears in float8 even with 16-bit experts
