@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated implementations to run "
                     "(default: all)")
     a = ap.parse_args()
+    if a.steps < 3:  # the first two steps are warm-up: the time is the median of steps 3..N
+        ap.error(f"--steps {a.steps}: at least 3 (steps 1-2 are warm-up)")
     args = vars(a)
     build_data(config(args, "meshlm-1f1b", "unused").data)
     impls = list(IMPLS)

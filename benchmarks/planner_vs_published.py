@@ -39,8 +39,9 @@ holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_over
   ``sequence_parallel`` and ``tp_comm_overlap`` columns say yes. A blank global batch with
   pp = 1 is one micro-batch per replica (torchtitan's convention). A blank micro-batch size or recomputation
   is the one the planner itself finds fastest among those that fit -- as the source would have
-  tuned it -- and so is sequence parallelism when tp > 1 and the row does not mention it;
-  such rows are marked ``completed``.
+  tuned it -- and so is sequence parallelism when tp > 1 and the row does not mention it,
+  and the split of an interleaved schedule (stages per rank) that neither the row nor its
+  stack gives; such rows are marked ``completed``.
 - software era: techniques are not assumed before they existed. Rows whose ``year`` is 2022
   or earlier materialise attention scores (FlashAttention appeared in May 2022) and use sequence
   parallelism only where they say so (it was introduced in 2022); later rows get flash
@@ -154,11 +155,14 @@ class Rules:
       nanotron's accumulator also adds each micro-batch's gradient into its fp32 buffer in a
       pass of its own (``FP32GradientAccumulator``; Megatron fuses the accumulation into the
       weight-gradient GEMM) (off: gradients reduced in the 16-bit dtype of the states, and
-      no accumulation pass);
-    - ``fp8_stack``: an FP8 run's casts and experts as its stack runs them -- separate cast
-      kernels in torchao eager, fused in Transformer Engine and under torch.compile; routed
-      experts in float8 with Transformer Engine's grouped linears and DeepSeek-V3's -- and its
-      ``fp8_recipe``'s scaling granularity (off: casts fused, experts in 16-bit, tensorwise).
+      no accumulation pass).
+
+    Not switches: an FP8 run's casts and experts as its stack runs them (separate cast kernels
+    in torchao eager, fused in Transformer Engine and under torch.compile; routed experts in
+    float8 with Transformer Engine's grouped linears and DeepSeek-V3's) and its
+    ``fp8_recipe``'s scaling granularity -- counted kernel traffic, the same for every stack
+    (``precision_cost.py``), not adopted from any row's miss; and a DualPipe schedule's
+    overlapped all-to-alls (:data:`OVERLAPPED_SCHEDULES`), the schedule's documented point.
     """
 
     kernels: str = "eager"
@@ -171,7 +175,6 @@ class Rules:
     p2p_16bit: bool = True
     p2p_scatter_gather: bool = True
     fp32_grad_reduce: bool = True
-    fp8_stack: bool = True
 
     def describe(self) -> str:
         off = [f.name for f in fields(self) if f.name != "kernels" and not getattr(self, f.name)]
@@ -325,6 +328,12 @@ def recompute_mode(text: str, rules: Rules = Rules()) -> str | None:
     return "none"
 
 
+# pipeline schedules whose point is to overlap one micro-batch's expert all-to-alls with
+# another's computation (DeepSeek-V3's DualPipe, sec. 3.2.1; its V-shaped DualPipeV): the
+# all-to-alls hide behind the GEMMs (Workload.ep_overlap). Read from the row's pp_schedule.
+OVERLAPPED_SCHEDULES = ("dualpipe", "dualpipev")
+
+
 def stack_of(raw: dict[str, str]) -> Stack | None:
     """The software stack the row's ``stack`` column names (``meshlm.planner.stacks``): its
     kernel family and framework defaults; None when blank."""
@@ -415,11 +424,14 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
     vpp = _int(raw, "vpp") or 1
     stack = stack_of(raw)
     schedule = (raw.get("pp_schedule") or "").strip().lower()
+    split_free = False
     if (rules.interleaved_default and pp > 1 and vpp == 1 and schedule == "interleaved"
             and stack and stack.interleaved_vpp):
         vpp = stack.interleaved_vpp  # the stack's split of a multi-stage schedule
         row.rules.append(f"interleaved schedule: {vpp} stages per rank ({stack.name}'s "
                          "default)")
+    elif pp > 1 and vpp == 1 and schedule == "interleaved" and not _int(raw, "vpp"):
+        split_free = True  # an interleaved schedule whose split no source or default gives
     year = run_year(raw)
     rc = recompute_mode(raw.get("recompute", ""), rules)
     precision = raw.get("precision", "").lower()
@@ -429,7 +441,7 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
     modern = year is None or year > 2022 or not rules.era
     opts = (workload_options(stack, precision, pipeline_split=rules.p2p_scatter_gather,
                              loss=rules.stack_loss, grad_reduce=rules.fp32_grad_reduce,
-                             fp8=rules.fp8_stack, fp8_recipe=raw.get("fp8_recipe") or "")
+                             fp8_recipe=raw.get("fp8_recipe") or "")
             if stack else {})
     loss = (raw.get("loss_kernel") or "").strip().lower() or opts.get("loss", "torch")
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
@@ -441,16 +453,24 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         grad_accum_pass=opts.get("grad_accum_pass", False),
                         fp8_casts=opts.get("fp8_casts", "fused"),
                         fp8_recipe=opts.get("fp8_recipe", "tensorwise"),
-                        fp8_experts=opts.get("fp8_experts", False))
+                        fp8_experts=opts.get("fp8_experts", False),
+                        ep_overlap=schedule in OVERLAPPED_SCHEDULES)
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
                         tp_overlap=_yes(raw, "tp_comm_overlap"),
                         zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), micro_batch=mbs or 1,
                         recompute=rc or "none",
                         pp_schedule="interleaved" if vpp > 1 else "1f1b", pp_virtual=vpp)
     row.free += ((["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
-                 + (["sp"] if tp > 1 and not sp_given and modern else []))
+                 + (["sp"] if tp > 1 and not sp_given and modern else [])
+                 + (["vpp"] if split_free else []))
     row.hw = hw
     return row
+
+
+# stages per rank an interleaved schedule may run where neither the row nor its stack says
+# (completed like a blank micro-batch: the fastest that fits; one that does not divide the
+# layers is refused by the layout and dropped)
+INTERLEAVED_SPLITS = (2, 4)
 
 
 def predict(row: Row) -> Plan:
@@ -467,8 +487,11 @@ def predict(row: Row) -> Plan:
                     if "mbs" in row.free else [base.micro_batch])
         rc_opts = ["none", "selective", "full"] if "recompute" in row.free else [base.recompute]
         sp_opts = [False, True] if "sp" in row.free else [base.sp]
-        options = [Layout(**{**base.as_dict(), "micro_batch": m, "recompute": r, "sp": sp})
-                   for m in mbs_opts for r in rc_opts for sp in sp_opts]
+        vpp_opts = ([("interleaved", v) for v in INTERLEAVED_SPLITS] if "vpp" in row.free
+                    else [(base.pp_schedule, base.pp_virtual)])
+        options = [Layout(**{**base.as_dict(), "micro_batch": m, "recompute": r, "sp": sp,
+                             "pp_schedule": s, "pp_virtual": v})
+                   for m in mbs_opts for r in rc_opts for sp in sp_opts for s, v in vpp_opts]
     plans = [evaluate(row.work, lo, row.hw, base.world_size) for lo in options]
     valid = [p for p in plans if not p.problems]
     if not valid:
@@ -607,24 +630,39 @@ def source_of(source: str) -> str:
     return re.split(r"[;('\"]", source)[0].strip()
 
 
-def row_errors(raws: list[dict[str, str]], rules: Rules, cache: dict[str, float | None]
-               ) -> list[float | None]:
-    """Each row's MFU error under ``rules`` (None: not predicted); plans cached by question."""
-    out: list[float | None] = []
-    for i, raw in enumerate(raws):
-        row = build_row(i, raw, rules=rules)
-        if row.reason:
-            out.append(None)
-            continue
-        key = repr((i, row.work, row.layout, row.hw, row.free))
-        if key not in cache:
-            plan = predict(row)
-            if plan.problems:
-                cache[key] = None
-            else:
-                cache[key] = mfu_error(row, predicted_metric(row, plan))
-        out.append(cache[key])
-    return out
+def _row_under_every_rule(args: tuple[int, dict[str, str], list[Rules]]
+                          ) -> list[float | None]:
+    """One row's MFU error under each of ``rules`` (a worker's share: plans cached by
+    question, which is per row)."""
+    i, raw, combos = args
+    cache: dict[str, float | None] = {}
+    return [row_errors_one(i, raw, c, cache) for c in combos]
+
+
+def row_errors_one(i: int, raw: dict[str, str], rules: Rules,
+                   cache: dict[str, float | None]) -> float | None:
+    row = build_row(i, raw, rules=rules)
+    if row.reason:
+        return None
+    key = repr((row.work, row.layout, row.hw, row.free))
+    if key not in cache:
+        plan = predict(row)
+        cache[key] = None if plan.problems else mfu_error(row, predicted_metric(row, plan))
+    return cache[key]
+
+
+def errors_under(raws: list[dict[str, str]], combos: list[Rules], workers: int
+                 ) -> dict[Rules, list[float | None]]:
+    """Every row's MFU error under every rule combination, rows spread over ``workers``
+    processes (the questions of one row do not depend on another's)."""
+    jobs = [(i, raw, combos) for i, raw in enumerate(raws)]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(workers) as pool:
+            per_row = list(pool.map(_row_under_every_rule, jobs))
+    else:
+        per_row = [_row_under_every_rule(j) for j in jobs]
+    return {c: [per_row[i][k] for i in range(len(raws))] for k, c in enumerate(combos)}
 
 
 def _fitness(errs: list[float | None], rows: list[int], rules: Rules) -> tuple:
@@ -637,7 +675,7 @@ def _fitness(errs: list[float | None], rows: list[int], rules: Rules) -> tuple:
             -_median(ok) if ok else -math.inf)
 
 
-def leave_one_source_out(path: Path) -> dict[str, Any]:
+def leave_one_source_out(path: Path, workers: int = 1) -> dict[str, Any]:
     """For each source, every per-source and per-family rule of :class:`Rules` (kernel family
     included) is chosen as the combination that predicts the *other* sources best
     (:func:`_fitness`), and the held-out source's rows are scored with it. A rule that only
@@ -646,10 +684,9 @@ def leave_one_source_out(path: Path) -> dict[str, Any]:
     ``"strict"`` the same procedure re-decides them as well."""
     with path.open(newline="") as f:
         raws = list(csv.DictReader(f))
-    cache: dict[str, float | None] = {}
     combos = [Rules(kernels=k, **dict(zip(TOGGLES, bits, strict=True)))
               for k in KERNEL_CHOICES for bits in product((True, False), repeat=len(TOGGLES))]
-    errs = {c: row_errors(raws, c, cache) for c in combos}
+    errs = errors_under(raws, combos, workers)
     in_sample = errs[Rules()]
     scored = [i for i, e in enumerate(in_sample) if e is not None]
     sources = sorted({source_of(raws[i].get("source", "")) for i in scored})
@@ -829,13 +866,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="also validate leave-one-source-out (per-source and per-family "
                          "rules re-decided without the held-out source's rows; and strict: "
                          "every switch)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes for --loso (rows spread over them)")
     ap.add_argument("--kernels", choices=["family", "eager", "fused"], default="eager",
                     help="memory-bound kernels of every row: eager (default), fused, or by "
                          "the source's framework family")
     args = ap.parse_args(argv)
     report = run(args.csv, do_search=not args.no_search, kernels=args.kernels)
     if args.loso:
-        report["loso"] = leave_one_source_out(args.csv)
+        report["loso"] = leave_one_source_out(args.csv, args.workers)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))

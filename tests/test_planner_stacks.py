@@ -97,3 +97,23 @@ def test_what_stays_in_16_bit_under_fp8() -> None:
     bf16_moe = layer_compute(_work(moe, dtype="bf16"), lo, H100, rates, True)["gemm"]
     dense_part = layer_compute(plain, lo, H100, rates, True)["gemm"]
     assert dense_part < bf16_moe  # attention's linears in float8 even with 16-bit experts
+
+
+def test_dualpipe_hides_expert_all_to_alls_behind_the_gemms() -> None:
+    """``ep_overlap`` (a DualPipe row): the expert all-to-alls hide behind the step's GEMMs;
+    without it they are exposed whole."""
+    from meshlm.planner import evaluate
+
+    moe = PRESETS["mixtral-8x7b"]
+    lo = Layout(dp=8, ep=8, zero=1, micro_batch=1)
+    hw = CATALOGUE["h100-sxm"].with_(gpus_per_node=4)  # ep 8 spans two nodes
+    plain = _work(moe, dtype="bf16")
+    paired = dataclasses.replace(plain, ep_overlap=True)
+    a, b = (evaluate(w, lo, hw, lo.world_size).time for w in (plain, paired))
+    assert a.comm["ep"] == b.comm["ep"] > 0  # the same bytes, before overlap
+    assert a.items["comm: ep"] == pytest.approx(a.comm["ep"])
+    assert a.comm["ep"] < a.items["compute: gemm"]  # the GEMMs can hide all of it here
+    # what stays exposed is the dropless split-size all-gather (a few bytes), not the
+    # all-to-alls
+    assert b.items["comm: ep"] < 0.05 * a.items["comm: ep"]
+    assert b.step == pytest.approx(a.step - (a.items["comm: ep"] - b.items["comm: ep"]))

@@ -514,7 +514,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
         routed = tokens * c.moe_topk * c.dim * a
         ev.append(CommEvent("ep", "all_to_all", "ep", routed, 2 * (fwd + 1) * moe * m, lo.ep,
-                            lo.tp, "exposed"))
+                            lo.tp, "gemm" if work.ep_overlap else "exposed"))
         if not c.moe_capacity:  # dropless: split sizes first (int64 per rank and expert)
             ev.append(CommEvent("ep", "all_gather", "ep", 8 * lo.ep * c.moe_experts,
                                 fwd * moe * m, lo.ep, lo.tp, "exposed"))

@@ -152,6 +152,11 @@ class Workload:
     fp8_casts: str = "fused"
     fp8_recipe: str = "tensorwise"
     fp8_experts: bool = False
+    # expert parallelism's all-to-alls overlapped with another micro-batch's computation
+    # (DualPipe's paired forward and backward, DeepSeek-V3 sec. 3.2.1): they hide behind the
+    # step's GEMMs instead of being exposed. meshlm's executor runs DualPipeV's pairs one pass
+    # after the other, so its own plans leave this off.
+    ep_overlap: bool = False
     # document masking (data.doc_mask): the mean document length in tokens (0: no masking);
     # the attention kernel and the sliding window are the model's (model.attention, its
     # description in models/attention_spec.py; model.sliding_window)
