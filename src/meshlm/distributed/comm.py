@@ -246,17 +246,19 @@ class Comm:
             out, inp, group=self.mesh.group(axis), async_op=a))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, axis: str,
-                   out_splits: list[int] | None = None, in_splits: list[int] | None = None
-                   ) -> None:
+                   out_splits: list[int] | None = None, in_splits: list[int] | None = None,
+                   async_op: bool = False) -> Handle:
         """Block j of ``inp`` (dim 0 split in equal blocks, or ``in_splits`` rows) goes to rank
         j; ``out``'s block j (equal, or ``out_splits`` rows) comes from rank j."""
         if self.size(axis) == 1:
             out.copy_(inp)
-            return
+            return _Done()
         self.log.add("all_to_all", axis, inp)
         self._check("all_to_all", out, inp)
-        self._run("all_to_all", axis, _nbytes(inp), False, lambda a: dist.all_to_all_single(
-            out, inp, out_splits, in_splits, group=self.mesh.group(axis), async_op=a))
+        return self._run("all_to_all", axis, _nbytes(inp), async_op,
+                         lambda a: dist.all_to_all_single(out, inp, out_splits, in_splits,
+                                                          group=self.mesh.group(axis),
+                                                          async_op=a))
 
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0) -> None:
         """Copy ``t`` from the rank with index ``src`` along ``axis`` to the others."""

@@ -23,6 +23,9 @@ Per MoE layer and micro-batch (:class:`ExpertExchange`), after routing on this r
    weights them by the router and sums them per token as without ep.
 
 Backward mirrors it: two all-to-alls of the same sizes in reverse, no host synchronisation.
+Each all-to-all is issued asynchronously and waited through ``overlap.wait``: inside
+DualPipeV's overlapped pair the other micro-batch's pass runs while it is in flight
+(``overlap.py``); elsewhere the wait follows at once.
 Bytes per micro-batch and layer: forward ``T k H`` (this rank's copies) + ``R H`` (the copies
 it received), each in the activation dtype; backward the same; ``sum over ep ranks of R =
 sum of T k``. With a capacity factor the splits are fixed (``E/ep * B * C`` rows to every
@@ -49,6 +52,7 @@ from ..distributed.comm import Comm
 from ..distributed.spec import set_spec, spec_of
 from ..models.llama import Transformer
 from ..models.moe import MoE
+from . import overlap
 
 AXIS = "ep"
 EXPERT_PARAMS = ("w1", "w3", "w2")
@@ -62,13 +66,15 @@ class _AllToAll(torch.autograd.Function):
                 in_splits: list[int]) -> torch.Tensor:
         ctx.comm, ctx.out_splits, ctx.in_splits = comm, out_splits, in_splits
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), AXIS, out_splits, in_splits)
+        overlap.wait(comm.all_to_all(out, x.contiguous(), AXIS, out_splits, in_splits,
+                                     async_op=True))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         out = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        ctx.comm.all_to_all(out, grad.contiguous(), AXIS, ctx.in_splits, ctx.out_splits)
+        overlap.wait(ctx.comm.all_to_all(out, grad.contiguous(), AXIS, ctx.in_splits,
+                                         ctx.out_splits, async_op=True))
         return out, None, None, None
 
 

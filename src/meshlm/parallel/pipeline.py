@@ -36,6 +36,11 @@ backward -- forms only the input gradient and hands ``(x, dy)`` to the executor.
 forms no linear weight gradient in either mode, and ``W`` runs the same eager matmuls. In a
 schedule with the split (``ScheduleDef.split``) a ``B`` runs as ``I`` then ``W`` (DualPipeV
 mixes both), so the deferred linears' gradients are formed the one way.
+DualPipeV's overlapped ``F`` + ``B`` pairs run, with ep > 1, as two lanes that take turns at
+their expert all-to-alls (``overlap.run_pair``: the forward here, the backward in a second
+thread, one running at a time, so the collectives keep one order on every rank); the
+timeline keeps both spans and the bubble counts their union once. Without ep, or with
+``overlap`` set False, a pair runs one pass after the other.
 A module that forms its own weight gradient (``split_linear.DefersWeightGrad``: a float8
 linear, whose ``dW`` is a float8 matmul with the scales of one process) is told to defer it,
 and ``W`` asks it for ``dW``; in compiled blocks such a module runs its own split custom ops.
@@ -52,6 +57,7 @@ forward counts one); the split schedules also keep each linear's input and outpu
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +71,7 @@ from ..distributed.phases import phase
 from ..distributed.spec import spec_of, update_spec
 from ..layout import partition_layers
 from ..models.llama import Transformer
+from . import overlap
 from .schedules import (
     SCHEDULE_DEFS,
     Action,
@@ -224,7 +231,7 @@ class PipelineExecutor:
         # gradient to a hook, so the linears become split linears whose backward (in I)
         # captures both (split_linear.py)
         self.capture = self.split and not compiled
-        self._capture: list | None = None
+        self._lane = threading.local()  # .capture: the list a forward's linears append to
         self._split_weights: list[nn.Parameter] = []
         # modules that form their own dW (float8 linears) form only dx in I; W asks them for
         # dW (by the id of their weight)
@@ -243,6 +250,9 @@ class PipelineExecutor:
                       if isinstance(lin, nn.Linear)}
             for lin in hooked.values():
                 lin.register_forward_hook(self._capture_linear)
+        # DualPipeV's overlapped pairs run as two lanes when there is an expert all-to-all to
+        # hide (ep > 1); otherwise, or with overlap set False, one pass after the other
+        self.overlap = any(a.overlap for a in self.actions) and comm.size("ep") > 1
         self.timeline: list[dict] = []
         self.peak_live = 0
         self.grad_scale = 1.0  # the fp16 loss scale (set by the trainer before each step)
@@ -254,10 +264,11 @@ class PipelineExecutor:
 
     # -- zero-bubble capture of linear layers ----------------------------------------------
     def _capture_linear(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        if self._capture is None or not torch.is_grad_enabled():
+        into = getattr(self._lane, "capture", None)
+        if into is None or not torch.is_grad_enabled():
             return
         rec = [mod.weight, args[0].detach(), None]
-        self._capture.append(rec)
+        into.append(rec)
         out.register_hook(lambda g: rec.__setitem__(2, g))
 
     # -- the step -----------------------------------------------------------------------------
@@ -286,6 +297,13 @@ class PipelineExecutor:
                 i = j
                 continue
             self._wait_input(a)  # (waiting is bubble, not compute: outside the timed interval)
+            nxt = self.actions[i + 1] if i + 1 < len(self.actions) else None
+            if self.overlap and nxt is not None and nxt.overlap:  # DualPipeV's pair
+                self._wait_input(nxt)
+                spans += self._run_pair(a, nxt, clock)
+                self.peak_live = max(self.peak_live, live + 1)
+                i += 2
+                continue
             start = clock.mark()
             with phase("forward" if a.op == "F" else "backward"):
                 self.dispatch[a.op](a)
@@ -309,9 +327,33 @@ class PipelineExecutor:
         return loss
 
     def bubble(self) -> float:
-        """Measured idle fraction of this rank in the last step."""
-        busy = sum(e["end"] - e["start"] for e in self.timeline)
+        """Measured idle fraction of this rank in the last step (an overlapped pair's two
+        passes count once where they overlap)."""
+        busy, reach = 0.0, float("-inf")
+        for e in sorted(self.timeline, key=lambda e: e["start"]):
+            start = max(e["start"], reach)
+            busy += max(0.0, e["end"] - start)
+            reach = max(reach, e["end"])
         return 1.0 - busy / self.step_time if self.step_time > 0 else 0.0
+
+    def _run_pair(self, f: Action, b: Action, clock: _Clock) -> list[tuple[Action, int, int]]:
+        """An overlapped F + B (DualPipeV): the forward here, the backward in a second lane,
+        taking turns at their expert all-to-alls (``overlap.run_pair``); the two spans."""
+        marks: dict[str, int] = {}
+
+        def forward() -> None:
+            marks["f0"] = clock.mark()
+            self.dispatch["F"](f)
+            marks["f1"] = clock.mark()
+
+        def backward() -> None:
+            marks["b0"] = clock.mark()
+            self.dispatch[b.op](b)
+            marks["b1"] = clock.mark()
+
+        with phase("forward"):
+            overlap.run_pair(forward, backward)
+        return [(f, marks["f0"], marks["f1"]), (b, marks["b0"], marks["b1"])]
 
     def _p2p(self, acts: list[Action]) -> None:
         """Post one group of the table: its sends and receives, one handle."""
@@ -378,7 +420,7 @@ class PipelineExecutor:
             x = self._received(("F", a.mb, a.stage)).requires_grad_(True)
             slot.inp = x
         if self.capture:
-            self._capture = slot.linears
+            self._lane.capture = slot.linears
         with self.autocast(), self.pipe.model.packed(docs[0] if docs else None):
             out, aux = self.pipe.forward(a.stage, x, self.seq_len)
             if a.stage == self.pipe.n_stages - 1:
@@ -394,7 +436,7 @@ class PipelineExecutor:
                     if isinstance(extra, torch.Tensor):
                         aux = extra if aux is None else aux + extra
                 out = loss / self.m
-        self._capture = None
+        self._lane.capture = None
         slot.out, slot.aux = out, (aux / self.m if aux is not None else None)
         self.slots[(a.mb, a.stage)] = slot
         if a.stage < self.pipe.n_stages - 1:

@@ -30,9 +30,10 @@ This module gives each rank's *compute order* as ``(op, micro-batch, stage)`` tu
                 and a cool-down where the second half of the backwards is split into ``I`` and
                 deferred ``W``. Needs at least ``2p`` micro-batches (the stages of the V).
                 The pair is one unit of the table (no point-to-point action between its two
-                halves; ``schedules.overlapped_pairs`` lists them); the executor runs the two
-                halves one after the other -- running them concurrently so one micro-batch's
-                expert all-to-all hides behind the other's compute is left to the executor.
+                halves; ``schedules.overlapped_pairs`` lists them). With expert parallelism
+                the executor runs its halves as two lanes taking turns at their expert
+                all-to-alls (``overlap.py``), so one micro-batch's all-to-all is in flight
+                while the other micro-batch computes; without, one after the other.
 
 Communication: the activation and gradient of each of the ``2p - 2`` cross-rank stage
 boundaries per micro-batch (the turn of the V sends nothing). Memory: ``I``/``W`` keep each
