@@ -4,7 +4,8 @@
   collective, the other lane runs meanwhile, the order is the same every time, a finished lane
   hands the turn over for good, a failing lane's error reaches the caller;
 - the frontier MoE (MLA, multi-token prediction, sigmoid group-limited routing, document
-  masking) under DualPipeV with pp 2 x dp 2 x ep 2 (world 4, NCCL-semantics mode): the pairs
+  masking) under DualPipeV with pp 2 x dp 2 x ep 2 (world 4, NCCL-semantics mode; also with
+  full recomputation, with ZeRO-3, and with tp 2 + sp in world 8): the pairs
   overlap on every rank (the timeline's forward and backward spans intersect, and a backward's
   expert all-to-all is issued while the forward of the pair is still running), and the run
   matches one process (losses, MTP losses, gradient norms and final weights within 1e-5).
@@ -91,15 +92,23 @@ def test_frontier_moe_dualpipev_overlaps_expert_all_to_alls(
             "--train.eps=1e-5", *FRONTIER]
     train(load_config(None, [*base, f"--run.dir={tmp_path / 'ref'}"]), log=lambda _m: None,
           progress=False)
-    run = [*schedule_args("dualpipev", 2, 1), "--parallel.dp=2", "--parallel.ep=2",
-           f"--run.dir={tmp_path / 'dualpipev'}"]
+    layout = [*schedule_args("dualpipev", 2, 1), "--parallel.dp=2", "--parallel.ep=2"]
+    named = {"dualpipev": [],  # (the backward lane recomputes, with its own all-to-alls)
+             "dualpipev-recompute": ["--train.recompute=full"],
+             "dualpipev-zero3": ["--parallel.zero=3"]}  # (dp gathers and reduce-scatters)
     monkeypatch.setenv(nccl_semantics.ENV, "1")
-    run_world(4, train_runs, base, [run])
-    assert_matches(tmp_path / "dualpipev", tmp_path / "ref", keys=("loss", "mtp_loss",
-                                                                   "grad_norm"))
-    for r in range(4):
-        path = tmp_path / "dualpipev" / "timeline" / f"rank_{r:04d}.json"
-        acts = json.loads(path.read_text())["actions"]
-        pairs = [(f, b) for f, b in zip(acts, acts[1:], strict=False)
-                 if f["op"] == "F" and b["op"] in ("B", "I") and b["start"] < f["end"]]
-        assert pairs, f"rank {r}: no forward overlapped a backward"
+    run_world(4, train_runs, base, [[*layout, *args, f"--run.dir={tmp_path / name}"]
+                                    for name, args in named.items()])
+    # tp 2 + sp inside each ep rank (world 8): tp's collectives in both lanes, in turn
+    named["dualpipev-tp2"] = ["--parallel.tp=2", "--parallel.sp=true"]
+    run_world(8, train_runs, base, [[*layout, *named["dualpipev-tp2"],
+                                     f"--run.dir={tmp_path / 'dualpipev-tp2'}"]])
+    for name in named:
+        assert_matches(tmp_path / name, tmp_path / "ref", keys=("loss", "mtp_loss",
+                                                                "grad_norm"))
+        for r in range(4):
+            path = tmp_path / name / "timeline" / f"rank_{r:04d}.json"
+            acts = json.loads(path.read_text())["actions"]
+            pairs = [(f, b) for f, b in zip(acts, acts[1:], strict=False)
+                     if f["op"] == "F" and b["op"] in ("B", "I") and b["start"] < f["end"]]
+            assert pairs, f"{name}, rank {r}: no forward overlapped a backward"
