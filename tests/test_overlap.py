@@ -5,7 +5,8 @@
   hands the turn over for good, a failing lane's error reaches the caller;
 - the frontier MoE (MLA, multi-token prediction, sigmoid group-limited routing, document
   masking) under DualPipeV with pp 2 x dp 2 x ep 2 (world 4, NCCL-semantics mode; also with
-  full recomputation, with ZeRO-3, and with tp 2 + sp in world 8): the pairs
+  full recomputation, with ZeRO-3, and with tp 2 + sp in world 8; and with compiled
+  blocks): the pairs
   overlap on every rank (the timeline's forward and backward spans intersect, and a backward's
   expert all-to-all is issued while the forward of the pair is still running), and the run
   matches one process (losses, MTP losses, gradient norms and final weights within 1e-5).
@@ -82,14 +83,18 @@ def test_a_failing_backward_reaches_the_caller() -> None:
     assert log == ["B", "wait F0"] and info.value.meshlm_phase == "backward"
 
 
-def test_frontier_moe_dualpipev_overlaps_expert_all_to_alls(
-        short_docs: Path, cache_dir: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    base = [f"--data.path={short_docs}", f"--data.cache_dir={cache_dir}",
+def _base(short_docs: Path, cache_dir: Path) -> list[str]:
+    return [f"--data.path={short_docs}", f"--data.cache_dir={cache_dir}",
             "--data.vocab_size=512", "--data.seq_len=64", "--train.steps=3",
             "--train.global_batch=8", "--train.micro_batch=4", "--train.warmup_steps=1",
             "--train.eval_every=0", "--run.sample_tokens=0", "--train.peak_flops=1e10",
             "--train.eps=1e-5", *FRONTIER]
+
+
+def test_frontier_moe_dualpipev_overlaps_expert_all_to_alls(
+        short_docs: Path, cache_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    base = _base(short_docs, cache_dir)
     train(load_config(None, [*base, f"--run.dir={tmp_path / 'ref'}"]), log=lambda _m: None,
           progress=False)
     layout = [*schedule_args("dualpipev", 2, 1), "--parallel.dp=2", "--parallel.ep=2"]
@@ -112,3 +117,17 @@ def test_frontier_moe_dualpipev_overlaps_expert_all_to_alls(
             pairs = [(f, b) for f, b in zip(acts, acts[1:], strict=False)
                      if f["op"] == "F" and b["op"] in ("B", "I") and b["start"] < f["end"]]
             assert pairs, f"{name}, rank {r}: no forward overlapped a backward"
+
+
+def test_compiled_blocks_under_overlapped_dualpipev(short_docs: Path, cache_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """``train.compile``: the compiled blocks run in both lanes (the backward lane's thread
+    runs compiled backwards) and match the eager one-process run."""
+    base = _base(short_docs, cache_dir)
+    train(load_config(None, [*base, f"--run.dir={tmp_path / 'ref'}"]), log=lambda _m: None,
+          progress=False)
+    run_world(4, train_runs, base, [[*schedule_args("dualpipev", 2, 1), "--parallel.dp=2",
+                                     "--parallel.ep=2", "--train.compile=true",
+                                     f"--run.dir={tmp_path / 'compiled'}"]])
+    assert_matches(tmp_path / "compiled", tmp_path / "ref", keys=("loss", "mtp_loss",
+                                                                  "grad_norm"))
