@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-_local = threading.local()  # .lanes: the pair this thread is a lane of; .lane: "F" | "B"
-
 
 @dataclass
 class Exposed:
@@ -82,17 +80,23 @@ class _Lanes:
             self.cond.notify_all()
 
 
+# The pair running now. One lane runs at a time, so the caller of :func:`wait` is the lane
+# whose turn it is -- also when autograd runs a backward on its own device thread (CUDA)
+# on the lane's behalf.
+_active: _Lanes | None = None
+
+
 def in_pair() -> bool:
-    """Whether this thread runs a lane of an overlapped pair now."""
-    return getattr(_local, "lanes", None) is not None
+    """Whether an overlapped pair runs now."""
+    return _active is not None
 
 
 def wait(handle: object) -> None:
     """Wait for an issued collective's ``handle`` (anything with ``wait()``); inside a pair,
     first let the other lane run until it waits for a collective of its own or finishes."""
-    lanes: _Lanes | None = getattr(_local, "lanes", None)
+    lanes = _active
     if lanes is not None:
-        lanes.switch(_local.lane)
+        lanes.switch(lanes.turn)
     t0 = time.perf_counter()
     handle.wait()  # type: ignore[attr-defined]
     EXPOSED.seconds += time.perf_counter() - t0
@@ -104,14 +108,16 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None],
     """Run ``forward`` here and ``backward`` in a second thread, taking turns (module doc).
 
     ``backward_setup`` runs first in the backward's thread (thread-local state its pass needs:
-    the executor's autocast and capture settings). An exception in either lane ends that lane,
+    the executor's CUDA device and stream). An exception in either lane ends that lane,
     lets the other finish, and is raised here (the backward's first).
     """
+    global _active
+    if _active is not None:
+        raise RuntimeError("an overlapped pair is already running")
     lanes = _Lanes()
     errors: list[BaseException] = []
 
     def lane_b() -> None:
-        _local.lanes, _local.lane = lanes, "B"
         lanes.take("B")
         try:
             if backward_setup is not None:
@@ -122,17 +128,16 @@ def run_pair(forward: Callable[[], None], backward: Callable[[], None],
                 exc.meshlm_phase = "backward"  # type: ignore[attr-defined]
             errors.append(exc)
         finally:
-            _local.lanes = None
             lanes.finish("B")
 
     thread = threading.Thread(target=lane_b, name="meshlm-overlap-backward", daemon=True)
-    thread.start()
-    _local.lanes, _local.lane = lanes, "F"
+    thread.start()  # (it waits for its turn)
+    _active = lanes
     try:
         forward()
     finally:
-        _local.lanes = None
         lanes.finish("F")
         thread.join()
+        _active = None
     if errors:
         raise errors[0]

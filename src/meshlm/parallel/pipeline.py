@@ -351,8 +351,15 @@ class PipelineExecutor:
             self.dispatch[b.op](b)
             marks["b1"] = clock.mark()
 
+        setup = None
+        if self.device.type == "cuda":  # (GPU-only path) the lanes launch on one stream
+            stream = torch.cuda.current_stream(self.device)
+
+            def setup() -> None:
+                torch.cuda.set_device(self.device)
+                torch.cuda.set_stream(stream)
         with phase("forward"):
-            overlap.run_pair(forward, backward)
+            overlap.run_pair(forward, backward, setup)
         return [(f, marks["f0"], marks["f1"]), (b, marks["b0"], marks["b1"])]
 
     def _p2p(self, acts: list[Action]) -> None:

@@ -122,13 +122,15 @@ REPLAY_ROUNDS = 6
 
 
 def replay(schedule: str, p: int, v: int, m: int, split: Split = EQUAL,
-           stages: Sequence[Split] | None = None, latency: float = 0.0
+           stages: Sequence[Split] | None = None, latency: float = 0.0, overhead: float = 0.0
            ) -> tuple[float, list[float]]:
     """(step time, each rank's compute time) of ``schedule``'s compute orders, a compute
     starting when its rank is free and its input is made -- ``latency`` later when it was
-    made on another rank (default: transfers free). Each pass of a chunk costs ``split`` / v,
-    or ``stages[s]``: stage s's own (f, i, w) per micro-batch. Torch-free: the orders are
-    ``schedules.compute_order``'s."""
+    made on another rank (default: transfers free) -- and ``overhead`` after the rank's
+    previous compute ended (the executor's host time between two computes: posting the
+    sends and receives between them, dispatch; idle time, as the timeline counts it). Each
+    pass of a chunk costs ``split`` / v, or ``stages[s]``: stage s's own (f, i, w) per
+    micro-batch. Torch-free: the orders are ``schedules.compute_order``'s."""
     from .schedules import COMPUTE, compute_order, stage_rank  # (torch-free)
 
     n_stages = p * v
@@ -167,10 +169,11 @@ def replay(schedule: str, p: int, v: int, m: int, split: Split = EQUAL,
                 deps = [d for a in unit for d in needs(*a)]
                 if any(d not in made for d in deps):
                     break
-                t = max([clock[r], *(made[d] + (latency if stage_rank(schedule, d[2], p) != r
-                                                 else 0.0) for d in deps)])
-                for op, mb, s in unit:
-                    t += cost(op, s)
+                t = max([clock[r] + (overhead if pos[r] else 0.0),
+                         *(made[d] + (latency if stage_rank(schedule, d[2], p) != r else 0.0)
+                           for d in deps)])
+                for k, (op, mb, s) in enumerate(unit):
+                    t += cost(op, s) + (overhead if k else 0.0)
                     busy[r] += cost(op, s)
                     made[("B" if op in ("B", "I") else op, mb, s)] = t
                     if op == "I":
@@ -219,6 +222,30 @@ def _replayed(schedule: str) -> Callable[..., float]:
     return idle
 
 
+def _host_idle(schedule: str, p: int, v: int, m: int, split: Split, ranks: Sequence[float],
+               overhead: float, latency: float) -> float:
+    """Idle time of the busiest rank with the executor's host time between computes
+    (``overhead`` per compute) and a transfer time (``latency`` per cross-rank input):
+    ``schedule``'s compute orders replayed, each rank's chunks sharing its micro-batch time
+    ``ranks[r]`` in the ratio of ``split``. Beyond ``REPLAY_ROUNDS`` p micro-batches,
+    extrapolated linearly (the steady state adds a constant idle time per micro-batch)."""
+    from .schedules import stage_rank  # (torch-free)
+
+    total = sum(split)
+    stages = [tuple(ranks[stage_rank(schedule, s, p)] * x / (total * v) for x in split)
+              for s in range(p * v)]
+
+    def idle(k: int) -> float:
+        time, busy = replay(schedule, p, v, k, split, stages, latency, overhead)
+        return time - max(busy)
+
+    hi = REPLAY_ROUNDS * p
+    if m <= hi:
+        return idle(m)
+    a, b = idle(hi - p), idle(hi)
+    return b + (b - a) * (m - hi) / p
+
+
 # ---------------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class ScheduleCost:
@@ -236,14 +263,23 @@ class ScheduleCost:
         return self.held(p, v, m, r)
 
     def bubble(self, others: float, v: int, p: int, m: int, split: Split = EQUAL,
-               ranks: Sequence[float] | None = None) -> float:
+               ranks: Sequence[float] | None = None, overhead: float = 0.0,
+               latency: float = 0.0) -> float:
         """Idle time per step of the slowest rank, given ``others``: the other stages'
         micro-batch times, summed ((p - 1) t_mb with equal stages), and the forward /
         input-gradient / weight-gradient shares ``split`` of a micro-batch's time. ``ranks``
         (each rank's micro-batch time): the replayed schedules replay them, each rank's chunks
-        sharing its time (a V's rank 0 holds the embedding and the head)."""
+        sharing its time (a V's rank 0 holds the embedding and the head). ``overhead`` (the
+        executor's host time between two computes of a rank) and ``latency`` (an
+        activation's or gradient's transfer between ranks), in seconds: when either is set
+        every schedule is replayed with them (``m v`` computes per rank and step each pay the
+        overhead, so it weighs v times more in a looped or V schedule); both 0 (the default):
+        transfers and dispatch free, the closed forms."""
         if p < 2:
             return 0.0
+        if overhead > 0 or latency > 0:
+            times = list(ranks) if ranks is not None else [others / (p - 1)] * p
+            return _host_idle(self.name, p, v, m, split, times, overhead, latency)
         if ranks is not None and self.replayed:
             return self.idle(p, v, m, split, ranks)
         return others * self.idle(p, v, m, split) / ((p - 1) * sum(split))
