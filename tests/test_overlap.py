@@ -122,12 +122,14 @@ def test_frontier_moe_dualpipev_overlaps_expert_all_to_alls(
 def test_compiled_blocks_under_overlapped_dualpipev(short_docs: Path, cache_dir: Path,
                                                     tmp_path: Path) -> None:
     """``train.compile``: the compiled blocks run in both lanes (the backward lane's thread
-    runs compiled backwards) and match the eager one-process run."""
+    runs compiled backwards) and match the eager one-process run; so does ZB-V compiled (its
+    I/W split through split linears)."""
     base = _base(short_docs, cache_dir)
     train(load_config(None, [*base, f"--run.dir={tmp_path / 'ref'}"]), log=lambda _m: None,
           progress=False)
-    run_world(4, train_runs, base, [[*schedule_args("dualpipev", 2, 1), "--parallel.dp=2",
+    names = ("dualpipev", "zbv")
+    run_world(4, train_runs, base, [[*schedule_args(s, 2, 1), "--parallel.dp=2",
                                      "--parallel.ep=2", "--train.compile=true",
-                                     f"--run.dir={tmp_path / 'compiled'}"]])
-    assert_matches(tmp_path / "compiled", tmp_path / "ref", keys=("loss", "mtp_loss",
-                                                                  "grad_norm"))
+                                     f"--run.dir={tmp_path / s}"] for s in names])
+    for s in names:
+        assert_matches(tmp_path / s, tmp_path / "ref", keys=("loss", "mtp_loss", "grad_norm"))
