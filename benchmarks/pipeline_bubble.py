@@ -9,26 +9,36 @@ step``, the step running from the first rank's start to the last rank's end on t
 one monotonic clock, averaged over the ranks as the trainer's ``pp_bubble`` -- and
 the measured pass times: ``f``, ``i``, ``w`` per micro-batch and rank (forward, input gradient,
 weight gradient; a full ``B`` is split in the ratio of the step's own I and W passes, half and
-half where there are none). The prediction is the planner's for those times
-(``planner/timing.py`` with ``parallel/schedule_cost.py``): the slowest rank's micro-batches
-plus ``ScheduleCost.bubble`` of the other ranks' micro-batch times, as the mean idle share of
-the ranks (the table's f / i / w are the ranks' means; ZB-V, DualPipeV and interleaved zero
-bubble replay the ranks' own times). The planner books the sends apart, as exposed
-communication, so its bubble moves no data; the executor's timeline counts a rank's wait for
-a transfer as idle. The last columns add them: the tables replayed (``schedule_cost.replay``)
-with each stage's own measured passes and the measured one-way time of an activation
-(a gloo send / receive between ranks 0 and 1, best of 20) on every cross-rank input. The step
-reported is the one with the lowest bubble among steps 3.. (best of several: a step that an
-unrelated process slowed down only looks worse).
+half where there are none). The model (``parallel/schedule_cost.py``, ``ScheduleCost.bubble``
+as the planner calls it, ``planner/timing.py``): the slowest rank's micro-batches plus the
+bubble of the ranks' measured micro-batch times, as the ranks' mean idle share of the step,
+with two host terms the timeline counts as idle: the executor's host time between two
+computes of a rank (``host gap``: posting the sends and receives between them, dispatch --
+paid once per compute, so v times per micro-batch with v chunks per rank) and the time from
+the compute that made an input on another rank to the start of the compute waiting for it
+(``delivery``: the transfer, wake-ups included), both means measured on the step's own
+timeline (:func:`host_costs`: gaps and edges, not fitted to the bubble); with either set the
+schedule's action tables are replayed as the executor runs them under gloo
+(``schedule_cost.replay_tables``: a compute waits for the whole group of sends and receives
+holding its input). ``quiet link``: the one-way time of an activation between two idle ranks
+(gloo send / receive, best of 20), for reference: the delivery inside a step is longer (the
+receiving rank's threads must wake). Also shown: the model with both terms 0 (the closed
+forms; what the planner predicts today) and the tables replayed with each stage's own
+measured passes (the last stage's head and loss make it the slowest). The step reported is
+the one with the lowest bubble among steps 3.. (a step that an unrelated process slowed
+only looks worse); the JSON keeps every step's error, the table their median.
 
-The model keeps most of the compute in the decoder blocks, large enough that each action takes
-milliseconds (the last stage's head and loss make it the slowest). With more ranks than
-CPU cores the ranks time-share the cores: the timeline then measures that sharing as well
-(an action runs slower while other ranks compute), which no schedule model holds; the table
-says so in its ``ranks/cores`` column.
+Real compute (the default) runs the model below; with more ranks than CPU cores the ranks
+time-share the cores and the timeline measures that sharing (an action runs slower while
+other ranks compute, faster while they idle), which no schedule model holds -- and other jobs
+on the machine do the same (the ``load`` column: the 1-minute load average after the run).
+``--sleep F,I,W`` replaces every pass by a fixed duration (:func:`fixed_durations`: the real
+passes of a dim-64 model, microseconds, then a sleep of the pass's share of a rank's
+micro-batch, over the v chunks): the executor's tables, dispatch, transfers and waits run as
+in training, but the cores stay free, so pp 4 on 2 cores is measured without time-sharing.
 
     python benchmarks/pipeline_bubble.py [--pp 2,4] [--schedules all] [--steps 8]
-        [--json benchmarks/results/pipeline_bubble.json]
+        [--sleep F,I,W] [--json benchmarks/results/pipeline_bubble.json]
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from meshlm.data import build_data
 from meshlm.layout import LOOPED_SCHEDULES, SCHEDULES, V_SCHEDULES, schedule_problems
 from meshlm.parallel import pipeline
 from meshlm.parallel.schedule_cost import SCHEDULES as COSTS
-from meshlm.parallel.schedule_cost import replay
+from meshlm.parallel.schedule_cost import replay_tables
 from meshlm.parallel.schedules import rank_stages
 from meshlm.testing import run_world
 from meshlm.train.trainer import Trainer
@@ -60,6 +70,8 @@ def chunks(schedule: str) -> int:
 
 def config(args: dict, schedule: str, pp: int, run_dir: str):  # noqa: ANN201
     m = args["microbatches"] or 2 * pp
+    if args.get("sleep"):  # fixed-duration passes: a tiny model whose own compute is ~0
+        args = {**args, "dim": 64, "ffn": 172, "seq": 32}
     return load_config(None, [
         "--model.preset=small", f"--model.dim={args['dim']}", f"--model.n_layers={args['layers']}",
         f"--model.ffn_hidden={args['ffn']}",
@@ -109,16 +121,36 @@ def transfer_time(shape: tuple[int, ...], rounds: int = 20) -> float:
     return best if rank < 2 else 0.0
 
 
+def fixed_durations(executor: pipeline.PipelineExecutor, v: int,
+                    f: float, i: float, w: float) -> None:
+    """Each compute action of ``executor`` (this rank's process only) runs its real passes --
+    of a tiny model, microseconds -- then sleeps its pass's fixed share of a rank's
+    micro-batch: ``f``, ``i``, ``w`` seconds over the v chunks, ``i + w`` for a full ``B``.
+    The executor's dispatch, transfers and waits run as in training; the cores stay free."""
+    sleep = {"F": f / v, "B": (i + w) / v, "I": i / v, "W": w / v}
+
+    def timed(op: str, run):  # noqa: ANN001, ANN202
+        def action(a) -> None:  # noqa: ANN001
+            run(a)
+            time.sleep(sleep[op])
+        return action
+
+    executor.dispatch = {op: timed(op, run) for op, run in executor.dispatch.items()}
+
+
 def worker(schedule: str, pp: int, args: dict, run_dir: str) -> dict:
     """Every step's timeline of this rank and the transfer time of an activation."""
     pipeline._Clock = _StepClock  # (this rank's process only)
     cfg = config(args, schedule, pp, run_dir)
     trainer = Trainer(cfg, log=lambda _m: None, progress=False)
+    if args.get("sleep"):
+        fixed_durations(trainer.runner.executor, chunks(schedule),
+                        *(x / 1e3 for x in args["sleep"]))
     out = []
     for step in range(1, args["steps"] + 1):
         trainer.train_step(step)
         out.append({**trainer.runner.timeline(), "origin": ORIGINS[-1]})
-    shape = (args["micro_batch"], args["seq"], args["dim"])
+    shape = (args["micro_batch"], cfg.data.seq_len, cfg.model.dim)
     return {"steps": out, "latency": transfer_time(shape)}
 
 
@@ -136,8 +168,40 @@ def passes(actions: list[dict], m: int, share_of: list[dict] | None = None
     return t["F"] / m, (t["I"] + share * t["B"]) / m, (t["W"] + (1 - share) * t["B"]) / m
 
 
+def host_costs(lines: list[dict], n_stages: int) -> tuple[float, float]:
+    """(overhead, delivery) in seconds, measured on one step's timelines, not fitted to its
+    bubble. ``overhead``: the executor's host time between two computes of a rank (posting
+    the sends and receives between them, dispatch, the clock), the mean gap before each
+    compute whose input was made on its rank, or on another before the previous compute
+    started (so it had arrived). ``delivery``: the mean time from the end of the compute
+    that made an input on another rank to the start of the compute that waited for it (its
+    rank idle since before the input was made): the transfer to a waiting rank, wake-ups
+    included. Means, not medians: the model adds them up along the step."""
+    start = min(t["origin"] for t in lines)
+    made: dict[tuple[str, int, int], tuple[int, float]] = {}
+    for r, t in enumerate(lines):
+        for a in t["actions"]:
+            key = ("B" if a["op"] in ("B", "I") else a["op"], a["mb"], a["stage"])
+            made[key] = (r, t["origin"] - start + a["end"])
+    gaps, waits = [], []
+    for r, t in enumerate(lines):
+        acts = sorted(t["actions"], key=lambda a: a["start"])
+        at = t["origin"] - start
+        for prev, a in zip(acts, acts[1:], strict=False):
+            s = a["stage"]
+            dep = (("F", a["mb"], s - 1) if a["op"] == "F" and s > 0 else
+                   ("B", a["mb"], s + 1) if a["op"] in ("B", "I") and s < n_stages - 1 else
+                   None)
+            if dep is None or made[dep][0] == r or made[dep][1] < at + prev["start"]:
+                gaps.append(a["start"] - prev["end"])
+            elif made[dep][1] > at + prev["end"]:
+                waits.append(at + a["start"] - made[dep][1])
+    return (statistics.mean(gaps) if gaps else 0.0, statistics.mean(waits) if waits else 0.0)
+
+
 def planner_bubble(schedule: str, p: int, v: int, m: int,
-                   per_rank: list[tuple[float, float, float]]) -> float:
+                   per_rank: list[tuple[float, float, float]], overhead: float = 0.0,
+                   latency: float = 0.0) -> float:
     """The planner's bubble (``planner/timing.py``) for the measured pass times of each rank:
     the slowest rank sets the pace, the others' micro-batch times summed are what the schedule
     idles a share of (``ScheduleCost.bubble``); returned as the ranks' mean idle share of the
@@ -145,23 +209,24 @@ def planner_bubble(schedule: str, p: int, v: int, m: int,
     t = [sum(x) for x in per_rank]
     slow = max(t)
     split = tuple(statistics.mean(x[j] for x in per_rank) for j in range(3))
-    step = m * slow + COSTS[schedule].bubble(sum(t) - slow, v, p, m, split, t)
+    step = m * slow + COSTS[schedule].bubble(sum(t) - slow, v, p, m, split, t, overhead,
+                                             latency, ordered=False)  # (gloo)
     return 1 - statistics.mean(m * x for x in t) / step
 
 
-def stage_bubble(schedule: str, p: int, v: int, m: int, lines: list[dict], latency: float
-                 ) -> float:
-    """The tables replayed with each stage's own measured passes and the measured transfer
-    time between ranks (``schedule_cost.replay``), as the ranks' mean idle share of the
-    step."""
+def stage_bubble(schedule: str, p: int, v: int, m: int, lines: list[dict], latency: float,
+                 overhead: float) -> float:
+    """The tables replayed with each stage's own measured passes, the measured transfer
+    time between ranks and host time between computes (``schedule_cost.replay_tables``,
+    gloo's unordered groups), as the ranks' mean idle share of the step."""
     stages: dict[int, tuple[float, float, float]] = {}
     for r, t in enumerate(lines):
         acts = t["actions"]
         for s in rank_stages(schedule, r, p, v):
             mine = [a for a in acts if a["stage"] == s]
             stages[s] = passes(mine, m, share_of=acts)
-    step, busy = replay(schedule, p, v, m, stages=[stages[s] for s in range(p * v)],
-                        latency=latency)
+    step, busy = replay_tables(schedule, p, v, m, [stages[s] for s in range(p * v)],
+                               latency, overhead)
     return statistics.mean(1 - b / step for b in busy)
 
 
@@ -169,8 +234,9 @@ def measure(schedule: str, pp: int, args: dict, tmp: Path) -> dict:
     m = args["microbatches"] or 2 * pp
     v = chunks(schedule)
     res = run_world(pp, worker, schedule, pp, args, str(tmp / f"{schedule}-{pp}"))
+    load = os.getloadavg()[0]  # (the machine's 1-minute load right after: other jobs' share)
     ranks = [r["steps"] for r in res]
-    latency = max(r["latency"] for r in res)
+    link = max(r["latency"] for r in res)  # (the quiet link's one-way time, for reference)
     steps = []
     for k in range(2, args["steps"]):  # (steps 1-2 warm up allocators and thread pools)
         lines = [r[k] for r in ranks]
@@ -180,20 +246,31 @@ def measure(schedule: str, pp: int, args: dict, tmp: Path) -> dict:
                                  for t in lines)
         per_rank = [passes(t["actions"], m) for t in lines]
         split = tuple(statistics.mean(x[j] for x in per_rank) for j in range(3))
+        overhead, latency = host_costs(lines, pp * v)
+        predicted = planner_bubble(schedule, pp, v, m, per_rank, overhead, latency)
         steps.append({"step": k + 1, "measured": bubble, "split": split, "per_rank": per_rank,
-                      "replayed": stage_bubble(schedule, pp, v, m, lines, latency),
+                      "overhead": overhead, "latency": latency, "predicted": predicted,
+                      "error": (predicted - bubble) / bubble,
+                      "replayed": stage_bubble(schedule, pp, v, m, lines, latency, overhead),
                       "step_time_s": end})
     best = min(steps, key=lambda s: s["measured"])
-    predicted = planner_bubble(schedule, pp, v, m, best["per_rank"])
+    predicted = best["predicted"]
+    free = planner_bubble(schedule, pp, v, m, best["per_rank"])
     f, i, w = best["split"]
     return {"schedule": schedule, "pp": pp, "v": v, "m": m,
-            "ranks_per_core": pp / (os.cpu_count() or 1), "step": best["step"],
+            "ranks_per_core": pp / (os.cpu_count() or 1), "load": load, "step": best["step"],
             "step_time_s": best["step_time_s"], "f_ms": f * 1e3, "i_ms": i * 1e3,
             "w_ms": w * 1e3, "measured": best["measured"], "predicted": predicted,
-            "replayed": best["replayed"], "latency_ms": latency * 1e3,
+            "replayed": best["replayed"], "latency_ms": best["latency"] * 1e3,
+            "overhead_ms": best["overhead"] * 1e3, "link_ms": link * 1e3,
+            "predicted_free": free,
+            "median_abs_error": statistics.median(abs(s["error"]) for s in steps),
+            "free_error": (free - best["measured"]) / best["measured"],
+            "compute": "fixed" if args.get("sleep") else "real",
             "replayed_error": (best["replayed"] - best["measured"]) / best["measured"],
             "rel_error": (predicted - best["measured"]) / best["measured"],
-            "measured_all": [s["measured"] for s in steps]}
+            "measured_all": [s["measured"] for s in steps],
+            "error_all": [s["error"] for s in steps]}
 
 
 def main() -> None:
@@ -208,8 +285,18 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=0, help="per step (0: 2 pp)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/pipeline_bubble.json")
+    ap.add_argument("--sleep", default="", metavar="F,I,W",
+                    help="fixed-duration passes: ms of a rank's forward, input-gradient and "
+                         "weight-gradient passes per micro-batch, slept (a dim-64 model; the "
+                         "cores stay free); default: real compute")
     a = ap.parse_args()
     args = vars(a)
+    if a.sleep:
+        try:
+            args["sleep"] = [float(x) for x in a.sleep.split(",")]
+            assert len(args["sleep"]) == 3 and min(args["sleep"]) >= 0
+        except (ValueError, AssertionError):
+            ap.error(f"--sleep: expected three durations in ms, F,I,W (got {a.sleep!r})")
     names = list(SCHEDULES) if a.schedules == "all" else a.schedules.split(",")
     if unknown := set(names) - set(SCHEDULES):
         ap.error(f"--schedules: unknown {', '.join(sorted(unknown))} (valid: "
@@ -227,24 +314,29 @@ def main() -> None:
             rows.append(measure(name, pp, args, tmp))
             r = rows[-1]
             print(f"{name:15s} pp {pp}: measured {r['measured']:.4f} predicted "
-                  f"{r['predicted']:.4f} ({r['rel_error']:+.1%})", flush=True)
-    print(f"\nmodel: {a.layers} layers, dim {a.dim}, ffn {a.ffn}, vocab 4096 (untied), seq "
-          f"{a.seq} x micro-batch {a.micro_batch}, fp32, gloo, 1 thread per rank, "
-          f"{os.cpu_count()} CPU cores; steps 3..{a.steps}, the lowest-bubble step")
-    head = ("| schedule | pp | v | m | ranks/cores | f / i / w per micro-batch (ms) | step (s) "
-            "| measured bubble | planner | vs measured | tables + transfers | vs measured |")
+                  f"{r['predicted']:.4f} ({r['rel_error']:+.1%}; host gap "
+                  f"{r['overhead_ms']:.2f} ms, delivery {r['latency_ms']:.2f} ms)", flush=True)
+    shape = config(args, "1f1b", 2, "unused")
+    what = (f"passes slept: f / i / w = {a.sleep} ms per rank and micro-batch" if a.sleep else
+            "real compute")
+    print(f"\n{what}; model: {a.layers} layers, dim {shape.model.dim}, vocab 4096 (untied), "
+          f"seq {shape.data.seq_len} x micro-batch {a.micro_batch}, fp32, gloo, 1 thread per "
+          f"rank, {os.cpu_count()} CPU cores; steps 3..{a.steps}, the lowest-bubble step")
+    head = ("| schedule | pp | v | m | ranks/cores | load | f / i / w per micro-batch (ms) "
+            "| step (s) "
+            "| host gap (ms) | delivery (ms) | quiet link (ms) | measured bubble | model "
+            "| vs measured | all steps: median abs error | model, host and transfers free "
+            "| vs measured | stages replayed | vs measured |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         print(f"| {r['schedule']} | {r['pp']} | {r['v']} | {r['m']} | {r['ranks_per_core']:.0f} "
-              f"| {r['f_ms']:.1f} / {r['i_ms']:.1f} / {r['w_ms']:.1f} | {r['step_time_s']:.3f} "
+              f"| {r['load']:.1f} | {r['f_ms']:.1f} / {r['i_ms']:.1f} / {r['w_ms']:.1f} | {r['step_time_s']:.3f} "
+              f"| {r['overhead_ms']:.2f} | {r['latency_ms']:.2f} | {r['link_ms']:.2f} "
               f"| {r['measured']:.4f} | {r['predicted']:.4f} | {r['rel_error']:+.1%} "
+              f"| {r['median_abs_error']:.1%} "
+              f"| {r['predicted_free']:.4f} | {r['free_error']:+.1%} "
               f"| {r['replayed']:.4f} | {r['replayed_error']:+.1%} |")
-    most = {}
-    for r in rows:
-        most[r["pp"]] = max(most.get(r["pp"], 0.0), r["latency_ms"])
-    print("transfer time of one activation, the most over the runs: " + ", ".join(
-        f"pp {pp} {ms:.2f} ms" for pp, ms in most.items()))
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": args, "cpu_cores": os.cpu_count(), "rows": rows},

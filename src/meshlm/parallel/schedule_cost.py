@@ -45,6 +45,25 @@ the order it posts them (NCCL's rule): with unequal passes that can add idle tim
 three, so the replay is the bound a run reaches where transfers never wait on each other
 (gloo, or NCCL when the posted order happens to fit the times).
 
+**Host time and transfers** (``bubble(..., overhead=, latency=)``, default 0: the closed
+forms above). The executor's timeline counts as idle what happens between two computes of a
+rank -- posting the sends and receives between them, dispatch (``overhead``, paid per compute,
+so v times per micro-batch with v chunks per rank: a looped or V schedule's v-fold smaller
+bubble is bought with v-fold more of it) -- and the time an input takes from the compute that
+made it on another rank to the compute waiting for it (``latency``). With either set, the
+schedule's action tables are replayed as the executor runs them (:func:`replay_tables`: each
+run of sends and receives posted as one group, a compute waiting for the whole group holding
+its input -- sends included, one handle per group -- and groups completing in the order
+posted under NCCL, ``ordered``, or each on its own under gloo); with both 0 and ``ordered``
+that replay is ``schedules.simulate``'s, exactly. On a 2-core CPU with gloo
+(``benchmarks/pipeline_bubble.py``, 2026-11-29) the host gap measured 0.1-1.7 ms and the
+delivery 0.5-4 ms per message (a quiet ping-pong: 0.03-0.2 ms; the rest is waking the
+receiving rank's threads), enough to move a looped or V schedule's bubble by 12-52 %. The
+planner passes neither yet: on GPUs both are host-side costs hidden behind queued kernels
+while the host runs ahead of the device, and exposed only where a rank waits for a
+transfer (NCCL's point-to-point latency); no GPU value has been measured for them, so the
+planner's GPU predictions keep both at 0.
+
 The planner scales the idle time to unequal stages: ``bubble(others, ...)`` is ``others``
 (the other stages' micro-batch times, summed: ``(p - 1)(f + b)`` with equal stages) times the
 schedule's idle time per ``(p - 1)(f + b)``; the three replayed schedules replay each rank's
@@ -185,6 +204,98 @@ def replay(schedule: str, p: int, v: int, m: int, split: Split = EQUAL,
     return max(clock), busy
 
 
+def replay_tables(schedule: str, p: int, v: int, m: int, stages: Sequence[Split],
+                  latency: float = 0.0, overhead: float = 0.0, ordered: bool = False
+                  ) -> tuple[float, list[float]]:
+    """(step time, each rank's compute time) of ``schedule``'s action tables
+    (``schedules.build_schedule``) as the executor runs them: each run of sends and receives
+    posted as one group when the rank reaches it; a message done ``latency`` after both its
+    sides are posted; a compute waiting for the whole group holding its input (its sends
+    too: a handle per group) and starting ``overhead`` after the rank's previous compute
+    (the host time between two computes); the step ending when the last group is done (the
+    executor waits for its sends). ``stages[s]``: stage s's (f, i, w) per micro-batch.
+    ``ordered``: a rank's groups also complete in the order it posts them (NCCL's rule, as
+    ``schedules.simulate``); otherwise each group when its own messages are (gloo)."""
+    from .schedules import COMPUTE, build_schedule, group_end, is_p2p  # (torch-free)
+
+    tables = build_schedule(schedule, p, m, v)
+    n_stages = p * v
+    if len(stages) != n_stages:
+        raise ValueError(f"{len(stages)} stage costs for {n_stages} stages")
+    owner = {a.stage: r for r, acts in enumerate(tables) for a in acts if a.op in COMPUTE}
+
+    def cost(op: str, s: int) -> float:
+        f, i, w = stages[s]
+        return {"F": f, "B": i + w, "I": i, "W": w}[op]
+
+    posted: dict[tuple[int, int, str, int], tuple[list, int, int]] = {}  # -> group, rank, k
+    count: dict[tuple[int, int, str], int] = {}
+    groups: list[list[list]] = [[] for _ in range(p)]  # [ops, done, posted at] per group
+    holder: dict[tuple[int, str, int, int], tuple[list, int]] = {}
+    pos, clock, busy, computes = [0] * p, [0.0] * p, [0.0] * p, [0] * p
+
+    def start(g: list, r: int, k: int) -> float | None:
+        """When the group can run: posted (ordered: and the rank's previous group done)."""
+        if not ordered or k == 0:
+            return g[2]
+        before = done(groups[r][k - 1], r, k - 1)
+        return None if before is None else max(g[2], before)
+
+    def done(g: list, r: int, k: int) -> float | None:
+        if g[1] is None:
+            ends = [start(g, r, k)]
+            for sender, receiver, side, n in g[0]:
+                other = posted.get((sender, receiver, "recv" if side == "send" else "send", n))
+                ends.append(None if other is None else start(*other))
+            if any(t is None for t in ends):
+                return None
+            g[1] = max(ends) + latency  # type: ignore[type-var]
+        return g[1]
+
+    while any(pos[r] < len(tables[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            acts = tables[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if is_p2p(a):
+                    end = group_end(acts, pos[r])
+                    g: list = [[], None, clock[r]]
+                    k = len(groups[r])
+                    for x in acts[pos[r]:end]:
+                        side = "send" if x.op.startswith("SEND") else "recv"
+                        pair = (r, x.peer) if side == "send" else (x.peer, r)
+                        n = count.get((*pair, side), 0)
+                        count[(*pair, side)] = n + 1
+                        posted[(*pair, side, n)] = (g, r, k)
+                        g[0].append((*pair, side, n))
+                        if side == "recv":
+                            holder[(r, x.op[-1], x.mb, x.stage)] = (g, k)
+                    groups[r].append(g)
+                    pos[r], moved = end, True
+                    continue
+                t = clock[r] + (overhead if computes[r] else 0.0)
+                src = (a.stage - 1 if a.op == "F" else a.stage + 1 if a.op in ("B", "I")
+                       else -1)
+                if 0 <= src < n_stages and owner[src] != r:
+                    g, k = holder[(r, "F" if a.op == "F" else "B", a.mb, a.stage)]
+                    ready = done(g, r, k)
+                    if ready is None:
+                        break
+                    t = max(t, ready)
+                clock[r] = t + cost(a.op, a.stage)
+                busy[r] += cost(a.op, a.stage)
+                computes[r] += 1
+                pos[r], moved = pos[r] + 1, True
+        if not moved:
+            raise RuntimeError(f"{schedule}: the tables of p={p}, m={m}, v={v} wait on each "
+                               "other")
+    last = [done(g, r, k) for r in range(p) for k, g in enumerate(groups[r])]
+    if any(t is None for t in last):
+        raise RuntimeError(f"{schedule}: a message of p={p}, m={m}, v={v} is never matched")
+    return max([*clock, *last]), busy  # type: ignore[list-item]
+
+
 @functools.lru_cache(maxsize=4096)
 def _replayed_idle(schedule: str, p: int, v: int, m: int, split: Split,
                    weights: tuple[float, ...] | None = None) -> float:
@@ -223,10 +334,11 @@ def _replayed(schedule: str) -> Callable[..., float]:
 
 
 def _host_idle(schedule: str, p: int, v: int, m: int, split: Split, ranks: Sequence[float],
-               overhead: float, latency: float) -> float:
+               overhead: float, latency: float, ordered: bool) -> float:
     """Idle time of the busiest rank with the executor's host time between computes
-    (``overhead`` per compute) and a transfer time (``latency`` per cross-rank input):
-    ``schedule``'s compute orders replayed, each rank's chunks sharing its micro-batch time
+    (``overhead`` per compute) and a transfer time (``latency`` per message): ``schedule``'s
+    action tables replayed (:func:`replay_tables`), each rank's chunks sharing its micro-batch
+    time
     ``ranks[r]`` in the ratio of ``split``. Beyond ``REPLAY_ROUNDS`` p micro-batches,
     extrapolated linearly (the steady state adds a constant idle time per micro-batch)."""
     from .schedules import stage_rank  # (torch-free)
@@ -236,7 +348,7 @@ def _host_idle(schedule: str, p: int, v: int, m: int, split: Split, ranks: Seque
               for s in range(p * v)]
 
     def idle(k: int) -> float:
-        time, busy = replay(schedule, p, v, k, split, stages, latency, overhead)
+        time, busy = replay_tables(schedule, p, v, k, stages, latency, overhead, ordered)
         return time - max(busy)
 
     hi = REPLAY_ROUNDS * p
@@ -264,7 +376,7 @@ class ScheduleCost:
 
     def bubble(self, others: float, v: int, p: int, m: int, split: Split = EQUAL,
                ranks: Sequence[float] | None = None, overhead: float = 0.0,
-               latency: float = 0.0) -> float:
+               latency: float = 0.0, ordered: bool = True) -> float:
         """Idle time per step of the slowest rank, given ``others``: the other stages'
         micro-batch times, summed ((p - 1) t_mb with equal stages), and the forward /
         input-gradient / weight-gradient shares ``split`` of a micro-batch's time. ``ranks``
@@ -272,14 +384,16 @@ class ScheduleCost:
         sharing its time (a V's rank 0 holds the embedding and the head). ``overhead`` (the
         executor's host time between two computes of a rank) and ``latency`` (an
         activation's or gradient's transfer between ranks), in seconds: when either is set
-        every schedule is replayed with them (``m v`` computes per rank and step each pay the
-        overhead, so it weighs v times more in a looped or V schedule); both 0 (the default):
-        transfers and dispatch free, the closed forms."""
+        every schedule's action tables are replayed with them (``m v`` computes per rank and
+        step each pay the overhead, so it weighs v times more in a looped or V schedule; a
+        compute waits for the whole group of sends and receives holding its input; groups
+        complete in the order posted when ``ordered``, NCCL's rule, else each on its own,
+        gloo's); both 0 (the default): transfers and dispatch free, the closed forms."""
         if p < 2:
             return 0.0
         if overhead > 0 or latency > 0:
             times = list(ranks) if ranks is not None else [others / (p - 1)] * p
-            return _host_idle(self.name, p, v, m, split, times, overhead, latency)
+            return _host_idle(self.name, p, v, m, split, times, overhead, latency, ordered)
         if ranks is not None and self.replayed:
             return self.idle(p, v, m, split, ranks)
         return others * self.idle(p, v, m, split) / ((p - 1) * sum(split))
@@ -323,4 +437,4 @@ SCHEDULES.register(ScheduleCost("bfs", "looped BFS: all micro-batches through a 
 SCHEDULES.register(ScheduleCost("interleaved-zb", "interleaved 1F1B with the backward split",
                                 _up_to_p, _replayed("interleaved-zb"), replayed=True))
 
-__all__ = ["EQUAL", "SCHEDULES", "ScheduleCost", "Split", "replay"]
+__all__ = ["EQUAL", "SCHEDULES", "ScheduleCost", "Split", "replay", "replay_tables"]
