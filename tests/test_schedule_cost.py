@@ -204,3 +204,20 @@ def test_parallel_auto_accepts_them(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.with_layout(lo).parallel.pp_schedule == "zbv"
     assert {p.layout.pp_schedule for p in found} >= {"zbv", "dualpipev", "bfs",
                                                      "interleaved-zb"}
+
+
+def test_paired_share_counts_the_tables_overlapped_pairs() -> None:
+    """``paired``: the share of a rank's chunk passes that DualPipeV's table runs as
+    overlapped F + B pairs (whose expert all-to-alls the executor hides); 0 elsewhere."""
+    from meshlm.parallel.schedule_cost import SCHEDULES
+    from meshlm.parallel.schedules import build_schedule, overlapped_pairs
+
+    for p in (2, 3, 4, 5):
+        for m in range(2 * p, 4 * p + 1):
+            tables = build_schedule("dualpipev", p, m, 2)
+            for r, acts in enumerate(tables):
+                pairs = len(overlapped_pairs(acts))
+                assert SCHEDULES["dualpipev"].paired(p, m, r) == pairs / (2 * m), (p, m, r)
+                assert 0 < pairs < 2 * m
+            for name in ("1f1b", "zbv", "interleaved"):
+                assert SCHEDULES[name].paired(p, m, 0) == 0.0

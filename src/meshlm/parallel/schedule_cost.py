@@ -71,6 +71,13 @@ own micro-batch time instead (``ranks``: in a V rank 0 holds both the embedding 
 Replays are cached on the passes' and ranks' ratios; beyond ``REPLAY_ROUNDS`` p micro-batches
 the idle time is extrapolated linearly (it is constant or linear in m there).
 
+**Overlapped pairs** (``paired``): the share of a rank's passes that DualPipeV runs as a
+forward paired with another micro-batch's backward; with expert parallelism the executor runs
+each pair as two lanes taking turns at their all-to-alls (``overlap.py``), so that share of
+the rank's expert all-to-alls hides behind the other lane's compute. ``(2(m - 2p + r + 1) +
+p - r - 1) / (2m)`` of rank r's passes (less one pair on the last rank): 0 for every other
+schedule.
+
 **Communication** (``messages``): per micro-batch rank r sends one activation forward for each
 of its stages whose next stage is on another rank, one gradient back for each whose previous
 stage is, and receives the same from its neighbours: 2 v (fewer on the end ranks) round
@@ -122,6 +129,17 @@ def _zbv(p: int, v: int, m: int, r: int) -> float:
 
 def _dualpipev(p: int, v: int, m: int, r: int) -> float:
     return (2 * p + 1) / 2
+
+
+def _no_pairs(p: int, m: int, r: int) -> float:
+    return 0.0
+
+
+def _dualpipev_pairs(p: int, m: int, r: int) -> float:
+    """Share of rank r's chunk passes (2m forwards, 2m backwards) run in overlapped pairs."""
+    from .schedule_v import dualpipev_order  # (torch-free)
+
+    return sum(op == "B+" for op, _, _ in dualpipev_order(p, m, r)) / (2 * m)
 
 
 # ---------------------------------------------------------------------- idle time
@@ -369,6 +387,9 @@ class ScheduleCost:
     idle: Callable[..., float]  # (p, v, m, (f, i, w)) -> idle time per step
     stages: Callable[[int, int, int], tuple[int, ...]] = _round_robin  # (p, v, r) -> stages
     replayed: bool = False  # idle(..., ranks=...) replays unequal ranks too
+    # (p, m, r) -> share of rank r's passes that run in overlapped forward + backward pairs,
+    # whose expert all-to-alls hide behind the other pass's compute (overlap.py)
+    paired: Callable[[int, int, int], float] = _no_pairs
 
     def in_flight(self, p: int, v: int, m: int, r: int) -> float:
         """Micro-batches (of the rank's whole layer share) rank ``r`` holds at its peak."""
@@ -431,7 +452,7 @@ SCHEDULES.register(ScheduleCost("zbv", "ZB-V: two chunks per rank in a V, backwa
                                 _replayed("zbv"), _v_shape, replayed=True))
 SCHEDULES.register(ScheduleCost("dualpipev", "DualPipeV: a V, one micro-batch's forward paired "
                                 "with another's backward", _dualpipev, _replayed("dualpipev"),
-                                _v_shape, replayed=True))
+                                _v_shape, replayed=True, paired=_dualpipev_pairs))
 SCHEDULES.register(ScheduleCost("bfs", "looped BFS: all micro-batches through a chunk, then the "
                                 "next", _all, _flush))
 SCHEDULES.register(ScheduleCost("interleaved-zb", "interleaved 1F1B with the backward split",
