@@ -34,7 +34,10 @@ holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_over
   (op)" (op-level); torchtitan's "selective (layer)" (every n-th layer checkpointed) is not
   modelled and is completed like a blank.
 - layout: blank tp/pp/cp/ep = 1, blank dp = GPUs / (tp pp cp), vpp > 1 = interleaved 1F1B;
-  ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1);
+  ZeRO stage from the text (FSDP / ZeRO-3 / FULL_SHARD = 3, ZeRO-1 / distributed optimizer = 1;
+  blank: the stack's default, ``meshlm.planner.stacks.layout_defaults`` -- Megatron-Core's
+  distributed optimizer); a blank ``tp_comm_overlap`` on a stack that has the overlap
+  (Transformer Engine) is completed like a blank micro-batch;
   sequence parallelism and tensor-parallel communication overlapped with its GEMMs where the
   ``sequence_parallel`` and ``tp_comm_overlap`` columns say yes. A blank global batch with
   pp = 1 is one micro-batch per replica (torchtitan's convention). A blank micro-batch size or recomputation
@@ -82,7 +85,7 @@ from meshlm.models.config import ModelConfig
 from meshlm.models.published import CATALOGUE as MODELS
 from meshlm.planner.hardware import CATALOGUE, GIB, Accelerator
 from meshlm.planner.search import Plan, evaluate, search
-from meshlm.planner.stacks import STACKS, Stack, workload_options
+from meshlm.planner.stacks import STACKS, Stack, layout_defaults, workload_options
 from meshlm.planner.workload import ModelSpec, Workload
 
 ROOT = Path(__file__).resolve().parent
@@ -155,7 +158,16 @@ class Rules:
       nanotron's accumulator also adds each micro-batch's gradient into its fp32 buffer in a
       pass of its own (``FP32GradientAccumulator``; Megatron fuses the accumulation into the
       weight-gradient GEMM) (off: gradients reduced in the 16-bit dtype of the states, and
-      no accumulation pass).
+      no accumulation pass);
+    - ``mcore_defaults``: what Megatron-Core with Transformer Engine (``megatron-te``) runs
+      unless told otherwise: the distributed optimizer (ZeRO-1) where the row states no
+      stage, gradient reduce-scatter and parameter all-gather overlapped with the backward
+      and the next forward, pipelined or not (``overlap_grad_reduce`` /
+      ``overlap_param_gather``, on in NeMo's and Megatron-Bridge's recipes), and a blank
+      ``tp_comm_overlap`` completed (Transformer Engine's userbuffers overlap is available),
+      and a MoE layer's routed rows split over tp (sequence-parallel dispatch / expert
+      tensor parallelism) (off: ZeRO-0, reductions after the pipeline's flush, no tp overlap
+      unless stated, routed rows replicated over tp as meshlm runs them).
 
     Not switches: an FP8 run's casts and experts as its stack runs them (separate cast kernels
     in torchao eager, fused in Transformer Engine and under torch.compile; routed experts in
@@ -175,6 +187,7 @@ class Rules:
     p2p_16bit: bool = True
     p2p_scatter_gather: bool = True
     fp32_grad_reduce: bool = True
+    mcore_defaults: bool = True
 
     def describe(self) -> str:
         off = [f.name for f in fields(self) if f.name != "kernels" and not getattr(self, f.name)]
@@ -240,7 +253,18 @@ def catalogue_extras(raw: dict[str, str]) -> tuple[dict[str, Any], str]:
     return extras, f"{key} ({MODELS[key].source.split(',')[0]})" if extras else ""
 
 
+_MODELS: dict[tuple, ModelSpec | str] = {}
+
+
 def build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
+    """The row's model (cached: a row is built once per rule combination, the same model)."""
+    key = (tuple(sorted(raw.items())), name)
+    if key not in _MODELS:
+        _MODELS[key] = _build_model(raw, name)
+    return _MODELS[key]
+
+
+def _build_model(raw: dict[str, str], name: str) -> ModelSpec | str:
     dims = {k: _int(raw, k) for k in ("layers", "hidden", "heads", "vocab", "seq_len")}
     missing = [k for k, v in dims.items() if not v]
     if missing:
@@ -441,7 +465,8 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
     modern = year is None or year > 2022 or not rules.era
     opts = (workload_options(stack, precision, pipeline_split=rules.p2p_scatter_gather,
                              loss=rules.stack_loss, grad_reduce=rules.fp32_grad_reduce,
-                             fp8_recipe=raw.get("fp8_recipe") or "")
+                             fp8_recipe=raw.get("fp8_recipe") or "",
+                             overlap=rules.mcore_defaults)
             if stack else {})
     loss = (raw.get("loss_kernel") or "").strip().lower() or opts.get("loss", "torch")
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
@@ -454,15 +479,23 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         fp8_casts=opts.get("fp8_casts", "fused"),
                         fp8_recipe=opts.get("fp8_recipe", "tensorwise"),
                         fp8_experts=opts.get("fp8_experts", False),
-                        ep_overlap=schedule in OVERLAPPED_SCHEDULES)
+                        ep_overlap=schedule in OVERLAPPED_SCHEDULES,
+                        dp_overlap=opts.get("dp_overlap", False),
+                        experts_over_tp=opts.get("experts_over_tp", False))
+    zero_text = (raw.get("zero_stage_or_fsdp") or "").strip()
+    defaults = layout_defaults(stack, rules.mcore_defaults) if stack else {}
+    zero = zero_stage(zero_text) if zero_text else defaults.get("zero", 0)
+    tpo_free = (tp > 1 and modern and defaults.get("tp_overlap", False)
+                and not (raw.get("tp_comm_overlap") or "").strip())
     row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
                         tp_overlap=_yes(raw, "tp_comm_overlap"),
-                        zero=zero_stage(raw.get("zero_stage_or_fsdp", "")), micro_batch=mbs or 1,
+                        zero=zero, micro_batch=mbs or 1,
                         recompute=rc or "none",
                         pp_schedule="interleaved" if vpp > 1 else "1f1b", pp_virtual=vpp)
     row.free += ((["mbs"] if mbs is None else []) + (["recompute"] if rc is None else [])
                  + (["sp"] if tp > 1 and not sp_given and modern else [])
-                 + (["vpp"] if split_free else []))
+                 + (["vpp"] if split_free else [])
+                 + (["tp_overlap"] if tpo_free else []))
     row.hw = hw
     return row
 
@@ -473,14 +506,25 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
 INTERLEAVED_SPLITS = (2, 4)
 
 
-def predict(row: Row) -> Plan:
-    """The row's layout; blank knobs completed with the fastest choice that fits."""
+_SEARCHED: dict[str, list[Plan]] = {}  # question -> the search's first layout
+
+
+def predict(row: Row, searched: Layout | None = None) -> Plan:
+    """The row's layout; blank knobs completed with the fastest choice that fits. A row with
+    no published layout takes the search's fastest layout that fits -- or ``searched``, a
+    layout that search already found for the row (leave-one-source-out searches once per
+    row, :func:`searched_layouts`)."""
     assert row.work and row.layout and row.hw
     base = row.layout
     if "layout" in row.free:  # nothing published: the search's fastest layout that fits
-        top = search(row.work, base.world_size, row.hw, top=1, tp_overlap=base.tp_overlap)
-        if top:
-            return top[0]
+        if searched is not None:
+            return evaluate(row.work, searched, row.hw, base.world_size)
+        tpo = base.tp_overlap or "tp_overlap" in row.free
+        key = repr((row.work, base.world_size, row.hw, tpo))
+        if key not in _SEARCHED:  # (the in-sample run's searches serve leave-one-out's)
+            _SEARCHED[key] = search(row.work, base.world_size, row.hw, top=1, tp_overlap=tpo)
+        if _SEARCHED[key]:
+            return _SEARCHED[key][0]
     options = [base]
     if row.free:
         mbs_opts = ([d for d in range(1, 129) if (row.work.global_batch // base.dp) % d == 0]
@@ -489,9 +533,11 @@ def predict(row: Row) -> Plan:
         sp_opts = [False, True] if "sp" in row.free else [base.sp]
         vpp_opts = ([("interleaved", v) for v in INTERLEAVED_SPLITS] if "vpp" in row.free
                     else [(base.pp_schedule, base.pp_virtual)])
+        tpo_opts = [False, True] if "tp_overlap" in row.free else [base.tp_overlap]
         options = [Layout(**{**base.as_dict(), "micro_batch": m, "recompute": r, "sp": sp,
-                             "pp_schedule": s, "pp_virtual": v})
-                   for m in mbs_opts for r in rc_opts for sp in sp_opts for s, v in vpp_opts]
+                             "pp_schedule": s, "pp_virtual": v, "tp_overlap": o})
+                   for m in mbs_opts for r in rc_opts for sp in sp_opts for s, v in vpp_opts
+                   for o in tpo_opts]
     plans = [evaluate(row.work, lo, row.hw, base.world_size) for lo in options]
     valid = [p for p in plans if not p.problems]
     if not valid:
@@ -630,39 +676,70 @@ def source_of(source: str) -> str:
     return re.split(r"[;('\"]", source)[0].strip()
 
 
-def _row_under_every_rule(args: tuple[int, dict[str, str], list[Rules]]
+def _row_under_every_rule(args: tuple[int, dict[str, str], list[Rules], Layout | None]
                           ) -> list[float | None]:
-    """One row's MFU error under each of ``rules`` (a worker's share: plans cached by
-    question, which is per row)."""
-    i, raw, combos = args
+    """One row's MFU error under each of ``rules`` (a worker's share). Many combinations ask
+    the row the same question (a rule that does not touch the row changes nothing): each
+    question is predicted once, whichever source is later held out."""
+    i, raw, combos, searched = args
     cache: dict[str, float | None] = {}
-    return [row_errors_one(i, raw, c, cache) for c in combos]
+    return [row_errors_one(i, raw, c, cache, searched) for c in combos]
 
 
 def row_errors_one(i: int, raw: dict[str, str], rules: Rules,
-                   cache: dict[str, float | None]) -> float | None:
+                   cache: dict[str, float | None], searched: Layout | None = None
+                   ) -> float | None:
     row = build_row(i, raw, rules=rules)
     if row.reason:
         return None
     key = repr((row.work, row.layout, row.hw, row.free))
     if key not in cache:
-        plan = predict(row)
+        plan = predict(row, searched)
         cache[key] = None if plan.problems else mfu_error(row, predicted_metric(row, plan))
     return cache[key]
+
+
+def searched_layouts(raws: list[dict[str, str]]) -> dict[int, Layout]:
+    """Row -> the layout the search finds for it under the in-sample rules, for every row with
+    no published layout. Leave-one-source-out evaluates that layout under every rule
+    combination instead of searching again per combination (a search over thousands of
+    GPUs' splits takes minutes; a rule changes a time, not which splits exist), so the
+    combination :class:`Rules` () predicts such a row exactly as the in-sample run does."""
+    out = {}
+    for i, raw in enumerate(raws):
+        row = build_row(i, raw, rules=Rules())
+        if not row.reason and "layout" in row.free:
+            plan = predict(row)
+            if not plan.problems:
+                out[i] = plan.layout
+    return out
 
 
 def errors_under(raws: list[dict[str, str]], combos: list[Rules], workers: int
                  ) -> dict[Rules, list[float | None]]:
     """Every row's MFU error under every rule combination, rows spread over ``workers``
-    processes (the questions of one row do not depend on another's)."""
-    jobs = [(i, raw, combos) for i, raw in enumerate(raws)]
+    processes (the questions of one row do not depend on another's); rows with no published
+    layout evaluate the layout :func:`searched_layouts` finds (searched first, on as many
+    processes)."""
     if workers > 1:
         from concurrent.futures import ProcessPoolExecutor
         with ProcessPoolExecutor(workers) as pool:
-            per_row = list(pool.map(_row_under_every_rule, jobs))
+            free = [i for i, raw in enumerate(raws)
+                    if "layout" in build_row(i, raw, rules=Rules()).free]
+            found = pool.map(_searched_one, [(i, raws[i]) for i in free])
+            searched = {i: lo for i, lo in zip(free, found, strict=True) if lo is not None}
+            jobs = [(i, raw, combos, searched.get(i)) for i, raw in enumerate(raws)]
+            per_row = list(pool.map(_row_under_every_rule, jobs, chunksize=1))
     else:
-        per_row = [_row_under_every_rule(j) for j in jobs]
+        searched = searched_layouts(raws)
+        per_row = [_row_under_every_rule((i, raw, combos, searched.get(i)))
+                   for i, raw in enumerate(raws)]
     return {c: [per_row[i][k] for i in range(len(raws))] for k, c in enumerate(combos)}
+
+
+def _searched_one(args: tuple[int, dict[str, str]]) -> Layout | None:
+    i, raw = args
+    return searched_layouts([{}] * i + [raw]).get(i)
 
 
 def _fitness(errs: list[float | None], rows: list[int], rules: Rules) -> tuple:
@@ -673,6 +750,25 @@ def _fitness(errs: list[float | None], rows: list[int], rules: Rules) -> tuple:
     return (sum(x <= TOLERANCE for x in ok), sum(x <= 0.10 for x in ok),
             -sum(getattr(rules, t) for t in TOGGLES), rules.kernels == "eager",
             -_median(ok) if ok else -math.inf)
+
+
+def best_rules(candidates: list[Rules], errs: dict[Rules, list[float | None]],
+               rest: list[int], held: list[int], counts: dict[Rules, tuple[int, int]]
+               ) -> Rules:
+    """``max(candidates, key=_fitness on rest)`` -- the first of the best -- fast: the counts
+    within 20 % and 10 % on ``rest`` are ``counts`` (over rest + held) less those on ``held``,
+    and the median (the last tie-break) is computed only among the candidates tied before it.
+    """
+    def head(c: Rules) -> tuple:
+        e = [abs(x) for x in (errs[c][i] for i in held) if x is not None]
+        n20, n10 = counts[c]
+        return (n20 - sum(x <= TOLERANCE for x in e), n10 - sum(x <= 0.10 for x in e),
+                -sum(getattr(c, t) for t in TOGGLES), c.kernels == "eager")
+
+    heads = [head(c) for c in candidates]
+    top = max(heads)
+    tied = [c for c, h in zip(candidates, heads, strict=True) if h == top]
+    return max(tied, key=lambda c: _fitness(errs[c], rest, c))
 
 
 def leave_one_source_out(path: Path, workers: int = 1) -> dict[str, Any]:
@@ -692,13 +788,17 @@ def leave_one_source_out(path: Path, workers: int = 1) -> dict[str, Any]:
     sources = sorted({source_of(raws[i].get("source", "")) for i in scored})
 
     groups = row_groups(raws, scored)
+    counts = {}  # combination -> rows within 20 % and within 10 % over all scored rows
+    for c, e in errs.items():
+        ok = [abs(x) for x in (e[i] for i in scored) if x is not None]
+        counts[c] = (sum(x <= TOLERANCE for x in ok), sum(x <= 0.10 for x in ok))
 
     def score(candidates: list[Rules]) -> dict[str, Any]:
         out, held_errors = [], {}
         for src in sources:
             held = [i for i in scored if source_of(raws[i].get("source", "")) == src]
             rest = [i for i in scored if source_of(raws[i].get("source", "")) != src]
-            best = max(candidates, key=lambda c, rest=rest: _fitness(errs[c], rest, c))
+            best = best_rules(candidates, errs, rest, held, counts)
             e = [errs[best][i] for i in held]
             held_errors.update({i: errs[best][i] for i in held})
             out.append({"source": src, "rows": len(held), "rules": best.describe(),

@@ -78,8 +78,9 @@ def test_shipped_runs_accuracy_and_search(bench) -> None:  # noqa: ANN001
     (the rest for reasons naming a model cannot fix: no reported figure, no GPU count, TPUs,
     or a layout meshlm cannot express -- expert parallelism folded over tensor parallelism);
     on the 101 rows the model was built on, at least 80 % within 20 % of the reported MFU and
-    50 % within 10 % (one set of constants); over all rows, the 94 added on 2026-11-28
-    included (FP8 and MoE runs the model was not built on), at least 55 % within 20 %; and,
+    55 % within 10 % (one set of constants); over all rows, the 94 added on 2026-11-28
+    included (FP8 and MoE runs the model was not built on), at least 65 % within 20 % and
+    45 % within 10 % (70 % and 47 % on 2026-11-29); and,
     on the 8-GPU rows (the search is minutes on the large ones; the benchmark checks all),
     the search's first layout fits and is at least as fast as the published one."""
     report = bench.run(SHIPPED, do_search=False)
@@ -92,8 +93,9 @@ def test_shipped_runs_accuracy_and_search(bench) -> None:  # noqa: ANN001
     built_on = [r for r in report["rows"] if r["row"] <= 100]
     assert len(built_on) >= 95
     assert sum(r["within"] for r in built_on) >= 0.80 * len(built_on)
-    assert sum(abs(r["mfu_error"]) <= 0.10 for r in built_on) >= 0.50 * len(built_on)
-    assert s["within_20pct"] >= 0.55 * s["predicted"], s
+    assert sum(abs(r["mfu_error"]) <= 0.10 for r in built_on) >= 0.55 * len(built_on)
+    assert s["within_20pct"] >= 0.65 * s["predicted"], s
+    assert s["within_10pct"] >= 0.45 * s["predicted"], s
     assert s["published_rows"] >= 100 and s["completed_rows"] >= 25
     small = [r for r in report["rows"] if r["num_gpus"] == 8]
     assert len(small) >= 8
@@ -321,3 +323,29 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
     assert abs(expected) > 1e-3
     assert strict["gamma"]["errors"][0] == pytest.approx(expected, rel=1e-6)
     assert loso["strict"]["combinations"] == 2 * loso["combinations"]
+
+
+def test_fast_rule_choice_is_the_slow_one(bench) -> None:  # noqa: ANN001
+    """``best_rules`` (counts over all rows less the held-out ones; the median only among the
+    tied) picks exactly ``max(candidates, key=_fitness)`` -- the first of the best -- on
+    random errors with ties and unpredicted rows."""
+    import random
+    from itertools import product
+
+    rng = random.Random(0)
+    combos = [bench.Rules(kernels=k, **dict(zip(bench.TOGGLES, bits, strict=True)))
+              for k in bench.KERNEL_CHOICES
+              for bits in product((True, False), repeat=len(bench.TOGGLES))][::7]
+    n = 40
+    errs = {c: [None if rng.random() < 0.1 else rng.choice((0.05, 0.15, 0.3, -0.12))
+                for _ in range(n)] for c in combos}
+    scored = list(range(n))
+    counts = {}
+    for c, e in errs.items():
+        ok = [abs(x) for x in e if x is not None]
+        counts[c] = (sum(x <= bench.TOLERANCE for x in ok), sum(x <= 0.10 for x in ok))
+    for start in range(0, n, 5):
+        held = scored[start:start + 5]
+        rest = [i for i in scored if i not in held]
+        slow = max(combos, key=lambda c, rest=rest: bench._fitness(errs[c], rest, c))
+        assert bench.best_rules(combos, errs, rest, held, counts) == slow

@@ -117,3 +117,42 @@ def test_dualpipe_hides_expert_all_to_alls_behind_the_gemms() -> None:
     # all-to-alls
     assert b.items["comm: ep"] < 0.05 * a.items["comm: ep"]
     assert b.step == pytest.approx(a.step - (a.items["comm: ep"] - b.items["comm: ep"]))
+
+
+def test_megatron_core_overlaps_dp_reductions_and_splits_routed_rows_over_tp() -> None:
+    """``megatron-te`` (Megatron-Core): ZeRO-1 where a row states no stage, tp overlap
+    available; ``dp_overlap`` hides a pipelined step's gradient reduce-scatter behind the last
+    micro-batch's backward (without it the reduction waits for the flush: exposed whole) and
+    ZeRO-1's parameter all-gather behind the forward; ``experts_over_tp`` has each tp rank
+    compute and dispatch 1/tp of a MoE layer's routed rows."""
+    from meshlm.planner import evaluate
+    from meshlm.planner.stacks import layout_defaults
+
+    te = STACKS["megatron-te"]
+    assert layout_defaults(te) == {"zero": 1, "tp_overlap": True}
+    assert layout_defaults(te, overlap=False) == {"zero": 0, "tp_overlap": False}
+    assert layout_defaults(STACKS["torchtitan"]) == {"zero": 0, "tp_overlap": False}
+    opts = workload_options(te, "bf16 mixed")
+    assert opts["dp_overlap"] and opts["experts_over_tp"]
+    assert not workload_options(te, "bf16 mixed", overlap=False)["dp_overlap"]
+    assert not workload_options(STACKS["megatron"], "bf16 mixed")["dp_overlap"]
+
+    lo = Layout(dp=8, pp=4, zero=1, micro_batch=1)
+    plain = _work()
+    mcore = dataclasses.replace(plain, dp_overlap=True)
+    a, b = (evaluate(w, lo, H100, lo.world_size).time for w in (plain, mcore))
+    assert a.comm["dp"] == b.comm["dp"] > 0  # the same bytes, before overlap
+    assert a.items["comm: dp"] == pytest.approx(a.comm["dp"], rel=1e-9)  # after the flush
+    assert b.items["comm: dp"] < 0.5 * a.items["comm: dp"]
+    # ZeRO-2's reduce-scatter per micro-batch runs inside each backward, pipelined or not
+    z2 = Layout(dp=8, pp=4, zero=2, micro_batch=1)
+    c = evaluate(plain, z2, H100, z2.world_size).time
+    assert c.items["comm: dp"] < c.comm["dp"]
+
+    moe = _work(PRESETS["mixtral-8x7b"], dtype="bf16")
+    split = dataclasses.replace(moe, experts_over_tp=True)
+    lo = Layout(dp=8, tp=2, sp=True, ep=8, zero=1, micro_batch=1)
+    hw = CATALOGUE["h100-sxm"].with_(gpus_per_node=16)
+    x, y = (evaluate(w, lo, hw, lo.world_size).time for w in (moe, split))
+    assert y.volumes["all_to_all/ep"] == pytest.approx(x.volumes["all_to_all/ep"] / 2)
+    assert y.items["compute: gemm"] < x.items["compute: gemm"]

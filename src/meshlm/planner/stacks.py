@@ -6,7 +6,8 @@ whether the memory-bound kernels are fused, in which dtype gradients are reduced
 pipeline sends its boundary activations, how float8 casts run. Each of these is a property of
 the stack, stated once here and read from the row's ``stack`` value -- never from who published
 the run -- so a run from a publisher the planner has never seen is modelled by what it ran.
-:func:`workload_options` turns a stack into the planner's ``Workload`` fields.
+:func:`workload_options` turns a stack into the planner's ``Workload`` fields,
+:func:`layout_defaults` into the layout a row leaves blank.
 
 Stacks (the CSV's values):
 
@@ -17,7 +18,15 @@ Stacks (the CSV's values):
 - ``megatron-te``: Megatron-Core, NeMo or Megatron-LM with Transformer Engine (2023 on): as
   ``megatron``, and float8 casts fused into the norm / activation kernels that produce the
   GEMM inputs (``LayerNormLinear``, fused cast-transpose), amax kept by the kernels, the
-  routed experts' grouped linears in float8 too.
+  routed experts' grouped linears in float8 too. The distributed optimizer (ZeRO-1) where a
+  row states no stage, its gradient reduce-scatter overlapped with the backward of each model
+  chunk's last micro-batch and its parameter all-gather with the next forward
+  (``overlap_grad_reduce`` / ``overlap_param_gather``, on in NeMo's and Megatron-Bridge's
+  recipes, ``--overlap-grad-reduce`` in Megatron-LM), and Transformer Engine's
+  tensor-parallel communication overlap (userbuffers) available: a row that does not say
+  whether it used it is completed like a blank micro-batch. With tp > 1 a MoE layer's
+  routed rows are split over tp (each rank dispatches and computes 1/tp of them: sequence
+  parallelism's tokens, or expert tensor parallelism's share of each expert).
 - ``megatron-deepspeed``: Megatron's tensor parallelism under DeepSpeed's engine (MT-NLG,
   BLOOM): fused kernels, DeepSpeed's pipeline engine (whole activations between stages),
   gradients reduced in the 16-bit dtype.
@@ -66,6 +75,18 @@ class Stack:
     interleaved_vpp: int = 0  # stages per rank of an interleaved schedule without a split
     fp8_casts: str = "fused"  # float8 casts: "fused" into producers | "separate" kernels
     fp8_experts: bool = False  # a MoE layer's routed experts in float8 under an FP8 run
+    # Megatron-Core's overlap_grad_reduce / overlap_param_gather (on in NeMo's and Megatron-
+    # Bridge's recipes): each model chunk's gradient reduce-scatter starts as its last
+    # backward ends, pipelined or not, and the distributed optimizer's parameter all-gather
+    # runs under the next forward (Workload.dp_overlap)
+    dp_overlap: bool = False
+    zero_default: int = 0  # ZeRO stage of a row that states none (1: distributed optimizer)
+    # tensor-parallel communication overlapped with its GEMMs is available (Transformer
+    # Engine's userbuffers): a row that leaves ``tp_comm_overlap`` blank has it completed
+    tp_overlap: bool = False
+    # a MoE layer's routed rows split over tp (Megatron-Core's sequence-parallel token
+    # dispatch / expert tensor parallelism; Workload.experts_over_tp)
+    experts_over_tp: bool = False
 
     def fp32_grad_reduce(self, precision: str) -> bool:
         """Whether 16-bit training's gradients go over the wire in fp32 (``precision`` is the
@@ -79,7 +100,8 @@ STACKS: Registry[Stack] = Registry("stack")
 for _stack in (
     Stack("megatron", "Megatron-LM before Transformer Engine", "fused", True, "bf16-fp32"),
     Stack("megatron-te", "Megatron-Core / NeMo with Transformer Engine", "fused", True,
-          "bf16-fp32", fp8_experts=True),
+          "bf16-fp32", fp8_experts=True, dp_overlap=True, zero_default=1, tp_overlap=True,
+          experts_over_tp=True),
     Stack("megatron-deepspeed", "Megatron's tensor parallelism under DeepSpeed", "fused", False,
           "16bit"),
     Stack("gpt-neox", "EleutherAI's GPT-NeoX (Megatron-DeepSpeed)", "fused", False, "16bit"),
@@ -108,7 +130,7 @@ FP8_RECIPE_SCALING = {"delayed": "tensorwise", "current": "tensorwise",
 
 def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
                      loss: bool = True, grad_reduce: bool = True, fp8: bool = True,
-                     fp8_recipe: str = "") -> dict[str, Any]:
+                     fp8_recipe: str = "", overlap: bool = True) -> dict[str, Any]:
     """The planner ``Workload`` fields a run on ``stack`` implies (``precision`` the run's
     precision text, ``fp8_recipe`` its scaling, one of :data:`FP8_RECIPE_SCALING` or blank);
     each switch off leaves its fields at the planner's generic default (the published-runs
@@ -123,7 +145,18 @@ def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
             "p2p_split": pipeline_split and stack.p2p_split,
             "loss": stack.loss if loss else "torch",
             "fp32_grad_reduce": grad_reduce and stack.fp32_grad_reduce(precision),
-            "grad_accum_pass": grad_reduce and stack.grad_accum_pass}
+            "grad_accum_pass": grad_reduce and stack.grad_accum_pass,
+            "dp_overlap": overlap and stack.dp_overlap,
+            "experts_over_tp": overlap and stack.experts_over_tp}
 
 
-__all__ = ["FP8_CASTS", "FP8_RECIPE_SCALING", "STACKS", "Stack", "workload_options"]
+def layout_defaults(stack: Stack, overlap: bool = True) -> dict[str, Any]:
+    """What a run on ``stack`` implies for the layout where the row does not say: the ZeRO
+    stage (``zero``) and whether tensor-parallel communication overlap is available to
+    complete a blank (``tp_overlap``); ``overlap`` off: neither (the generic defaults)."""
+    return {"zero": stack.zero_default if overlap else 0,
+            "tp_overlap": overlap and stack.tp_overlap}
+
+
+__all__ = ["FP8_CASTS", "FP8_RECIPE_SCALING", "STACKS", "Stack", "layout_defaults",
+           "workload_options"]

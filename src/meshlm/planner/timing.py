@@ -61,8 +61,12 @@ do it:
 
 - the ZeRO stage's messages and what hides them are its description's
   (``parallel/zero_cost.py``: bucketed beside the last backward, beside each backward, after
-  the optimizer step, ZeRO-3's prefetched gathers); with pipelining gradients are reduced
-  after the flush (meshlm and Megatron): exposed;
+  the optimizer step, ZeRO-3's prefetched gathers); with pipelining a once-per-step
+  gradient reduction runs after the flush (meshlm, Megatron before Megatron-Core's
+  overlap_grad_reduce): exposed, while ZeRO-2's reduce-scatter per micro-batch stays inside
+  each backward; a stack that overlaps them (``Workload.dp_overlap``: Megatron-Core) hides
+  the reduction behind the last micro-batch's backward and ZeRO-1's parameter all-gather
+  behind the next forward;
 - hybrid sharding (``dp_shard`` < dp): ZeRO's reduce-scatters and all-gathers run within the
   shard group (dp_shard x cp ranks, ``tp`` apart: inside a node when tp x dp_shard x cp <= GPUs
   per node), and the replicas' all-reduce of each gradient shard (experts: over edp_shard)
@@ -310,7 +314,9 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     lin = proj.linears(c, t)
     casts = 0.0  # float8 casts' traffic (precision_cost.py)
     if moe:
-        routed = tokens * c.moe_topk  # balanced router: each rank computes this many rows
+        # balanced router: each rank computes this many rows (1/tp of them where the stack
+        # splits the routed rows over tensor parallelism: Workload.experts_over_tp)
+        routed = tokens * c.moe_topk / (t if work.experts_over_tp else 1)
         fe = c.expert_hidden
         # each local expert's rows by its own weights (models/moe_cost.py: the kernel family)
         kernel = EXPERT_KERNELS[work.experts]
@@ -512,9 +518,17 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     fwd = RECOMPUTE[lo.recompute].forwards
     ev = []
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
-        routed = tokens * c.moe_topk * c.dim * a
-        ev.append(CommEvent("ep", "all_to_all", "ep", routed, 2 * (fwd + 1) * moe * m, lo.ep,
-                            lo.tp, "gemm" if work.ep_overlap else "exposed"))
+        routed = tokens * c.moe_topk * c.dim * a / (lo.tp if work.experts_over_tp else 1)
+        calls = 2 * (fwd + 1) * moe * m
+        # hidden behind the other micro-batch's GEMMs: all of them where the run says so
+        # (Workload.ep_overlap), else the share of this rank's passes its schedule pairs
+        # (DualPipeV's overlapped forward + backward: parallel/overlap.py)
+        hidden = 1.0 if work.ep_overlap else (
+            SCHEDULES[lo.pp_schedule].paired(lo.pp, m, stage) if lo.pp > 1 else 0.0)
+        for share, how in ((hidden, "gemm"), (1.0 - hidden, "exposed")):
+            if share > 0:
+                ev.append(CommEvent("ep", "all_to_all", "ep", routed, calls * share, lo.ep,
+                                    lo.tp, how))
         if not c.moe_capacity:  # dropless: split sizes first (int64 per rank and expert)
             ev.append(CommEvent("ep", "all_gather", "ep", 8 * lo.ep * c.moe_experts,
                                 fwd * moe * m, lo.ep, lo.tp, "exposed"))
@@ -617,7 +631,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
                "gemm": mb_items.get("gemm", 0.0) * m,
                "attention": mb_items.get("attention", 0.0) * m,
                "layers": stage_blocks(work, lo, slow)}
-    for name, v in exposed_comm(events, hw, lo, windows).items():
+    for name, v in exposed_comm(events, hw, lo, windows, work.dp_overlap).items():
         out.items[f"comm: {name}"] = v
 
     p = stage_params(work, lo, slow)
@@ -673,11 +687,15 @@ def offload_time(lo: Layout, hw: Accelerator, rates: Rates, owned: float,
 
 
 def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
-                 win: dict[str, float]) -> dict[str, float]:
+                 win: dict[str, float], dp_overlap: bool = False) -> dict[str, float]:
     """Seconds per dimension that no computation hides (overlap rules: module docstring).
 
     ``win`` holds the step's forward / backward time, the last micro-batch's backward, the
-    GEMM and attention time, and the number of layers of the stage.
+    GEMM and attention time, and the number of layers of the stage. With pipelining, a
+    once-per-step gradient reduction waits for the flush -- unless ``dp_overlap`` (Megatron-
+    Core's overlap_grad_reduce: it hides behind the last micro-batch's backward, as without
+    pipelining); a reduce-scatter per micro-batch (ZeRO-2) runs inside each backward either
+    way. ``dp_overlap`` also hides ZeRO-1's parameter all-gather behind the next forward.
     """
     exposed: dict[str, float] = {}
     budget = {"gemm": win["gemm"], "attention": win["attention"]}
@@ -690,8 +708,12 @@ def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
         per_call = e.seconds / max(e.calls, 1)
         if e.overlap == "free":
             continue
-        if not hw.overlap or e.overlap == "exposed" or (e.name == "dp" and lo.pp > 1
-                                                         and e.overlap != "zero3"):
+        if (dp_overlap and hw.overlap and e.name == "dp" and e.op == "all_gather"
+                and e.overlap == "exposed"):  # ZeRO-1's gather under the next forward
+            add(e.name, e.seconds - win["fwd"])
+        elif not hw.overlap or e.overlap == "exposed" or (
+                e.name == "dp" and lo.pp > 1 and e.overlap == "last_backward"
+                and not dp_overlap):
             add(e.name, e.seconds)  # with pipelining gradients are reduced after the flush
         elif e.overlap == "last_backward":
             # buckets reduce while backward continues; the last bucket waits at the end

@@ -154,9 +154,19 @@ class Workload:
     fp8_experts: bool = False
     # expert parallelism's all-to-alls overlapped with another micro-batch's computation
     # (DualPipe's paired forward and backward, DeepSeek-V3 sec. 3.2.1): they hide behind the
-    # step's GEMMs instead of being exposed. meshlm's executor runs DualPipeV's pairs one pass
-    # after the other, so its own plans leave this off.
+    # step's GEMMs instead of being exposed. meshlm's own plans leave this off: under
+    # DualPipeV the planner hides the share of a rank's passes the table pairs
+    # (parallel/schedule_cost.py, ``paired``), as meshlm's executor runs them.
     ep_overlap: bool = False
+    # the stack overlaps data-parallel reductions with a pipeline's backward too and ZeRO-1's
+    # parameter all-gather with the next forward (Megatron-Core's overlap_grad_reduce /
+    # overlap_param_gather; planner/stacks.py). meshlm reduces after the pipeline's flush.
+    dp_overlap: bool = False
+    # a MoE layer's routed rows are split over tensor parallelism (Megatron-Core: with
+    # sequence parallelism each tp rank routes its own tokens, and the expert-tensor-parallel
+    # alternative splits each expert's width instead -- the same share of the FLOPs):
+    # each rank computes and dispatches 1/tp of the routed rows. meshlm replicates them.
+    experts_over_tp: bool = False
     # document masking (data.doc_mask): the mean document length in tokens (0: no masking);
     # the attention kernel and the sliding window are the model's (model.attention, its
     # description in models/attention_spec.py; model.sliding_window)
