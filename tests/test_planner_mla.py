@@ -365,3 +365,27 @@ def test_plan_of_deepseek_v3_is_fast_and_torch_free_text() -> None:
     plan = evaluate(work, Layout(pp=16, dp=128, ep=64, zero=1, micro_batch=1), H800)
     assert time.perf_counter() - start < 1.0
     assert plan.time is not None and plan.time.mfu > 0
+
+
+def test_dualpipev_hides_the_paired_share_of_expert_all_to_alls() -> None:
+    """Under DualPipeV meshlm's executor runs each paired forward + backward as two lanes
+    taking turns at their expert all-to-alls (parallel/overlap.py): the planner books that
+    share of each rank's all-to-alls as hidden behind the GEMMs, the rest exposed -- the same
+    bytes as ZB-V, the same V placement."""
+    from meshlm.parallel.schedule_cost import SCHEDULES
+    from meshlm.planner.timing import moe_events
+
+    c = PRESETS["deepseek-v2-lite"]
+    work = Workload(ModelSpec(c), 4096, 64, dtype="bf16", states="mixed")
+    m = 16
+    for r in range(4):
+        v_shape = {sched: moe_events(work, Layout(pp=4, pp_virtual=2, pp_schedule=sched, dp=8,
+                                                  ep=8, micro_batch=1), r, 4096, m)
+                   for sched in ("zbv", "dualpipev")}
+        a2a = {sched: {e.overlap: e.calls for e in ev if e.op == "all_to_all"}
+               for sched, ev in v_shape.items()}
+        total = a2a["zbv"]["exposed"]
+        share = SCHEDULES["dualpipev"].paired(4, m, r)
+        assert 0 < share < 1
+        assert a2a["dualpipev"]["gemm"] == pytest.approx(total * share)
+        assert a2a["dualpipev"]["exposed"] == pytest.approx(total * (1 - share))
