@@ -173,7 +173,7 @@ def test_mla_projections_under_tensor_parallelism() -> None:
     assert items["latents"] == (2 * (1536 + 512) + 64) * 2 * 4096
 
 
-# tp 2 runs whose comm log the planner's tp bytes must equal (tiny dense models, fp32, two
+# tp 2 runs whose comm log the planner's tp bytes must equal (tiny models, fp32, two
 # micro-batches per step): (name, arguments)
 MLA_ARGS = ["--model.n_heads=4", "--model.n_kv_heads=4", "--model.q_lora_rank=32",
             "--model.kv_lora_rank=16", "--model.qk_nope_head_dim=16",
@@ -181,6 +181,7 @@ MLA_ARGS = ["--model.n_heads=4", "--model.n_kv_heads=4", "--model.q_lora_rank=32
 TP2 = ["--parallel.tp=2"]
 SP2 = [*TP2, "--parallel.sp=true"]
 FULL = ["--train.recompute=full"]
+MOE_ARGS = ["--model.moe_experts=4", "--model.moe_topk=2", "--model.moe_ffn_hidden=64"]
 TP_RUNS = [
     ("mla", [*MLA_ARGS, *TP2]),
     ("mla-sp-full", [*MLA_ARGS, *SP2, *FULL]),
@@ -190,6 +191,9 @@ TP_RUNS = [
     ("gqa-mtp2", ["--model.mtp_depth=2", *TP2]),
     ("qk-norm-mtp1-sp", ["--model.qk_norm=true", "--model.mtp_depth=1", *SP2]),
     ("gqa-sp-full", [*SP2, *FULL]),
+    ("moe-tp", [*MOE_ARGS, *TP2]),
+    ("moe-first-dense-shared-sp-full", [*MOE_ARGS, "--model.moe_first_dense=1",
+                                        "--model.moe_shared_experts=1", *SP2, *FULL]),
 ]
 SEQ, BATCH, MICRO = 48, 4, 2
 
@@ -199,7 +203,8 @@ def test_tensor_parallel_bytes_equal_the_comm_log(corpus_dir: Path, cache_dir: P
     """Per step, every tp collective's bytes (``op/tp``) the planner counts equal a tp 2 run's
     comm log: MLA's latent entry (tp, sp, a second forward under full recomputation), MTP's
     lookups, ``proj`` and head passes (over GQA and over MLA without a query latent, tp and
-    sp, the chunked loss) and Qwen3's head-shared norms.
+    sp, the chunked loss), Qwen3's head-shared norms and a MoE layer's routing weights (their
+    fp32 gradient summed over tp; with a dense first layer and a shared expert).
 
     Error model: both sides are tensor shapes times 4 bytes (fp32), so they agree exactly, but
     for one term the planner counts on purpose for every framework: under full recomputation

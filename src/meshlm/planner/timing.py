@@ -532,6 +532,10 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
         if not c.moe_capacity:  # dropless: split sizes first (int64 per rank and expert)
             ev.append(CommEvent("ep", "all_gather", "ep", 8 * lo.ep * c.moe_experts,
                                 fwd * moe * m, lo.ep, lo.tp, "exposed"))
+    if lo.tp > 1:  # the routing weights' f (parallel/tensor.py's TensorParallelDispatcher):
+        # their fp32 gradient summed over tp in backward, T k values per MoE layer
+        ev.append(CommEvent("tp", "all_reduce", "tp", tokens * c.moe_topk * 4, moe * m, lo.tp,
+                            1, "gemm" if lo.tp_overlap else "exposed"))
     if c.moe_aux_loss_coef and c.moe_balance == "aux" and lo.dp * lo.cp > 1:
         ev.append(CommEvent("dp", "all_reduce", "dp_cp" if lo.cp > 1 else "dp",
                             8 * c.moe_experts, fwd * moe * m, lo.dp * lo.cp, lo.tp, "exposed"))
