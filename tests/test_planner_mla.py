@@ -237,6 +237,43 @@ def test_tensor_parallel_bytes_equal_the_comm_log(corpus_dir: Path, cache_dir: P
     assert not failures, failures
 
 
+CP_RUNS = [
+    ("mtp2-cp2-dp2-docs", ["--model.mtp_depth=2", "--parallel.cp=2", "--parallel.dp=2",
+                           "--parallel.cp_attention=zigzag", "--data.doc_mask=true"]),
+    ("mtp1-cp4-ulysses", ["--model.mtp_depth=1", "--parallel.cp=4",
+                          "--parallel.cp_attention=ulysses"]),
+]
+
+
+def test_multi_token_step_collectives_equal_the_comm_log(corpus_dir: Path, cache_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """Multi-token prediction's once-per-step collectives (``MTPCost.step_collectives``): the
+    step's targets gathered over cp (int64, whole sequences) and, under document masking, the
+    counted predictions of each depth summed over dp (float64) -- with the cp attention
+    collectives of its blocks, every ``/cp`` and ``/dp`` byte the planner counts equals a
+    world-4 run's comm log (both sides are tensor shapes times their item size: exact)."""
+    base = ["--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
+            "--data.vocab_size=512", f"--data.seq_len={SEQ}", "--train.steps=1",
+            f"--train.global_batch={BATCH}", f"--train.micro_batch={MICRO // 2}",
+            "--train.warmup_steps=0", "--train.eval_every=0", "--run.sample_tokens=0",
+            "--train.peak_flops=1e10"]
+    runs = [[*args, f"--run.dir={tmp_path / name}"] for name, args in CP_RUNS]
+    run_world(4, train_runs, base, runs)
+    for (name, args), run in zip(CP_RUNS, runs, strict=True):
+        cfg = load_config(None, base + run)
+        model = cfg.model_config(512)
+        work = Workload(ModelSpec(model), SEQ, BATCH, dtype="fp32", states="fp32",
+                        doc_len=100.0 if "--data.doc_mask=true" in args else 0.0)
+        planned = comm_volumes(work, cfg.layout())
+        measured = read_metrics(tmp_path / name / "metrics.jsonl")[-1]["comm_bytes"]
+        keys = {k for k in set(planned) | set(measured) if k.endswith(("/cp", "/dp"))}
+        assert "all_gather/cp" in keys, (name, measured)
+        assert {k: measured.get(k) for k in keys} == {k: planned.get(k) for k in keys}, name
+    without = comm_volumes(Workload(ModelSpec(model.with_(mtp_depth=0)), SEQ, BATCH,
+                                    dtype="fp32", states="fp32"), cfg.layout())
+    assert "all_gather/cp" not in without
+
+
 def test_mla_attention_time_counts_scores_over_qk_and_values_over_v() -> None:
     """The attention seconds scale with (qk + v) per head (same head width: same rate)."""
     base = TINY.with_(**_MLA, dim=256, max_seq_len=4096)

@@ -275,6 +275,7 @@ def apply_auto_layout(cfg, world_size: int):  # noqa: ANN001, ANN201
 
 
 def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
+    from .models.config import ModelConfig
     from .models.presets import PRESETS
 
     if rest:
@@ -287,11 +288,10 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
             "preset": name, "params": mc.num_params(), "active_params": mc.num_params(active=True),
             "layers": mc.n_layers, "dim": mc.dim, "heads": mc.n_heads, "kv_heads": mc.n_kv_heads,
             "experts": mc.moe_experts, "flops_per_token": mc.flops_per_token(args.seq_len),
-            "vocab": mc.vocab_size, "attention": "MLA" if mc.is_mla else "GQA",
-            # multi-token prediction: apart from the totals (published totals leave it out);
-            # its embedding and head are the model's, its FLOPs are in flops_per_token
-            "mtp_depth": mc.mtp_depth, "mtp_params": mc.mtp_params(),
-            "mtp_active_params": mc.mtp_params(active=True),
+            "vocab": mc.vocab_size, "attention": mc.attention_layer.upper(),
+            # the techniques' extra modules: apart from the totals (published totals leave
+            # them out); their FLOPs are in flops_per_token
+            **mc.info(),
         })
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -300,21 +300,24 @@ def cmd_info(args: argparse.Namespace, rest: list[str]) -> int:
     from rich.table import Table
 
     table = Table(title=f"meshlm {__version__} presets (training FLOPs/token at seq {args.seq_len})")
+    extra = ModelConfig.info_columns()  # (header, what, depth, total, active) of extra modules
     table.caption = ("params at each preset's vocabulary (vocab); meshlm train sizes the "
-                     "embedding and head to its tokenizer's (the default corpus: 4096 ids); "
-                     "params and active leave out multi-token prediction (MTP: its own "
-                     "parameters, total / active; its FLOPs are in FLOPs/token)")
-    cols = ("preset", "params", "active", "MTP", "vocab", "layers", "dim", "heads/kv",
-            "experts", "FLOPs/token")
+                     "embedding and head to its tokenizer's (the default corpus: 4096 ids)"
+                     + "".join(f"; params and active leave out {what} ({h}: its own "
+                               "parameters, total / active; its FLOPs are in FLOPs/token)"
+                               for h, what, *_ in extra))
+    cols = ("preset", "params", "active", *(h for h, *_ in extra), "vocab", "layers", "dim",
+            "heads/kv", "experts", "FLOPs/token")
     for col in cols:
         table.add_column(col, justify="left" if col == "preset" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             r["preset"], _human(r["params"]), _human(r["active_params"]),
-            (f"{_human(r['mtp_params'])} / {_human(r['mtp_active_params'])}"
-             if r["mtp_depth"] else "-"), f"{r['vocab']:,}",
+            *((f"{_human(r[total])} / {_human(r[active])}" if r[depth] else "-")
+              for _, _, depth, total, active in extra), f"{r['vocab']:,}",
             str(r["layers"]), str(r["dim"]),
-            f"{r['heads']}/{r['kv_heads']}" + (" MLA" if r["attention"] == "MLA" else ""),
+            f"{r['heads']}/{r['kv_heads']}" + (f" {r['attention']}" if r["attention"] != "GQA"
+                                               else ""),
             str(r["experts"] or "-"), _human(r["flops_per_token"]),
         )
     Console(width=None if sys.stdout.isatty() else 140).print(table)

@@ -799,9 +799,8 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
            f"parallel.offload={p.offload} offloads AdamW moments: it needs train.optimizer=adamw")
     _check(d.seq_len <= mc.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={mc.max_seq_len}")
-    _check(d.seq_len > mc.mtp_depth + 1,
-           f"data.seq_len={d.seq_len} leaves no target for multi-token prediction depth "
-           f"model.mtp_depth={mc.mtp_depth} (needs seq_len > mtp_depth + 1)")
+    for problem in mc.run_problems(d.seq_len):
+        _check(False, problem)
     if d.path and check_paths:
         _check(Path(d.path).expanduser().exists(), f"data.path={d.path!r} does not exist")
     if d.tokenizer and check_paths:

@@ -238,10 +238,7 @@ class Layout:
         return out
 
     def _model_problems(self, c: ModelConfig, strict: bool, k: _Names) -> list[str]:
-        # (multi-head latent attention has a key and a value head per query head: n_kv_heads
-        # plays no part)
-        heads = (("n_heads", "query heads"),) if c.is_mla else (
-            ("n_heads", "query heads"), ("n_kv_heads", "KV heads"))
+        heads = c.tp_split_heads()
         out = [f"{k('tp')}={self.tp} does not divide {k(key)}={getattr(c, key)}"
                for key in (*(h for h, _ in heads), "ffn_hidden") if getattr(c, key) % self.tp]
         if self.cp > 1 and self.cp_attention == "ulysses" and not out:

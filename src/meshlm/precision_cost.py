@@ -46,9 +46,10 @@ so they are counted here.
 
 **Float8 as a stack runs it** (the planner's ``megatron`` profile, ``planner/stacks.py``): the
 linears' GEMMs at the accelerator's float8 rate; the LM head, the router, attention's scores
-and MTP's projections in the rest dtype (no published stack runs them in float8: Transformer
-Engine's Megatron output layer is not a TE module, torchao's converter skips ``output``,
-DeepSeek-V3 keeps the head, the gating and attention in BF16, its sec. 3.3.1); the routed
+and the extra training heads' linears in the rest dtype (no published stack runs them in
+float8: Transformer Engine's Megatron output layer is not a TE module, torchao's converter
+skips ``output``, DeepSeek-V3 keeps the head, the gating and attention in BF16, its sec.
+3.3.1); the routed
 experts in float8 where the stack's grouped linears are (Transformer Engine, DeepSeek-V3).
 The casts move :data:`FP8_CAST_TRAFFIC` bytes per element of each cast operand beyond the
 GEMMs (:meth:`PrecisionCost.cast_traffic`): none where they are fused into the kernels that

@@ -9,24 +9,17 @@ FLOP convention (PaLM, Chowdhery et al. 2022, appendix B): per trained token,
 weight that takes part in a matmul for that token (active experts only, the LM head included,
 the embedding lookup excluded) and the second term is the attention score and value matmuls
 (no discount for the causal mask; a sliding window ``W`` shorter than the sequence counts
-``W`` keys per query, all a query can see). With multi-head latent attention (DeepSeek-V2/V3)
-the scores run over ``qk = qk_nope_head_dim + qk_rope_head_dim`` features and the values over
-``v_head_dim``: ``6 * n_layers * n_heads * (qk + v) * seq_len``.
+``W`` keys per query, all a query can see). Attention parameters per layer (grouped-query
+attention): ``dim * (n_heads + 2 n_kv_heads) * hd + n_heads * hd * dim``; Qwen3's query/key
+norms add ``2 * head_dim``. Norms are parameters but no matmul weights.
 
-Parameters of MLA's attention per layer (the names of ``models/mla.py``): the query path
-``dim * q_lora + q_lora + q_lora * n_heads * qk`` (``wq_a``, ``q_a_norm``, ``wq_b``; without a
-query latent ``dim * n_heads * qk``, ``wq``), the key/value path
-``dim * (kv_lora + rope) + kv_lora + kv_lora * n_heads * (nope + v)`` (``wkv_a``, ``kv_a_norm``,
-``wkv_b``) and the output ``n_heads * v * dim`` (``wo``); Qwen3's query/key norms add
-``2 * head_dim``. Norms are parameters but no matmul weights.
-
-Multi-token prediction (``mtp_depth`` > 0, DeepSeek-V3) is not in :meth:`num_params`, as the
-published totals leave it out (DeepSeek-V3: 671 B without its MTP module): each depth is
-``enorm``, ``hnorm`` (``2 dim``), ``proj`` (``2 dim * dim``), one decoder block (layer id
-``n_layers + k``, MoE when the model is) and a ``norm`` (``dim``), counted by
-:meth:`mtp_params`; the embedding and the LM head are shared. Its matmuls run in training, so
-:meth:`flops_per_token` counts them: ``proj``, the block (with its attention) and the LM head
-once more per depth.
+Techniques that change the shape (another attention layer, extra blocks after the main model)
+are bases of :class:`ModelConfig`, listed in ``models/techniques.py``: each brings its config
+keys and overrides the hooks of :class:`ModelShape` it changes (the head widths, the attention
+parameters and FLOPs, ``extra_blocks``, ``extra_params``, ``extra_matmul_params``), so every
+count here includes it. Modules that published totals leave out are not in
+:meth:`~ModelShape.num_params` but in :meth:`~ModelShape.extra_params`; their matmuls run in
+training, so :meth:`~ModelShape.flops_per_token` counts them.
 """
 
 from __future__ import annotations
@@ -37,14 +30,16 @@ from typing import Any
 from ..schema import declare
 from . import flex_spec  # noqa: F401  (registers flex's description)
 from .attention_spec import SPECS
+from .techniques import KEYS
 
 MOE_BALANCE = ("aux", "seq_aux", "bias")  # load-balancing methods (models/moe.py)
 MOE_SCORES = ("softmax", "sigmoid")  # router scores (Mixtral / Qwen3-MoE, DeepSeek-V3)
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a Llama-style decoder, dense or Mixture-of-Experts."""
+class ModelShape:
+    """Shape of a Llama-style decoder, dense or Mixture-of-Experts, with grouped-query
+    attention and no extra blocks: :class:`ModelConfig` adds the techniques' keys and hooks."""
 
     name: str = "custom"
     vocab_size: int = 4096
@@ -102,20 +97,6 @@ class ModelConfig:
     moe_topk_group: int = declare(1, doc="best groups the top-k is chosen inside (DeepSeek-V3: 4)")
     moe_routed_scale: float = declare(
         1.0, doc="scale of the routed experts' output (DeepSeek-V3's routed_scaling_factor)")
-    # Multi-head latent attention (DeepSeek-V2/V3) when kv_lora_rank > 0: keys and values from
-    # a compressed latent of kv_lora_rank (with its RMSNorm), queries through a q_lora_rank
-    # latent (0: a direct projection, DeepSeek-V2-Lite); each head's query/key is a
-    # qk_nope_head_dim part and a qk_rope_head_dim rotary part (the rotary key shared by all
-    # heads), its value v_head_dim wide
-    q_lora_rank: int = declare(0, doc="width of MLA's query latent (0: a direct query projection)")
-    kv_lora_rank: int = declare(
-        0,
-        doc="width of MLA's key-value latent (0: grouped-query attention, > 0: multi-head "
-            "latent attention)")
-    qk_nope_head_dim: int = declare(0, doc="MLA: the non-rotary part of a query/key head")
-    qk_rope_head_dim: int = declare(
-        0, doc="MLA: the rotary part of a query/key head (its key shared by all heads)")
-    v_head_dim: int = declare(0, doc="MLA: the width of a value head")
     # YaRN rotary scaling (Peng et al. 2023; DeepSeek-V3's rope_scaling) when rope_factor > 1:
     # the context rope_original_max_len was trained at, stretched rope_factor times
     rope_factor: float = declare(
@@ -131,15 +112,6 @@ class ModelConfig:
     # RMSNorm of each head's query and key before the rotation (Qwen3)
     qk_norm: bool = declare(
         False, doc="RMSNorm of each head's query and key before the rotation (Qwen3)")
-    # Multi-token prediction (DeepSeek-V3): mtp_depth extra modules, depth k predicting the
-    # token k + 1 ahead; their mean loss enters the objective times mtp_loss_weight
-    mtp_depth: int = declare(
-        0,
-        doc="multi-token prediction modules (DeepSeek-V3: 1); depth k predicts the token k + "
-            "1 ahead")
-    mtp_loss_weight: float = declare(
-        0.3, doc="weight of the multi-token prediction loss (mean over depths) in the objective")
-
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
@@ -162,15 +134,12 @@ class ModelConfig:
             out.append(f"model.moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0")
         if out:
             return out
-        if not self.is_mla and self.head_dim == 0 and self.dim % self.n_heads:
-            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        out += self.head_problems()
         if self.n_heads % self.n_kv_heads:
             out.append(
                 f"model.n_heads={self.n_heads} is not divisible by "
                 f"model.n_kv_heads={self.n_kv_heads} (grouped-query attention)"
             )
-        if not self.is_mla and self.hd % 2:
-            out.append(f"head dimension {self.hd} must be even for rotary embeddings")
         if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_topk <= self.moe_experts):
             out.append(
                 f"model.moe_topk={self.moe_topk} must lie in [1, moe_experts={self.moe_experts}]"
@@ -188,7 +157,7 @@ class ModelConfig:
             out.append(f"model.attention={self.attention!r} is not one of {', '.join(SPECS)}")
         if self.moe_first_dense > self.n_layers:
             out.append(f"model.moe_first_dense={self.moe_first_dense} exceeds n_layers")
-        return out + self._routing_problems() + self._mla_problems() + self._mtp_problems()
+        return out + self._routing_problems() + self._rope_problems() + self.technique_problems()
 
     def _routing_problems(self) -> list[str]:
         out: list[str] = []
@@ -210,23 +179,11 @@ class ModelConfig:
                        f"model.moe_topk_group={tg} groups ({tg * (self.moe_experts // g)})")
         return out
 
-    def _mla_problems(self) -> list[str]:
+    def _rope_problems(self) -> list[str]:
         out: list[str] = []
-        for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                  "v_head_dim", "rope_original_max_len"):
-            if getattr(self, f) < 0:
-                out.append(f"model.{f} must be >= 0, got {getattr(self, f)}")
-        if self.is_mla:
-            for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                if getattr(self, f) <= 0:
-                    out.append(f"model.{f}={getattr(self, f)} must be positive with multi-head "
-                               f"latent attention (model.kv_lora_rank={self.kv_lora_rank})")
-            if self.qk_rope_head_dim % 2:
-                out.append(f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for "
-                           "rotary embeddings")
-        elif self.q_lora_rank:
-            out.append(f"model.q_lora_rank={self.q_lora_rank} needs multi-head latent "
-                       "attention (model.kv_lora_rank > 0)")
+        if self.rope_original_max_len < 0:
+            out.append(f"model.rope_original_max_len must be >= 0, got "
+                       f"{self.rope_original_max_len}")
         if self.rope_factor < 1:
             out.append(f"model.rope_factor={self.rope_factor} must be >= 1 (1: no YaRN scaling)")
         elif self.rope_factor > 1 and self.rope_original_max_len <= 0:
@@ -234,14 +191,52 @@ class ModelConfig:
                        "(the context the model was trained at before YaRN)")
         return out
 
-    def _mtp_problems(self) -> list[str]:
+    # ------------------------------------------------------- hooks of the techniques
+    # A technique that changes the shape is a base of ModelConfig (models/techniques.py) and
+    # overrides these, calling super() for what it does not change.
+    def technique_problems(self) -> list[str]:
+        """Inconsistencies of the techniques' own keys."""
+        return []
+
+    def head_problems(self) -> list[str]:
+        """Inconsistencies of the attention heads' widths."""
         out: list[str] = []
-        if self.mtp_depth < 0:
-            out.append(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0: no multi-token "
-                       "prediction)")
-        if self.mtp_loss_weight < 0:
-            out.append(f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
+        if self.head_dim == 0 and self.dim % self.n_heads:
+            out.append(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.hd % 2:
+            out.append(f"head dimension {self.hd} must be even for rotary embeddings")
         return out
+
+    def run_problems(self, seq_len: int) -> list[str]:
+        """Inconsistencies with the training sequence length (``data.seq_len``)."""
+        return []
+
+    def extra_blocks(self) -> int:
+        """Decoder blocks the techniques add after the ``n_layers`` of the main model."""
+        return 0
+
+    def extra_params(self, active: bool = False) -> int:
+        """Parameters of modules the techniques add that published totals leave out."""
+        return 0
+
+    def extra_matmul_params(self) -> int:
+        """Matmul weights per trained token of those modules (their blocks' attention is
+        counted through :attr:`n_blocks`)."""
+        return 0
+
+    def info(self) -> dict[str, Any]:
+        """Fields the techniques add to ``meshlm info``."""
+        return {}
+
+    @classmethod
+    def info_columns(cls) -> list[tuple[str, str, str, str, str]]:
+        """``meshlm info``'s columns of extra modules: (header, what they are, depth field,
+        total field, active field), each field one of :meth:`info`'s."""
+        return []
+
+    def tp_split_heads(self) -> tuple[tuple[str, str], ...]:
+        """(key, what) of each head count tensor parallelism splits."""
+        return (("n_heads", "query heads"), ("n_kv_heads", "KV heads"))
 
     # ----------------------------------------------------------------- derived
     @property
@@ -250,20 +245,15 @@ class ModelConfig:
         return self.head_dim or self.dim // self.n_heads
 
     @property
-    def is_mla(self) -> bool:
-        """Multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query attention."""
-        return self.kv_lora_rank > 0
-
-    @property
     def attention_layer(self) -> str:
-        """The kind of attention layer, as ``models/attention_cost.py`` describes it: "mla"
-        (multi-head latent attention) or "gqa" (grouped-query attention)."""
-        return "mla" if self.is_mla else "gqa"
+        """The kind of attention layer, as ``models/attention_cost.py`` describes it ("gqa":
+        grouped-query attention; a technique's layer names its own)."""
+        return "gqa"
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions of a query/key head that are rotated (MLA: only its rotary part)."""
-        return self.qk_rope_head_dim if self.is_mla else self.hd
+        """Dimensions of a query/key head that are rotated."""
+        return self.hd
 
     @property
     def is_moe(self) -> bool:
@@ -275,6 +265,12 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.moe_first_dense
+
+    @property
+    def n_blocks(self) -> int:
+        """Decoder blocks the model holds: its ``n_layers`` and those techniques add after them
+        (ids ``n_layers`` ... ``n_blocks - 1``)."""
+        return self.n_layers + self.extra_blocks()
 
     @property
     def n_moe_layers(self) -> int:
@@ -294,33 +290,21 @@ class ModelConfig:
     # ----------------------------------------------------------------- counts
     @property
     def qk_head_dim(self) -> int:
-        """Features of one query / key head: MLA's no-rotary plus rotary parts, else ``hd``."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.hd
+        """Features of one query / key head."""
+        return self.hd
 
     @property
     def value_head_dim(self) -> int:
-        """Features of one value head (MLA: ``v_head_dim``, else ``hd``)."""
-        return self.v_head_dim if self.is_mla else self.hd
+        """Features of one value head."""
+        return self.hd
 
     def attention_norm_params(self) -> int:
-        """Norm weights inside one layer's attention: MLA's latent norms (``q_a_norm`` when
-        ``q_lora_rank`` > 0, ``kv_a_norm``), Qwen3's ``q_norm`` and ``k_norm``."""
-        if self.is_mla:
-            return self.q_lora_rank + self.kv_lora_rank
+        """Norm weights inside one layer's attention (Qwen3's ``q_norm`` and ``k_norm``)."""
         return 2 * self.hd if self.qk_norm else 0
 
     def attention_params(self) -> int:
-        """One layer's attention (no biases): q, k, v and output projections, or MLA's
-        projections (module docstring), with the norms inside attention."""
-        if self.is_mla:
-            nh, rope = self.n_heads, self.qk_rope_head_dim
-            q_out = nh * self.qk_head_dim
-            q = (self.dim * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank
-                 else self.dim * q_out)
-            kv = (self.dim * (self.kv_lora_rank + rope)
-                  + self.kv_lora_rank * nh * (self.qk_nope_head_dim + self.v_head_dim))
-            o = nh * self.v_head_dim * self.dim
-            return q + kv + o + self.attention_norm_params()
+        """One layer's attention (no biases): q, k, v and output projections, with the norms
+        inside attention."""
         q = self.dim * self.n_heads * self.hd
         kv = 2 * self.dim * self.n_kv_heads * self.hd
         o = self.n_heads * self.hd * self.dim
@@ -340,8 +324,8 @@ class ModelConfig:
         return total, active
 
     def layer_params(self, layer: int, active: bool = False) -> int:
-        """Decoder layer ``layer`` (ids from ``n_layers`` on are MTP blocks: MoE when the
-        model is)."""
+        """Decoder layer ``layer`` (ids from ``n_layers`` on are blocks techniques add: MoE
+        when the model is)."""
         norms = 2 * self.dim
         if self.is_moe_layer(layer):
             total, act = self.moe_params()
@@ -363,53 +347,39 @@ class ModelConfig:
         return 0 if self.tie_embeddings else self.vocab_size * self.dim
 
     def num_params(self, active: bool = False) -> int:
-        """All parameters (``active=True``: only those one token uses), multi-token prediction
-        excluded (:meth:`mtp_params`), as published totals count them."""
+        """All parameters (``active=True``: only those one token uses), the techniques' extra
+        modules excluded (:meth:`extra_params`), as published totals count them."""
         layers = sum(self.layer_params(i, active) for i in range(self.n_layers))
         return self.embedding_params() + self.head_params() + layers + self.dim  # final norm
 
-    def mtp_depth_params(self, k: int, active: bool = False) -> int:
-        """Multi-token prediction module ``k``: ``enorm``, ``hnorm``, ``proj`` (2 dim -> dim),
-        a decoder block (layer id ``n_layers + k``) and its ``norm``; the embedding and the
-        output head are the main model's (not counted here)."""
-        return 3 * self.dim + 2 * self.dim * self.dim + self.layer_params(self.n_layers + k, active)
-
-    def mtp_params(self, active: bool = False) -> int:
-        """Parameters of the multi-token prediction modules (0 without them); a model built
-        with ``mtp_depth`` > 0 holds ``num_params() + mtp_params()``."""
-        return sum(self.mtp_depth_params(k, active) for k in range(self.mtp_depth))
-
     def matmul_params(self) -> int:
         """Active weights taking part in a matmul per token: layers without norms, plus head
-        (the main model's; :meth:`mtp_matmul_params` for multi-token prediction's)."""
+        (the main model's; :meth:`extra_matmul_params` for the techniques' extra modules)."""
         total = 0
         for i in range(self.n_layers):
             total += self.layer_matmul_params(i)
         return total + self.vocab_size * self.dim  # the LM head matmul runs even when tied
-
-    def mtp_matmul_params(self) -> int:
-        """Multi-token prediction's matmul weights per token: per depth ``proj``, the block's
-        active weights and the shared LM head, which runs once more."""
-        return sum(2 * self.dim * self.dim + self.layer_matmul_params(self.n_layers + k)
-                   + self.vocab_size * self.dim for k in range(self.mtp_depth))
 
     def attention_flops(self, seq_len: int) -> int:
         """Score and value matmuls of one layer per trained token (forward + backward): scores
         over ``qk_head_dim``, values over ``value_head_dim``, ``attention_span`` keys per query
         (``12 n_heads hd span`` when both are ``hd``)."""
         span = self.attention_span(seq_len)
-        if self.is_mla:
-            return 6 * self.n_heads * (self.qk_head_dim + self.value_head_dim) * span
         return 12 * self.n_heads * self.hd * span
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token, PaLM convention (see module doc),
-        multi-token prediction's modules included when the model has them."""
-        layers = self.n_layers + self.mtp_depth
-        attn = layers * self.attention_flops(seq_len)
-        return 6.0 * (self.matmul_params() + self.mtp_matmul_params()) + attn
+        the techniques' extra modules included (:meth:`extra_matmul_params`)."""
+        attn = self.n_blocks * self.attention_flops(seq_len)
+        return 6.0 * (self.matmul_params() + self.extra_matmul_params()) + attn
 
     def attention_span(self, seq_len: int) -> int:
         """Keys one query's attention is counted over: the sequence, or the sliding window
         when shorter (its keys are all a query can see)."""
         return min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+
+
+@dataclass(frozen=True)
+class ModelConfig(*KEYS, ModelShape):  # type: ignore[misc]
+    """Shape of a Llama-style decoder, dense or Mixture-of-Experts, with the config keys of the
+    techniques that change it (``models/techniques.py``)."""

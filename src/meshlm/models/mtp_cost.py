@@ -29,16 +29,97 @@ micro-batch, what ``parallel/tensor_cost.py`` composes from this description as
 (:meth:`MTPCost.lookups`), ``proj``'s input made whole and its column shards gathered
 (:meth:`MTPCost.linears`), one more head input and vocab-parallel loss
 (:meth:`MTPCost.head_passes`) and, with sequence parallelism, the gradients of its three norms
-(:meth:`MTPCost.norms`). Not counted: under document masking the all-reduce over dp of the
-counted predictions (``D`` float64 per step), under cp the all-gather of the step's targets
-(``parallel/loss.py``), the cross-entropy's per-depth target shift.
+(:meth:`MTPCost.norms`). Once per step (:meth:`MTPCost.step_collectives`), preparing the
+targets of every depth: under cp the all-gather of the step's targets (int64, the whole
+sequences), under document masking the all-reduce over dp of the counted predictions (``D``
+float64). Not counted: the cross-entropy's per-depth target shift (local).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .config import ModelConfig
+from ..schema import declare
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MTPKeys:
+    """Multi-token prediction's config keys and the shape hooks it answers (a base of
+    ``ModelConfig``): ``mtp_depth`` more blocks after the main model (``n_blocks``), their
+    parameters apart from the published totals (``extra_params``) and their matmuls in the
+    FLOPs (``extra_matmul_params``; their attention through ``n_blocks``).
+
+    Each depth is ``enorm``, ``hnorm`` (``2 dim``), ``proj`` (``2 dim * dim``), one decoder
+    block (layer id ``n_layers + k``, MoE when the model is) and a ``norm`` (``dim``); the
+    embedding and the LM head are shared, the LM head runs once more per depth. Published
+    totals leave the modules out (DeepSeek-V3: 671 B without its MTP module)."""
+
+    # depth k predicts the token k + 1 ahead; the mean loss over depths enters the objective
+    # times mtp_loss_weight
+    mtp_depth: int = declare(
+        0,
+        doc="multi-token prediction modules (DeepSeek-V3: 1); depth k predicts the token k + "
+            "1 ahead")
+    mtp_loss_weight: float = declare(
+        0.3, doc="weight of the multi-token prediction loss (mean over depths) in the objective")
+
+    def technique_problems(self) -> list[str]:
+        out: list[str] = super().technique_problems()  # type: ignore[misc]
+        if self.mtp_depth < 0:
+            out.append(f"model.mtp_depth={self.mtp_depth} must be >= 0 (0: no multi-token "
+                       "prediction)")
+        if self.mtp_loss_weight < 0:
+            out.append(f"model.mtp_loss_weight={self.mtp_loss_weight} must be >= 0")
+        return out
+
+    def run_problems(self, seq_len: int) -> list[str]:
+        out: list[str] = super().run_problems(seq_len)  # type: ignore[misc]
+        if seq_len <= self.mtp_depth + 1:
+            out.append(f"data.seq_len={seq_len} leaves no target for multi-token prediction "
+                       f"depth model.mtp_depth={self.mtp_depth} (needs seq_len > mtp_depth + 1)")
+        return out
+
+    def extra_blocks(self) -> int:
+        return super().extra_blocks() + self.mtp_depth  # type: ignore[misc]
+
+    def mtp_depth_params(self: Any, k: int, active: bool = False) -> int:
+        """Module ``k``: ``enorm``, ``hnorm``, ``proj`` (2 dim -> dim), a decoder block (layer
+        id ``n_layers + k``) and its ``norm``; the embedding and the output head are the main
+        model's (not counted here)."""
+        return 3 * self.dim + 2 * self.dim * self.dim + self.layer_params(self.n_layers + k,
+                                                                          active)
+
+    def mtp_params(self, active: bool = False) -> int:
+        """Parameters of the modules (0 without them); a model built with ``mtp_depth`` > 0
+        holds ``num_params() + mtp_params()``."""
+        return sum(self.mtp_depth_params(k, active) for k in range(self.mtp_depth))
+
+    def extra_params(self, active: bool = False) -> int:
+        return super().extra_params(active) + self.mtp_params(active)  # type: ignore[misc]
+
+    def extra_matmul_params(self: Any) -> int:
+        """Per depth ``proj``, the block's active weights and the shared LM head once more."""
+        own = sum(2 * self.dim * self.dim + self.layer_matmul_params(self.n_layers + k)
+                  + self.vocab_size * self.dim for k in range(self.mtp_depth))
+        return super().extra_matmul_params() + own  # type: ignore[misc]
+
+    def info(self) -> dict[str, Any]:
+        """``meshlm info``'s fields and its table column ``MTP`` (total / active, or -)."""
+        out: dict[str, Any] = super().info()  # type: ignore[misc]
+        out.update(mtp_depth=self.mtp_depth, mtp_params=self.mtp_params(),
+                   mtp_active_params=self.mtp_params(active=True))
+        return out
+
+    @classmethod
+    def info_columns(cls) -> list[tuple[str, str, str, str, str]]:
+        """(column, what, depth field, total field, active field) of ``meshlm info``."""
+        return [*super().info_columns(),  # type: ignore[misc]
+                ("MTP", "multi-token prediction", "mtp_depth", "mtp_params",
+                 "mtp_active_params")]
 
 
 @dataclass(frozen=True)
@@ -77,6 +158,18 @@ class MTPCost:
         own = c.mtp_depth * (2 * c.dim * c.dim / t + 3 * c.dim)
         return own + (-(-c.vocab_size // t) * c.dim if embedding_copy else 0.0)
 
+    def step_collectives(self, c: ModelConfig, tokens: float, doc_masking: bool
+                         ) -> list[tuple[str, str, float]]:
+        """Per step: the targets of the whole sequences gathered over cp (``tokens`` int64
+        values, the all-gather's output), and with document ids the counted predictions of
+        each depth summed over dp (``D`` float64)."""
+        if not c.mtp_depth:
+            return []
+        out = [("all_gather", "cp", 8.0 * tokens)]
+        if doc_masking:
+            out.append(("all_reduce", "dp", 8.0 * c.mtp_depth))
+        return out
+
     def saved(self, c: ModelConfig, a: float, profile: str, out_t: int) -> float:
         """Bytes per token kept for backward beyond the blocks and the head passes (``out_t``:
         how many ways tensors outside tp regions are split, sequence parallelism's)."""
@@ -89,4 +182,4 @@ class MTPCost:
 
 MTP = MTPCost()
 
-__all__ = ["MTP", "MTPCost"]
+__all__ = ["MTP", "MTPCost", "MTPKeys"]

@@ -3,9 +3,8 @@
 The modes themselves are :mod:`.context`, :mod:`.ring_attention` and :mod:`.ulysses` (torch);
 ``parallel.cp_attention`` accepts exactly the names here. Per layer and micro-batch, with
 ``T`` tokens of a micro-batch on a rank, the kernel's query, key, value and output widths
-``q, k, v, o`` per token (grouped-query attention: ``q = o = nh hd``, ``k = v = kv hd``;
-multi-head latent attention: ``nh (nope + rope)`` queries and keys, ``nh v_head_dim`` values
-and output -- ``models/attention_cost.py``) split over tp, ``a`` bytes per activation and
+``q, k, v, o`` per token (grouped-query attention: ``q = o = nh hd``, ``k = v = kv hd``; each
+kind of attention layer states its widths in ``models/attention_cost.py``) split over tp, ``a`` bytes per activation and
 ``F`` forward passes (2 under full recomputation: a recomputed forward communicates again):
 
 - ``zigzag`` / ``ring`` (ring attention, ``ring_attention.py``; zigzag balances the causal

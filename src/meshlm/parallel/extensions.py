@@ -117,7 +117,7 @@ def apply_choices(model: Transformer, cp: object | None = None, comm: Comm | Non
         bind_shards(model, comm)
     elif (previous := before.converter()) is not None:
         previous.revert(model)
-    for block in model.blocks().values():  # (multi-token prediction's blocks too)
+    for block in model.blocks().values():  # (the extra training heads' blocks too)
         assert isinstance(block, Block)
         plan = RECOMPUTE[choices.recompute]
         assert isinstance(plan, Recompute)

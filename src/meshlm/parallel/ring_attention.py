@@ -225,7 +225,7 @@ class _RingAttention(torch.autograd.Function):
         ring: Ring = ctx.ring
         ids, kernel, seen = ctx.ids, ctx.kernel, ctx.seen
         local = q.shape[2]
-        dk_dim = k.shape[-1]  # (values may be of another width: multi-head latent attention)
+        dk_dim = k.shape[-1]  # (values may be of another width than keys)
         acc_shape = (*k.shape[:3], dk_dim + v.shape[-1])  # [dK | dV] of one owner, fp32
         dq = dk = dv = None
         cur = (k, v)

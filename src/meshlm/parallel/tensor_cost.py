@@ -25,19 +25,18 @@ norms' inputs, the residual stream, the layer input) only with sp (:meth:`Tensor
 What the model's layers add (:class:`StageTerms`, read from their declared costs when the
 planner passes the model, as ``tensor.py`` applies them):
 
-- multi-head latent attention (``models/attention_cost.py``: ``latent_entry``, a width ``L``):
-  the replicated down-projections take the layer input whole -- no ``f`` (tp), an all-gather
-  forward only (sp) -- and the latents enter the heads' region through one ``f``: per layer
-  one all-reduce of ``A L / h`` backward instead of the input's all-reduce (tp) or
-  reduce-scatter (sp) of ``A``;
+- an attention layer with replicated projections in front of its heads
+  (``models/attention_cost.py``: ``latent_entry``, a width ``L``): they take the layer input
+  whole -- no ``f`` (tp), an all-gather forward only (sp) -- and their outputs enter the heads'
+  region through one ``f``: per layer one all-reduce of ``A L / h`` backward instead of the
+  input's all-reduce (tp) or reduce-scatter (sp) of ``A``;
 - norms every rank applies to its own heads (Qwen3's ``q_norm`` / ``k_norm``): their weight
   gradients all-reduced, tp or sp, per layer and micro-batch;
-- multi-token prediction on the last stage (``models/mtp_cost.py``), per depth: the
-  embedding's lookup of the tokens ahead (as the first stage's), ``proj``'s input made whole
-  (``2 A``: all-reduce backward; sp: all-gather forward, reduce-scatter backward) and its
-  column shards gathered by feature (``A``: all-gather forward; sp: and backward), one more
-  head input and loss, and with sp its three norms' gradients; its blocks are among the
-  ``L`` layers.
+- the extra training heads on the last stage (``models/technique.py``): their embedding
+  lookups (as the first stage's), each column-parallel linear's input made whole (all-reduce
+  backward; sp: all-gather forward, reduce-scatter backward) and its column shards gathered by
+  feature (all-gather forward; sp: and backward), one more head input and loss per head pass,
+  and with sp their norms' gradients; their blocks are among the ``L`` layers.
 
 Pipeline boundaries: with sp a stage sends its sequence shard, ``A / t`` (:attr:`split_sends`).
 """
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 
 from ..models.attention_cost import projection_cost
 from ..models.config import ModelConfig
-from ..models.mtp_cost import MTP
+from ..models.techniques import HEADS
 from .cost import Collective, Registry
 
 
@@ -58,12 +57,12 @@ class StageTerms:
     """What one stage's model passes through tp's collectives per micro-batch besides its
     blocks' attention and MLP regions (widths in ``h`` per token; module docstring)."""
 
-    lookups: int = 0  # vocab-parallel embedding lookups (the embedding; MTP's tokens ahead)
+    lookups: int = 0  # vocab-parallel embedding lookups (the embedding; the heads')
     heads: int = 0  # head passes: the head's column-parallel input and the vocab-parallel loss
     norms: int = 0  # replicated norm weights outside the regions (their gradients: sp)
-    proj_in: tuple[float, ...] = ()  # column-parallel inputs made whole (MTP's proj), widths
+    proj_in: tuple[float, ...] = ()  # column-parallel inputs made whole (the heads'), widths
     proj_out: tuple[float, ...] = ()  # column-parallel outputs gathered by feature, widths
-    entry: float = 0.0  # per attention region: the latents entering through f (MLA); 0: none
+    entry: float = 0.0  # per attention region: the features entering through f; 0: none
     head_norms: tuple[int, ...] = ()  # per attention layer: head-shared norms' values (Qwen3)
 
 
@@ -73,11 +72,11 @@ def stage_terms(c: ModelConfig | None, first: bool, last: bool) -> StageTerms:
     if c is None:
         return StageTerms(int(first), int(last), int(last))
     att = projection_cost(c)
-    depths = MTP.head_passes(c) - 1 if last else 0  # multi-token prediction's (last stage)
-    proj = MTP.linears(c, 1) if last else []
+    more = HEADS.head_passes(c) - 1 if last else 0  # the extra training heads' (last stage)
+    proj = HEADS.linears(c, 1) if last else []
     return StageTerms(
-        lookups=int(first) + (MTP.lookups(c) if last else 0), heads=int(last) + depths,
-        norms=int(last) + (MTP.norms(c) if last else 0),
+        lookups=int(first) + (HEADS.lookups(c) if last else 0), heads=int(last) + more,
+        norms=int(last) + (HEADS.norms(c) if last else 0),
         proj_in=tuple(i / c.dim for i, _ in proj), proj_out=tuple(o / c.dim for _, o in proj),
         entry=att.latent_entry(c) / c.dim, head_norms=tuple(att.head_shared_norms(c)))
 

@@ -150,8 +150,8 @@ class Zero3Engine(Engine):
         attach_specs(model, comm.mesh)  # (no-op for parameters a technique already placed)
         self.keep = keep_gathered
         axis_of = None if groups is None else {id(p): g.axis for g in groups for _, p in g.named}
-        # one unit per decoder block, in forward order: the layers, then multi-token
-        # prediction's blocks (``Transformer.blocks``), each named as the model names it
+        # one unit per decoder block, in forward order: the layers, then the blocks of the
+        # extra training heads (``Transformer.blocks``), each named as the model names it
         named = {id(m): n for n, m in model.named_modules()}
         blocks = ([(named[id(b)], b) for b in model.blocks().values()]
                   if hasattr(model, "blocks") else

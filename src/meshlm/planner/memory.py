@@ -32,10 +32,10 @@ copies live until backward. meshlm's sequence parallelism keeps the all-gathered
 each region (it does not gather again in backward).
 
 **The model's own kinds of layers** are described beside them: what an attention layer's
-projections keep and how they split over tp (``models/attention_cost.py``: grouped-query or
-multi-head latent attention, Qwen3's query/key norms), and multi-token prediction's blocks,
-head passes, projections and saved inputs on the last pipeline stage
-(``models/mtp_cost.py``).
+projections keep and how they split over tp (``models/attention_cost.py``: one description per
+kind of attention layer, Qwen3's query/key norms), and the extra training heads' blocks, head
+passes, linears and saved inputs on the last pipeline stage (``models/technique.py``: the
+registered heads, summed).
 
 **Precision** (``precision_cost.py``): the activations' bytes per value, the autocast weight
 copies (under fp8 none of the decoder-block linears' weights) and the float8 casts, a
@@ -90,7 +90,7 @@ from dataclasses import dataclass, field
 from ..layout import Layout, partition_layers
 from ..models.attention_cost import projection_cost
 from ..models.config import ModelConfig
-from ..models.mtp_cost import MTP
+from ..models.techniques import HEADS
 from ..parallel.context_cost import CONTEXT
 from ..parallel.offload_cost import OFFLOAD
 from ..parallel.recompute_cost import RECOMPUTE
@@ -217,8 +217,8 @@ def last_rank(lo: Layout) -> int:
 
 def layer_kinds(work: Workload, lo: Layout, stage: int) -> dict[bool, int]:
     """How many dense (False) and MoE (True) decoder blocks pipeline rank ``stage`` holds: its
-    layers, and on the last rank the model's blocks after them (multi-token prediction's,
-    ``models/mtp_cost.py``)."""
+    layers, and on the last rank the model's blocks after them (the extra training heads',
+    ``models/technique.py``)."""
     return dict(_layer_kinds(work.model.config, lo.pp, lo.pp_virtual, lo.pp_layers, stage,
                              lo.pp_schedule))
 
@@ -235,8 +235,8 @@ def _layer_kinds(c: ModelConfig, pp: int, pp_virtual: int, pp_layers: str, stage
     moe = sum(1 for i in layers if c.is_moe_layer(i))
     dense = len(layers) - moe
     last = SCHEDULES[schedule].last_rank(pp, pp_virtual) if pp > 1 else 0
-    if stage == last:  # the blocks after the last layer (multi-token prediction)
-        extra = MTP.blocks(c)
+    if stage == last:  # the blocks after the last layer (the extra training heads')
+        extra = HEADS.blocks(c)
         moe += sum(extra)
         dense += len(extra) - sum(extra)
     return tuple((k, n) for k, n in ((False, dense), (True, moe)) if n)
@@ -278,11 +278,11 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
         apart = last_rank(lo) != 0
         root += h + (vocab if not c.tie_embeddings or apart else 0)
         matmul += vocab
-        # multi-token prediction's own layers (its blocks are among the kinds above), with a
-        # copy of the embedding when it lives on another rank and the head is not one
-        own = MTP.params(c, t, apart and not c.tie_embeddings)
+        # the extra training heads' own layers (their blocks are among the kinds above), with
+        # a copy of the embedding when it lives on another rank and the head is not one
+        own = HEADS.params(c, t, apart and not c.tie_embeddings)
         root += own
-        matmul += sum(i * o for i, o in MTP.linears(c, t))
+        matmul += sum(i * o for i, o in HEADS.linears(c, t))
     dense += root
     return StageParams(sum(kinds.values()), dense, expert, matmul, layer_unit, root,
                        block_linear)
@@ -316,7 +316,7 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False,
     Items are named after the tensors; ``scores`` is what selective recomputation of the
     attention core drops: the score matrix (softmax, dropout) or, with flash attention, the
     log-sum-exp. The core's output stays (it is the output projection's input). What the
-    attention layer's projections keep (``q k v``, ``attention out``, MLA's latents, Qwen3's
+    attention layer's projections keep (``q k v``, ``attention out``, a layer's own items such as latents, Qwen3's
     query/key norms) and how many linears read its input are its description's
     (``models/attention_cost.py``; ``fused_norm``: its norms keep 1/rms, not a copy).
     """
@@ -488,8 +488,8 @@ def in_flight(lo: Layout, m: int, stage: int = 0) -> float:
 
 def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> float:
     """Embedding (first stage) and final norm, head input and logits (last stage), once per
-    head pass (multi-token prediction adds one per depth, and its modules' own inputs:
-    ``models/mtp_cost.py``)."""
+    head pass (the extra training heads add theirs, and their modules' own inputs:
+    ``models/technique.py``)."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
     out_t = TENSOR[lo.sp].outside(lo.tp)
@@ -507,9 +507,9 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
         if work.loss == "torch" and compiled(work) and lo.tp == 1:
             logits = a * v_local  # the compiled loss saves its input, the logits
 
-        total += (norm + head_in + logits + 8) * tokens * MTP.head_passes(c)
-        # multi-token prediction's input norms and projection inputs (none without it)
-        total += MTP.saved(c, a, work.profile, out_t) * tokens
+        total += (norm + head_in + logits + 8) * tokens * HEADS.head_passes(c)
+        # the extra training heads' own saved inputs (none without them)
+        total += HEADS.saved(c, a, work.profile, out_t) * tokens
         if work.loss == "chunked":  # and the head weight's fp32 gradient (V/t x h)
             total += 4 * v_local * c.dim
     return total

@@ -10,14 +10,13 @@ summed over its operations (a roofline per operation, Williams et al. 2009):
   they dominate thin GEMMs with wide outputs, such as a small model's LM head);
 - attention scores and values: ``2 s_q s (q + o)`` FLOPs forward (``q``, ``o``: the kernel's
   query and output widths, ``models/attention_cost.py``: ``4 s_q s h_q`` for grouped-query
-  attention, scores over ``nope + rope`` and values over ``v_head_dim`` for multi-head latent
-  attention), 3x for forward + backward, half of them done under the causal mask, at the
+  attention, each kind of attention layer its own widths), 3x for forward + backward, half of them done under the causal mask, at the
   fused-attention rate for the query/key head width (materialised scores, before
   FlashAttention: all of them at the GEMM rate);
 - a MoE layer's routed experts: one GEMM per local expert of its share of the routed rows,
   each reading its own weights (``models/moe_cost.py``: the kernel family's efficiency and
-  eager ops); multi-token prediction's blocks are the last stage's layers, its ``proj`` and
-  extra head and loss passes the head's (``models/mtp_cost.py``);
+  eager ops); the extra training heads' blocks are the last stage's layers, their own linears
+  and extra head and loss passes the head's (``models/technique.py``);
 - memory-bound work (norms, rotary embedding, SwiGLU/GELU, residual adds, autocast casts and
   their gradients): the compute dtype's traffic ratio (``precision_cost.py``: ``C_TRAFFIC``,
   counted, not fitted, on meshlm's block) x the bytes meshlm's block saves for backward
@@ -113,7 +112,7 @@ from ..layout import Layout
 from ..models.attention_cost import projection_cost
 from ..models.config import ModelConfig
 from ..models.moe_cost import EXPERT_KERNELS
-from ..models.mtp_cost import MTP
+from ..models.techniques import HEADS
 from ..parallel.context_cost import CONTEXT
 from ..parallel.cost import Collective
 from ..parallel.offload_cost import OFFLOAD
@@ -271,7 +270,7 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
 
 def other_dtype(work: Workload) -> str:
     """The dtype of the matmuls outside the decoder-block linears (the LM head, the router,
-    materialised attention scores, MTP's projections): the precision's compute dtype
+    materialised attention scores, the extra heads' linears): the precision's compute dtype
     (``precision_cost.py``: no stack runs them in float8)."""
     return work.precision.compute.name
 
@@ -390,8 +389,8 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
 def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, first: bool,
                  last: bool) -> dict[str, float]:
     """Embedding (first stage), LM head and loss (last stage) for one micro-batch, the head
-    and loss once per head pass, with multi-token prediction's projections
-    (``models/mtp_cost.py``; its blocks are the stage's layers)."""
+    and loss once per head pass, with the extra training heads' linears
+    (``models/technique.py``; their blocks are the stage's layers)."""
     c = work.model.config
     tokens = lo.micro_batch * work.seq_len / lo.cp
     a = work.precision.act_bytes
@@ -416,10 +415,10 @@ def head_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, firs
             out["loss"] = FUSED_CE_PASSES * a * logits / rates.bandwidth(a * logits)
         else:
             out["loss"] = CE_PASSES * 4 * logits / rates.bandwidth(4 * logits)
-        passes = MTP.head_passes(c)  # multi-token prediction: the head and loss again per depth
+        passes = HEADS.head_passes(c)  # the extra training heads: the head and loss again
         out["head gemm"] = out["head gemm"] * passes + sum(
             _gemm(tokens, k, n, a, rates.gemm[other_dtype(work)], rates)
-            for k, n in MTP.linears(c, lo.tp))
+            for k, n in HEADS.linears(c, lo.tp))
         out["loss"] = out["loss"] * passes
     return out
 
@@ -489,6 +488,13 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         ev.append(CommEvent("pp", "all_reduce", "pp", 8, 1, lo.pp, stride, "exposed"))  # clip
     if lo.cp > 1:
         ev += cp_events(work, lo, stage, tokens, m)
+    if stage == last_rank(lo):  # the extra training heads' targets (models/technique.py)
+        sizes = {"cp": (lo.cp, lo.tp), "dp": (lo.dp, lo.tp * lo.cp)}
+        whole = m * lo.micro_batch * work.seq_len
+        for op, axis, nbytes in HEADS.step_collectives(c, whole, work.doc_len > 0):
+            group, stride = sizes[axis]
+            if group > 1:
+                ev.append(CommEvent(axis, op, axis, nbytes, 1, group, stride, "exposed"))
     ev += moe_events(work, lo, stage, tokens, m)
     if lo.islands > 1:
         ev.append(island_event(work, lo, p.total))
@@ -511,7 +517,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     """Expert parallelism's all-to-alls and the balancing losses' count reductions of one
     step (``tokens``: one micro-batch's on a rank; a balanced router)."""
     c = work.model.config
-    moe = layer_kinds(work, lo, stage).get(True, 0)  # MoE blocks (multi-token prediction's too)
+    moe = layer_kinds(work, lo, stage).get(True, 0)  # MoE blocks (the extra heads' too)
     if not moe:
         return []
     a = work.precision.act_bytes

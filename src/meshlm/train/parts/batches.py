@@ -6,8 +6,8 @@ hands this rank its share: data-parallel ranks of every island split the batch (
 ranks read shares k dp ... (k + 1) dp - 1 of dp * islands), context-parallel ranks read their
 positions of each sequence. A mixture (``data.mix``) draws every batch from its sources by
 weight; under ``data.doc_mask`` every micro-batch and validation batch carries the document ids
-of its whole sequences (training micro-batches with multi-token prediction: their targets' too,
-``target_docs``). Checkpoints hold the sampler's position and skip list (``sampler``) and
+of its whole sequences (training micro-batches for an objective that reads the tokens ahead:
+their targets' too, ``target_docs``). Checkpoints hold the sampler's position and skip list (``sampler``) and
 the tokens trained on (``tokens_seen``). No communication after start-up; memory: the
 memory-mapped token arrays and one step's micro-batches.
 """
