@@ -156,7 +156,7 @@ def test_flops_per_token_match_torch_flop_counter(name: str) -> None:
         loss = model(ids[:, :s]).float().sum()
         if cfg.mtp_depth:
             ahead = [ids[:, k + 1:s + k + 1] for k in range(cfg.mtp_depth)]
-            loss = loss + sum(o.float().sum() for o in model.predict_ahead(ahead, s))
+            loss = loss + sum(o.float().sum() for o in model.mtp.predict_ahead(model, ahead, s))
         loss.backward()
     assert counter.get_total_flops() == cfg.flops_per_token(s) * b * s
 

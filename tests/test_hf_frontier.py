@@ -304,7 +304,7 @@ def test_deepseek_mtp_layer_both_ways(tmp_path: Path) -> None:
         assert (model(x[:, :S]) - want_main).abs().max().item() < 1e-4
     model.train()  # (a training forward keeps the last layer's output for predict_ahead)
     got_main = model(x[:, :S])
-    got_mtp, = model.predict_ahead([x[:, 1:]], S)
+    got_mtp, = model.mtp.predict_ahead(model, [x[:, 1:]], S)
     assert (got_main - want_main).abs().max().item() < 1e-4
     assert (got_mtp - want_mtp).abs().max().item() < 1e-4
     # written back as it was read, copies included

@@ -204,6 +204,11 @@ def test_interleaved_rows_round_trip_and_bad_shapes() -> None:
     assert torch.equal(half[:4], w[:4])  # plain rows stay
     with pytest.raises(ValueError, match="not 3 heads of 4 \\+ 5"):
         interleaved_to_half(torch.zeros(27, 2), 3, 4, 5)
+    # the HF conversion's row permutation (models/mla_hf.py) is the same order
+    from meshlm.models.mla_hf import interleaved_rows
+
+    assert torch.equal(w[list(interleaved_rows(3, 4, 6))], half)
+    assert torch.equal(w[:8][list(interleaved_rows(1, 0, 8))], interleaved_to_half(w[:8], 1, 0, 8))
 
 
 def test_value_heads_narrower_than_query_heads_in_every_kernel_path() -> None:

@@ -35,7 +35,8 @@ from meshlm.config import load_config
 from meshlm.generate import sample_tokens
 from meshlm.models.llama import build_model
 from meshlm.models.presets import get_preset
-from meshlm.parallel.loss import MultiTokenLoss, chunked_cross_entropy, cross_entropy
+from meshlm.parallel.loss import chunked_cross_entropy, cross_entropy
+from meshlm.parallel.multi_token import MultiTokenLoss
 from meshlm.testing import (
     final_weights,
     max_relative_difference,
@@ -145,7 +146,7 @@ def test_loss_and_gradients_equal_a_hand_written_implementation(masked: bool) ->
     worst, name = max_relative_difference(grads[1], grads[0])
     assert worst < 1e-5, (name, worst)
     assert any(n.startswith("mtp.2.") for n in grads[0])  # every depth is trained
-    assert model.mtp_input is None  # the kept trunk output is released
+    assert model.mtp.input is None  # the kept trunk output is released
 
 
 def test_no_prediction_crosses_a_document() -> None:
@@ -200,10 +201,10 @@ def test_the_main_model_ignores_the_mtp_modules() -> None:
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     with torch.no_grad():
         assert torch.equal(plain(ids), with_mtp(ids))
-    assert with_mtp.mtp_input is None
+    assert with_mtp.mtp.input is None
     assert sample_tokens(plain, [1, 2, 3], 8, seed=0) == sample_tokens(with_mtp, [1, 2, 3], 8,
                                                                         seed=0)
-    assert with_mtp.mtp_input is None
+    assert with_mtp.mtp.input is None
     names = {n for n, _ in with_mtp.named_parameters()}
     assert names - {n for n, _ in plain.named_parameters()} == {
         n for n in names if n.startswith("mtp.")}

@@ -104,7 +104,7 @@ def _saved(cfg: ModelConfig, dtype: str, b: int = 2, s: int = 40) -> int:
                                                  targets(0))
         if cfg.mtp_depth:
             ahead = [ids[:, k + 1:s + k + 1] for k in range(cfg.mtp_depth)]
-            for k, out in enumerate(model.predict_ahead(ahead, s)):
+            for k, out in enumerate(model.mtp.predict_ahead(model, ahead, s)):
                 loss = loss + torch.nn.functional.cross_entropy(out.float().flatten(0, 1),
                                                                 targets(k + 1))
     return sum(seen.values())

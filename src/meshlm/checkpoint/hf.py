@@ -9,14 +9,12 @@ reshapings are:
 - experts, stored per expert by HF (``mlp.experts.{e}.gate_proj.weight``, Mixtral's
   ``block_sparse_moe.experts.{e}.w1.weight``, 2-D) and stacked along dim 0 by meshlm
   (``feed_forward.experts.w1``, 3-D);
-- DeepSeek-V3's rotary rows, interleaved pairs (2i, 2i + 1) in its checkpoints
-  (``rope_interleave``): the rotary output rows of ``q_proj`` / ``q_b_proj`` (per head) and
-  ``kv_a_proj_with_mqa`` are reordered to meshlm's rotate-half at load and back at save
-  (``models/mla.py``);
-- DeepSeek-V3's multi-token prediction layers, decoder layers ``n_layers + k`` of its files
-  (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the block's weights), whose copies
-  of the embedding and the head (``embed_tokens``, ``shared_head.head``) are checked equal to
-  the model's at load (each rank the boxes it reads) and written at save;
+- rows stored in another order (a part's :meth:`~meshlm.models.hf_part.HFPart.row_order`, a
+  permutation): picked in meshlm's order at load and put back in HF's at save, exactly;
+- HF keys stored as copies of a meshlm tensor (a part's
+  :meth:`~meshlm.models.hf_part.HFPart.copies`): checked equal to it at load (each rank the
+  boxes it reads) and written at save; stored keys a model leaves out (a part's
+  :meth:`~meshlm.models.hf_part.HFPart.dropped`) are skipped;
 - DeepSeek-V3's ``e_score_correction_bias``, the MoE's auxiliary-loss-free selection bias: not
   a parameter in meshlm (the checkpoint's ``moe_bias`` table): :meth:`HFSource.expert_biases`
   and :func:`write_hf`'s ``expert_biases``;
@@ -37,8 +35,8 @@ per-expert names above, which every version loads; a folder saved in the fused l
 
 No communication: everything runs on the calling process. Memory: :meth:`HFSource.read` holds
 the requested box only (it reads it with ``get_slice``; for stacked experts, only the experts
-inside the box; for reordered rotary rows, at most one head's rotary rows more; a copy's same
-box to compare); :func:`write_hf` holds one global tensor of the source at a time and streams it
+inside the box; for reordered rows, the range of HF rows covering them; a copy's same box to
+compare); :func:`write_hf` holds one global tensor of the source at a time and streams it
 to disk. Nothing is unpickled: weights are read from safetensors only.
 """
 
@@ -85,7 +83,6 @@ from ..models.hf_config import (  # noqa: F401 - re-exported
 from ..models.hf_config import (
     _read_json as _read_config_json,
 )
-from ..models.mla import half_to_interleaved, interleaved_to_half
 from .hf_names import GLOBAL as _GLOBAL
 from .hf_names import HFNames
 from .state import CheckpointError
@@ -119,8 +116,8 @@ _SCALE_INV = "_scale_inv"  # FP8 block scales: ``<key>_scale_inv`` beside ``<key
 
 def is_stacked_expert(name: str) -> bool:
     """True for meshlm's stacked expert tensors ``layers.{i}.feed_forward.experts.w{1,2,3}``
-    (and those of multi-token prediction blocks, ``mtp.{k}.block.feed_forward.experts.*``)."""
-    m = _MESHLM_LAYER.match(name) or re.match(r"^mtp\.(\d+)\.block\.(.+)$", name)
+    (and those of a technique's own blocks, ``<part>.{k}.block.feed_forward.experts.*``)."""
+    m = _MESHLM_LAYER.match(name) or re.match(r"^\w+\.(\d+)\.block\.(.+)$", name)
     return bool(m) and m.group(2) in {f"feed_forward.experts.{w}" for w in _EXPERT_PROJ}
 
 
@@ -175,17 +172,9 @@ def iter_meshlm_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def moe_layer_ids(cfg: ModelConfig) -> list[int]:
-    """Layer ids of the MoE blocks of the one-process model (multi-token prediction's blocks,
-    ``n_layers + k``, last): the rows of the selection-bias table that are not zero."""
-    return [i for i in range(cfg.n_layers + cfg.mtp_depth) if cfg.is_moe_layer(i)]
-
-
-def rope_rows_index(rows: tuple[int, int, int]) -> torch.Tensor:
-    """HF row of each meshlm row of a weight whose rotary rows DeepSeek stores interleaved
-    (``rows``: blocks, plain rows, rotary rows per block)."""
-    blocks, nope, rope = rows
-    n = blocks * (nope + rope)
-    return interleaved_to_half(torch.arange(n).unsqueeze(1), blocks, nope, rope).squeeze(1)
+    """Layer ids of the MoE blocks of the one-process model (``cfg.n_blocks``: the blocks
+    techniques add come last): the rows of the selection-bias table that are not zero."""
+    return [i for i in range(cfg.n_blocks) if cfg.is_moe_layer(i)]
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -197,14 +186,14 @@ class _Recipe:
 
     ``keys``: one HF key, or (``stacked``) one per expert, ``keys[e]`` holding expert ``e``.
     ``offset``: first row along dim 1 (fused ``gate_up_proj``: 0 for w1, F for w3).
-    ``rope``: (blocks, plain, rotary) rows when the rotary rows are stored interleaved.
+    ``rows``: the HF row of each meshlm row when HF stores them in another order.
     ``copies``: HF keys holding a copy of the tensor (checked equal when read).
     """
 
     keys: tuple[str, ...]
     stacked: bool = False
     offset: int = 0
-    rope: tuple[int, int, int] | None = None
+    rows: tuple[int, ...] | None = None
     copies: tuple[str, ...] = ()
 
 
@@ -256,7 +245,7 @@ class HFSource:
 
     ``cfg``: the meshlm model to fill (default: :func:`model_config_from_hf` of the folder). It
     may untie a tied HF head (``output.weight`` then reads ``model.embed_tokens.weight``) and
-    leave out DeepSeek-V3's multi-token prediction layers (``mtp_depth`` below the folder's).
+    leave out stored layers a technique lets it drop (:meth:`HFNames.dropped`).
     The folder is checked on construction: a missing file, a missing or extra tensor or a wrong
     shape raises :class:`CheckpointError` naming it.
     """
@@ -271,8 +260,7 @@ class HFSource:
             self.cfg = cfg if cfg is not None else model_config_from_hf(self.path)
         except ValueError as e:
             raise CheckpointError(f"{self.path / CONFIG_FILE}: {e}") from None
-        self.hf_names = HFNames(self.cfg, self.arch,
-                             bool(self.hf_config.get("rope_interleave", True)))
+        self.hf_names = HFNames(self.cfg, self.arch, self.hf_config)
         self._fp8 = _fp8_block(self.hf_config, self.path)
         self._handles: dict[Path, Any] = {}
         self._file_of, self._hf_shape = self._scan_files()
@@ -353,7 +341,7 @@ class HFSource:
             for k in copies:
                 self._require(k, shape)
             if copies:
-                recipe = _Recipe(recipe.keys, recipe.stacked, recipe.offset, recipe.rope, copies)
+                recipe = _Recipe(recipe.keys, recipe.stacked, recipe.offset, recipe.rows, copies)
             self._recipes[name], self._shapes[name] = recipe, shape
             used.update(recipe.keys + copies)
         if self.cfg.tie_embeddings and not hf_ties and "lm_head.weight" in self._hf_shape:
@@ -379,24 +367,18 @@ class HFSource:
                     key = key.replace(a, b)
                     break
         self._require(key, shape)
-        return _Recipe((key,), rope=self.hf_names.rope_rows(name))
+        return _Recipe((key,), rows=self.hf_names.row_order(name))
 
     def _dropped(self, key: str) -> bool:
-        """A key of a multi-token prediction layer the folder declares but the model leaves
-        out (``mtp_depth`` below ``num_nextn_predict_layers``)."""
-        layer = self.hf_names.mtp_layer(key)
-        if layer is None or self.arch != DEEPSEEK_V3:
-            return False
-        declared = self.hf_config.get("num_nextn_predict_layers") or 0
-        return self.cfg.n_layers + self.cfg.mtp_depth <= layer < self.cfg.n_layers + declared
+        """A stored key the model leaves out (:meth:`HFNames.dropped`)."""
+        return self.hf_names.dropped(key)
 
     def _plan_biases(self) -> list[str]:
         """Read DeepSeek-V3's selection biases (one tiny vector per MoE layer) into the table
         :meth:`expert_biases` returns; the keys read."""
         if self.arch != DEEPSEEK_V3 or not self.cfg.is_moe:
             return []
-        rows = self.cfg.n_layers + self.cfg.mtp_depth
-        table = [[0.0] * self.cfg.moe_experts for _ in range(rows)]
+        table = [[0.0] * self.cfg.moe_experts for _ in range(self.cfg.n_blocks)]
         keys = []
         for i in moe_layer_ids(self.cfg):
             key = self.hf_names.bias_key(i)
@@ -442,8 +424,8 @@ class HFSource:
         return self._shapes.get(name)
 
     def expert_biases(self) -> list[list[float]] | None:
-        """DeepSeek-V3's ``e_score_correction_bias`` per layer (rows ``n_layers + mtp_depth``,
-        zeros for dense layers; :meth:`~meshlm.models.llama.Transformer.set_expert_biases`),
+        """DeepSeek-V3's ``e_score_correction_bias`` per block (rows ``cfg.n_blocks``, zeros
+        for dense layers; :meth:`~meshlm.models.llama.Transformer.set_expert_biases`),
         None for other architectures or when the model does not balance by bias."""
         return self._biases
 
@@ -464,15 +446,15 @@ class HFSource:
             s1 = b[1]
             b = (b[0], slice(s1.start + recipe.offset, s1.stop + recipe.offset, s1.step), *b[2:])
             t = self._slice(recipe.keys[0], b)
-        elif recipe.rope is not None:
-            t = self._rows(recipe.keys[0], rope_rows_index(recipe.rope)[b[0]], b[1:])
+        elif recipe.rows is not None:
+            t = self._rows(recipe.keys[0], torch.tensor(recipe.rows)[b[0]], b[1:])
         else:
             t = self._slice(recipe.keys[0], b)
         for key in recipe.copies:
             if not torch.equal(self._slice(key, b), t):
                 raise CheckpointError(f"{self._file_of[key]}: {key!r} is not a copy of "
-                                      f"{recipe.keys[0]!r} (meshlm's multi-token prediction "
-                                      "shares the model's embedding and head)")
+                                      f"{recipe.keys[0]!r} (meshlm shares the one tensor "
+                                      "where the folder stores copies)")
         return t.to(torch.float32).contiguous()
 
     def _rows(self, key: str, rows: torch.Tensor, rest: tuple[slice, ...]) -> torch.Tensor:
@@ -512,13 +494,14 @@ class HFSource:
 @dataclass(frozen=True)
 class _Entry:
     """One HF tensor to write: its key, the meshlm tensor it comes from (None: ``value``), which
-    expert, its rotary rows to interleave, or its value (a selection bias)."""
+    expert, the HF row of each of its rows (when stored in another order), or its value (a
+    selection bias)."""
 
     key: str
     source: str | None
     expert: int | None
     shape: tuple[int, ...]
-    rope: tuple[int, int, int] | None = None
+    rows: tuple[int, ...] | None = None
     value: tuple[float, ...] | None = None
 
     @property
@@ -570,14 +553,14 @@ def _entries(cfg: ModelConfig, source: TensorSource,
             entries += [_Entry(names.expert_key(name, e), name, e, shape[1:])
                         for e in range(shape[0])]
         else:
-            entries.append(_Entry(names.key(name), name, None, shape, names.rope_rows(name)))
+            entries.append(_Entry(names.key(name), name, None, shape, names.row_order(name)))
         entries += [_Entry(k, name, None, shape) for k in names.copies(name)]
     if names.arch == DEEPSEEK_V3 and cfg.is_moe:  # (every MoE layer has its bias buffer)
-        rows = cfg.n_layers + cfg.mtp_depth
+        rows = cfg.n_blocks
         if expert_biases is not None and (len(expert_biases) < rows or any(
                 len(expert_biases[i]) != cfg.moe_experts for i in moe_layer_ids(cfg))):
             raise CheckpointError(f"expert_biases: expected {rows} rows of {cfg.moe_experts} "
-                                  "(one per layer, multi-token prediction's last)")
+                                  "(one per block, the blocks techniques add last)")
         for i in moe_layer_ids(cfg):
             value = (tuple(float(x) for x in expert_biases[i]) if expert_biases is not None
                      else (0.0,) * cfg.moe_experts)
@@ -629,8 +612,10 @@ def write_hf(out_dir: str | Path, cfg: ModelConfig, source: TensorSource,
             t = source.read(e.source, tuple(slice(0, k) for k in shape))
             full[e.source] = t.detach().to("cpu", torch.float32).contiguous()
         t = full[e.source]
-        if e.rope is not None:
-            return half_to_interleaved(t, *e.rope).contiguous()
+        if e.rows is not None:  # (HF row rows[i] is meshlm row i)
+            out = torch.empty_like(t)
+            out[torch.tensor(e.rows)] = t
+            return out
         return t if e.expert is None else t[e.expert]
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ exactly what it drew before mixtures existed.
 Document masking (``data.doc_mask``): each micro-batch also carries the document ids (B, S) of
 its whole sequences, looked up in the source's document starts (``doc_starts``; ids relative
 to each row's first document), so the model masks attention at document boundaries; with
-``target_docs`` (multi-token prediction, ``models/mtp.py``) also those of their targets (B, S),
-numbered alike (the window's last token may open the next document).
+``target_docs`` (an extra training objective's rule, ``parallel/objective.py``) also those of
+their targets (B, S), numbered alike (the window's last token may open the next document).
 
 Memory: drawing offsets costs ``global_batch`` integers; only the rows a rank needs are read
 from the (memory-mapped) token streams, ``micro * (seq_len + 1)`` tokens per micro-batch, and

@@ -1,12 +1,13 @@
 """Attention kernels: what fills ``Attention.kernel``, and the one list of them.
 
 Every kernel computes, for (B, nh, s_q, hd) queries on (B, nkv, s_k, hd) keys and
-(B, nkv, s_k, hd_v) values (grouped-query heads: nh a multiple of nkv; hd_v = hd but for
-multi-head latent attention, ``models/mla.py``), ``softmax(q k^T / sqrt(hd) + M) v`` with M = 0
-where the query may see the key and -inf elsewhere. Which keys a query sees is the model's rule,
-described by a :class:`Mask`: a key at global position j is visible from a query at position i
-when j <= i (causal), i - j < W when the model has a sliding window (``model.sliding_window``
-= W, as Mistral and gpt-oss use; 0: none), and both lie in one document (``data.doc_mask``).
+(B, nkv, s_k, hd_v) values (grouped-query heads: nh a multiple of nkv; hd_v = hd but for an
+attention layer with value heads of their own width), ``softmax(q k^T / sqrt(hd) + M) v`` with
+M = 0 where the query may see the key and -inf elsewhere. Which keys a query sees is the
+model's rule, described by a :class:`Mask`: a key at global position j is visible from a query
+at position i when j <= i (causal), i - j < W when the model has a sliding window
+(``model.sliding_window`` = W, as Mistral and gpt-oss use; 0: none), and both lie in one
+document (``data.doc_mask``).
 
 A kernel answers three calls, so context parallelism composes around whichever is chosen:
 

@@ -17,7 +17,7 @@ they are the block paths of the attention kernels ``sdpa`` (``flash`` on CPU) an
 
 - ``flash``: ATen's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
   backward). Scores are never materialised: memory O(block rows x head dim). It takes one head
-  size: value heads narrower than the query/key heads (multi-head latent attention) are
+  size: value heads narrower than the query/key heads (an attention layer may have them) are
   zero-padded to their width -- zero output columns, sliced off -- and the reverse.
 - ``math``: explicit matmuls in fp32; materialises one block of scores per head,
   (B, nh, s_q, s_k). Used on every other device (GPU-only path: the CUDA flash kernels'
@@ -79,7 +79,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         return out.flatten(1, 2).to(q.dtype), lse.squeeze(-1).flatten(1, 2)
     if kernel == "flash":
         # (strided views are read in place: the kernel takes any strides but the last; value
-        # heads of another width than the queries' -- MLA -- are zero-padded to one width)
+        # heads of another width than the queries' are zero-padded to one width)
         d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _rows(_widened(q, d)), _rows(_widened(k, d)), _rows(_widened(v, d)), 0.0, causal,

@@ -39,12 +39,12 @@ Communication: none of their own. Memory: as :meth:`~ProjectionCost.saved` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..named import Registry
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# (models/config.py's ModelConfig, which lists this module: named for the annotations only)
+ModelConfig = Any
 
 ROTARY_ELEMENTS = 4.0  # per rotated feature: read + write forward, read + write backward
 NORM_ELEMENTS = 5.0  # per normalised feature: forward 2 (x -> y), backward 3 (x, dy -> dx)

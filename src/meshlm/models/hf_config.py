@@ -11,12 +11,18 @@ Architectures both ways (:func:`hf_architecture` picks the one a meshlm model ex
   queries and keys (``model.qk_norm``), ``head_dim`` free of ``hidden_size``; the MoE's dense
   layers (``mlp_only_layers``, ``decoder_sparse_step``) must be the first ones
   (``model.moe_first_dense``), ``norm_topk_prob`` is ``model.moe_norm_topk``;
-- ``DeepseekV3ForCausalLM``: multi-head latent attention (``q_lora_rank``, ``kv_lora_rank``,
-  ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), sigmoid routing with
-  group-limited selection (``n_group``, ``topk_group``), ``routed_scaling_factor``,
-  ``norm_topk_prob``, shared experts, ``first_k_dense_replace`` dense layers, the
-  auxiliary-loss-free selection bias (``e_score_correction_bias``: ``model.moe_balance=bias``)
-  and multi-token prediction (``num_nextn_predict_layers``: ``model.mtp_depth``).
+- ``DeepseekV3ForCausalLM``: sigmoid routing with group-limited selection (``n_group``,
+  ``topk_group``), ``routed_scaling_factor``, ``norm_topk_prob``, shared experts,
+  ``first_k_dense_replace`` dense layers and the auxiliary-loss-free selection bias
+  (``e_score_correction_bias``: ``model.moe_balance=bias``); its attention layer and its
+  extra stored layers are registered parts' (below).
+
+A technique with keys of its own (its attention layer, its extra stored layers) is an
+:class:`~meshlm.models.hf_part.HFPart` listed in ``models/hf_techniques.py``: this module
+loops over the parts, which translate their keys both ways (:meth:`HFPart.from_hf`,
+:meth:`HFPart.to_hf`, :meth:`HFPart.from_folder`), name the architecture a model using them
+exports as (:meth:`HFPart.export_arch`) and what an architecture cannot express
+(:meth:`HFPart.refuse_export`); each part's module describes its mapping.
 
 Rotary embeddings: plain RoPE or YaRN (``rope_type`` ``yarn``: ``factor``,
 ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``mscale``,
@@ -43,12 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .hf_arch import DEEPSEEK_V3, LLAMA, MIXTRAL, QWEN3, QWEN3_MOE
+from .hf_arch import get_key as _get
+from .hf_arch import int_key as _int
+from .hf_techniques import PARTS
 
-LLAMA = "LlamaForCausalLM"
-MIXTRAL = "MixtralForCausalLM"
-QWEN3 = "Qwen3ForCausalLM"
-QWEN3_MOE = "Qwen3MoeForCausalLM"
-DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 _ARCH_OF_MODEL_TYPE = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3,
                        "qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
 _MODEL_TYPE_OF_ARCH = {v: k for k, v in _ARCH_OF_MODEL_TYPE.items()}
@@ -60,9 +65,10 @@ _DEFAULT_MAX_POS = {LLAMA: 2048, MIXTRAL: 4096 * 32, QWEN3: 32768, QWEN3_MOE: 32
 # transformers' DeepseekV3Config defaults (the published V3 shape), for keys a file leaves out
 _DEEPSEEK_DEFAULTS: dict[str, Any] = dict(
     intermediate_size=18432, moe_intermediate_size=2048, n_shared_experts=1,
-    n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    n_routed_experts=256, routed_scaling_factor=2.5, n_group=8, topk_group=4,
     num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True)
+# architectures whose attention multiplies its softmax scale by YaRN's mscale(f, mscale_all_dim)^2
+_SOFTMAX_MSCALE = frozenset({DEEPSEEK_V3})
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -126,7 +132,7 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _rope_fields(key: str, rope: Mapping[str, Any], theta: float, max_pos: int,
-                 mla: bool) -> dict[str, Any]:
+                 softmax_mscale: bool) -> dict[str, Any]:
     """ModelConfig's rotary fields of one ``rope_parameters`` / ``rope_scaling`` mapping."""
     kind = rope.get("rope_type", rope.get("type", "default"))
     if rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
@@ -151,9 +157,9 @@ def _rope_fields(key: str, rope: Mapping[str, Any], theta: float, max_pos: int,
     if m and m_all and given is None:  # (HF's table factor is meshlm's: the pair as it is)
         m_mesh, m_all_mesh = float(m), float(m_all)
     else:
-        # HF scales the tables by ``table``; latent attention's scores by mscale(f, m_all)^2
+        # HF scales the tables by ``table``; DeepSeek's scores by mscale(f, m_all)^2
         table = float(given) if given is not None else _yarn_mscale(factor, 1.0)
-        m_all_mesh = float(m_all or 0.0) if mla else 0.0
+        m_all_mesh = float(m_all or 0.0) if softmax_mscale else 0.0
         if given is None and not m_all_mesh:
             m_mesh = 1.0
         elif factor == 1:
@@ -168,7 +174,7 @@ def _rope_fields(key: str, rope: Mapping[str, Any], theta: float, max_pos: int,
                 rope_mscale=m_mesh, rope_mscale_all_dim=m_all_mesh)
 
 
-def _rope(d: Mapping[str, Any], arch: str, max_pos: int, mla: bool = False) -> dict[str, Any]:
+def _rope(d: Mapping[str, Any], arch: str, max_pos: int) -> dict[str, Any]:
     """The rotary fields of an HF config (``rope_parameters`` or ``rope_scaling``; when both
     are given and not plain they must agree); ValueError for what meshlm cannot express."""
     theta = d.get("rope_theta")
@@ -183,7 +189,8 @@ def _rope(d: Mapping[str, Any], arch: str, max_pos: int, mla: bool = False) -> d
         if any(isinstance(v, Mapping) for v in rope.values()):
             raise ValueError(f"{key}: rotary parameters per layer type are not supported "
                              "(meshlm has one rotary embedding for all layers)")
-        found.append((key, _rope_fields(key, rope, theta, max_pos, mla)))
+        found.append((key, _rope_fields(key, rope, theta, max_pos,
+                                        arch in _SOFTMAX_MSCALE)))
     if d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise ValueError(f"partial_rotary_factor={d['partial_rotary_factor']}: "
                          "meshlm rotates the whole head")
@@ -200,20 +207,6 @@ def _rope_theta(d: Mapping[str, Any], arch: str) -> float:
     """The base of the rotary embedding (ValueError for a variant meshlm cannot express)."""
     max_pos = int(d.get("max_position_embeddings") or _DEFAULT_MAX_POS[arch])
     return float(_rope(d, arch, max_pos)["rope_theta"])
-
-
-def _get(d: Mapping[str, Any], key: str, default: Any) -> Any:
-    """``d[key]``, or ``default`` when the file leaves the key out (a null stays null)."""
-    return d[key] if key in d else default
-
-
-def _int(d: Mapping[str, Any], key: str, default: int) -> int:
-    v = _get(d, key, default)
-    if v is None:
-        return 0
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != int(v):
-        raise ValueError(f"{key}={v!r}: expected an integer")
-    return int(v)
 
 
 def _window(d: Mapping[str, Any], arch: str, n_layers: int, max_pos: int) -> int:
@@ -251,13 +244,9 @@ def _qwen_first_dense(d: Mapping[str, Any], n_layers: int) -> int:
     return moe[0]
 
 
-def _deepseek_fields(d: Mapping[str, Any], n_layers: int, heads: int) -> dict[str, Any]:
-    """The MLA, routing and multi-token prediction fields of a DeepSeek-V3 config."""
+def _deepseek_fields(d: Mapping[str, Any], n_layers: int) -> dict[str, Any]:
+    """The routing fields of a DeepSeek-V3 config (its attention's fields are a part's)."""
     g = {k: _get(d, k, v) for k, v in _DEEPSEEK_DEFAULTS.items()}
-    kv = d.get("num_key_value_heads")
-    if kv is not None and int(kv) != heads:
-        raise ValueError(f"num_key_value_heads={kv}: multi-head latent attention has one key "
-                         f"and value per head (num_attention_heads={heads})")
     score = d.get("scoring_func", "sigmoid")
     if score != "sigmoid":
         raise ValueError(f"scoring_func={score!r}: DeepseekV3ForCausalLM routes by sigmoid "
@@ -273,18 +262,7 @@ def _deepseek_fields(d: Mapping[str, Any], n_layers: int, heads: int) -> dict[st
     experts = _int(d, "n_routed_experts", g["n_routed_experts"])
     if first_dense >= n_layers:
         experts = 0  # (every layer dense)
-    out: dict[str, Any] = dict(
-        n_kv_heads=heads,
-        q_lora_rank=_int(d, "q_lora_rank", g["q_lora_rank"]),
-        kv_lora_rank=_int(d, "kv_lora_rank", g["kv_lora_rank"]),
-        qk_nope_head_dim=_int(d, "qk_nope_head_dim", g["qk_nope_head_dim"]),
-        qk_rope_head_dim=_int(d, "qk_rope_head_dim", g["qk_rope_head_dim"]),
-        v_head_dim=_int(d, "v_head_dim", g["v_head_dim"]),
-        mtp_depth=_int(d, "num_nextn_predict_layers", _int(d, "num_mtp_layers", 0)),
-    )
-    if out["kv_lora_rank"] <= 0:
-        raise ValueError(f"kv_lora_rank={d.get('kv_lora_rank')}: DeepSeek-V3's attention is "
-                         "multi-head latent attention (kv_lora_rank > 0)")
+    out: dict[str, Any] = {}
     if experts:
         out.update(
             moe_experts=experts,
@@ -307,9 +285,9 @@ def _deepseek_fields(d: Mapping[str, Any], n_layers: int, heads: int) -> dict[st
 def model_config_from_hf(path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
     """The ModelConfig of an HF ``config.json`` (a folder, the file, or its parsed dict).
 
-    Raises ValueError naming the field for anything meshlm's model cannot express. A folder's
-    DeepSeek-V3 multi-token prediction depth is the number of its ``num_nextn_predict_layers``
-    whose weights the folder holds (transformers' own ``save_pretrained`` writes none).
+    Raises ValueError naming the field for anything meshlm's model cannot express. The
+    registered parts read their keys (:meth:`HFPart.from_hf`) and, for a folder, what its
+    stored tensors decide (:meth:`HFPart.from_folder`).
     """
     d = _hf_dict(path_or_dict)
     arch = _architecture(d)
@@ -340,7 +318,7 @@ def model_config_from_hf(path_or_dict: str | Path | Mapping[str, Any]) -> ModelC
         head_dim = int(d["head_dim"])
     head_dim = head_dim if head_dim and head_dim * heads != dim else 0
     if arch == DEEPSEEK_V3 and (dim % heads or (dim // heads) % 2):
-        # (unused by latent attention; keeps ModelConfig's grouped-query checks quiet)
+        # (unused by DeepSeek-V3's attention; keeps ModelConfig's grouped-query checks quiet)
         head_dim = 2 * max(1, dim // heads // 2)
     if head_dim == 0 and dim % heads:
         raise ValueError(f"hidden_size={dim} is not divisible by num_attention_heads={heads} "
@@ -360,7 +338,7 @@ def model_config_from_hf(path_or_dict: str | Path | Mapping[str, Any]) -> ModelC
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         init_std=float(d.get("initializer_range", 0.02)),
         sliding_window=_window(d, arch, n_layers, max_pos),
-        **_rope(d, arch, max_pos, mla=arch == DEEPSEEK_V3),
+        **_rope(d, arch, max_pos),
     )
     if arch == MIXTRAL:
         fields.update(
@@ -383,26 +361,14 @@ def model_config_from_hf(path_or_dict: str | Path | Mapping[str, Any]) -> ModelC
                 moe_norm_topk=bool(d.get("norm_topk_prob", False)),
             )
     if arch == DEEPSEEK_V3:
-        fields.update(_deepseek_fields(d, n_layers, heads))
-        if folder is not None and fields["mtp_depth"]:
-            fields["mtp_depth"] = stored_mtp_depth(folder, n_layers, fields["mtp_depth"])
+        fields.update(_deepseek_fields(d, n_layers))
+    for part in PARTS:
+        fields.update(part.from_hf(d, arch, fields))
+    if folder is not None:
+        where = folder
+        for part in PARTS:
+            fields.update(part.from_folder(fields, d, arch, lambda: _folder_keys(where)))
     return ModelConfig(**fields)
-
-
-def stored_mtp_depth(folder: Path, n_layers: int, declared: int) -> int:
-    """How many of the ``declared`` multi-token prediction layers (decoder layer indices
-    ``n_layers + k``) the safetensors of ``folder`` hold: all or none (ValueError otherwise)."""
-    try:
-        keys = _folder_keys(folder)
-    except (ValueError, OSError):
-        return declared  # (the weights' reader reports the folder's problem)
-    held = [k for k in range(declared)
-            if any(key.startswith(f"model.layers.{n_layers + k}.") for key in keys)]
-    if held and held != list(range(declared)):
-        raise ValueError(f"num_nextn_predict_layers={declared}: the folder holds the weights "
-                         f"of multi-token prediction layers {[n_layers + k for k in held]} "
-                         f"only")
-    return len(held)
 
 
 def _folder_keys(folder: Path) -> list[str]:
@@ -423,10 +389,15 @@ def _folder_keys(folder: Path) -> list[str]:
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """The HF architecture ``cfg`` exports as: DeepseekV3ForCausalLM for latent attention,
-    sigmoid routing or multi-token prediction; Qwen3(Moe)ForCausalLM with ``qk_norm``;
-    else MixtralForCausalLM (MoE) or LlamaForCausalLM."""
-    if cfg.is_mla or (cfg.is_moe and cfg.moe_score == "sigmoid") or cfg.mtp_depth:
+    """The HF architecture ``cfg`` exports as: the one a registered part asks for
+    (:meth:`HFPart.export_arch`); DeepseekV3ForCausalLM for sigmoid routing;
+    Qwen3(Moe)ForCausalLM with ``qk_norm``; else MixtralForCausalLM (MoE) or
+    LlamaForCausalLM."""
+    for part in PARTS:
+        arch = part.export_arch(cfg)
+        if arch is not None:
+            return arch
+    if cfg.is_moe and cfg.moe_score == "sigmoid":
         return DEEPSEEK_V3
     if cfg.qk_norm:
         return QWEN3_MOE if cfg.is_moe else QWEN3
@@ -434,13 +405,16 @@ def hf_architecture(cfg: ModelConfig) -> str:
 
 
 def _refuse_export(cfg: ModelConfig, arch: str) -> None:
-    """ValueError naming the field when ``arch`` cannot express ``cfg``."""
+    """ValueError naming the field when ``arch`` cannot express ``cfg`` (the registered
+    parts' reasons first)."""
+    for part in PARTS:
+        why = part.refuse_export(cfg, arch)
+        if why is not None:
+            raise ValueError(why)
     moe_fields = cfg.is_moe
     checks: list[tuple[bool, str]] = []
     if arch == DEEPSEEK_V3:
         checks += [
-            (not cfg.is_mla, f"kv_lora_rank={cfg.kv_lora_rank}: {DEEPSEEK_V3} has multi-head "
-             "latent attention only (sigmoid routing or mtp_depth ask for it)"),
             (cfg.qk_norm, f"qk_norm=True: {DEEPSEEK_V3} has no query/key norm"),
             (moe_fields and cfg.moe_score != "sigmoid", f"moe_score={cfg.moe_score!r}: "
              f"{DEEPSEEK_V3} routes by sigmoid scores"),
@@ -452,8 +426,6 @@ def _refuse_export(cfg: ModelConfig, arch: str) -> None:
         ]
     else:
         checks += [
-            (cfg.is_mla, f"kv_lora_rank={cfg.kv_lora_rank}: only {DEEPSEEK_V3} has latent "
-             "attention"),
             (moe_fields and cfg.moe_n_group > 1, f"moe_n_group={cfg.moe_n_group}: {arch} has "
              f"no group-limited routing ({DEEPSEEK_V3} has)"),
             (moe_fields and cfg.moe_routed_scale != 1.0, f"moe_routed_scale="
@@ -555,21 +527,17 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
             "router_aux_loss_coef": cfg.moe_aux_loss_coef,
             "output_router_logits": False,
         })
+    for part in PARTS:
+        out.update(part.to_hf(cfg, arch))
     if arch == DEEPSEEK_V3:
         out.update(_deepseek_out(cfg))
     return out
 
 
 def _deepseek_out(cfg: ModelConfig) -> dict[str, Any]:
-    """The DeepSeek-V3 keys of ``cfg`` (a dense model: every layer ``first_k_dense_replace``)."""
+    """The DeepSeek-V3 routing keys of ``cfg`` (a dense model: every layer
+    ``first_k_dense_replace``)."""
     out: dict[str, Any] = {
-        "q_lora_rank": cfg.q_lora_rank or None,
-        "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim,
-        "rope_interleave": True,  # (weights are written in DeepSeek's interleaved rotary rows)
-        "num_nextn_predict_layers": cfg.mtp_depth,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "moe_layer_freq": 1,

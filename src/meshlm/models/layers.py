@@ -1,5 +1,13 @@
-"""The building blocks both attention layers and the decoder share: the RMSNorm, the rotary
-rotation and the attention-kernel slot.
+"""The building blocks the attention layers and the decoder share: the RMSNorm, the rotary
+rotation, the attention-kernel slot, and the one list of attention layers.
+
+An attention *layer* (the projections around the kernel: grouped-query ``Attention`` in
+``models/llama.py``, or a technique's own) is a :class:`KernelSlot` registered by name in
+:data:`ATTENTION_LAYERS` (:func:`register_attention_layer`); ``ModelConfig.attention_layer``
+names the one every decoder block holds (:func:`build_attention_layer`). A layer whose torch-free
+cost is not described in ``attention_cost.PROJECTIONS`` under the same name is refused, as a
+kernel is (``models/attention.py``). Techniques' layers register when ``models/llama.py``
+imports ``models/attention_layers.py``, their index.
 
 No communication. Memory: a norm's weight (``dim`` values); the slot holds no parameters.
 """
@@ -7,12 +15,14 @@ No communication. Memory: a norm's weight (``dim`` values); the slot holds no pa
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import build_kernel
+from .attention_cost import PROJECTIONS
 from .config import ModelConfig
 
 
@@ -72,10 +82,17 @@ class _Callable(nn.Module):
 class KernelSlot(nn.Module):
     """An attention layer's core slot: ``kernel``, the registered kernel ``model.attention``
     names (``models/attention.py``) with the model's sliding window, which context
-    parallelism, recomputation and compilation wrap (``parallel/extensions.py``). Both
-    attention layers -- :class:`Attention` and multi-head latent attention
-    (``models/mla.py``) -- hold one and hand it (B, nh, S, d) queries and keys and
-    (B, nkv, S, d_v) values."""
+    parallelism, recomputation and compilation wrap (``parallel/extensions.py``). Every
+    attention layer (:data:`ATTENTION_LAYERS`) is one: it hands the kernel (B, nh, S, d)
+    queries and keys and (B, nkv, S, d_v) values.
+
+    What a layer declares for the techniques applied from outside, so they name no layer:
+    ``layer_name`` (its registered name: tensor parallelism's plan for it is registered under
+    the same name, ``parallel/tensor_plan.py``) and ``linears`` (the attributes of its matmul
+    ``nn.Linear`` s, which a precision's model converter may swap: ``parallel/float8.py``)."""
+
+    layer_name: ClassVar[str] = ""
+    linears: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -96,3 +113,33 @@ class KernelSlot(nn.Module):
     @core.deleter
     def core(self) -> None:
         self.kernel = build_kernel(self.kernel_name, self.window)
+
+
+S = TypeVar("S", bound=type[KernelSlot])
+# The attention layers by name (``ModelConfig.attention_layer``): name -> class taking the
+# model config
+ATTENTION_LAYERS: dict[str, type[KernelSlot]] = {}
+
+
+def register_attention_layer(name: str) -> Callable[[S], S]:
+    """Class decorator: register an attention layer under ``name`` (its torch-free cost must
+    already be in ``attention_cost.PROJECTIONS``, under the same name)."""
+
+    def add(cls: S) -> S:
+        if name not in PROJECTIONS:
+            raise ValueError(f"attention layer {name!r} has no cost in attention_cost.PROJECTIONS")
+        if name in ATTENTION_LAYERS:
+            raise ValueError(f"attention layer {name!r} is registered twice")
+        cls.layer_name = name
+        ATTENTION_LAYERS[name] = cls
+        return cls
+
+    return add
+
+
+def build_attention_layer(cfg: ModelConfig) -> KernelSlot:
+    """The attention layer ``cfg.attention_layer`` names, built for ``cfg``."""
+    name = cfg.attention_layer
+    if name not in ATTENTION_LAYERS:
+        raise ValueError(f"attention layer {name!r} is not one of {', '.join(ATTENTION_LAYERS)}")
+    return ATTENTION_LAYERS[name](cfg)

@@ -10,8 +10,9 @@ convention is the "rotate half" one of Hugging Face Llama, so HF weights load by
 Extension points -- declared slots the model's own forwards call, filled in one place by
 ``meshlm.parallel.extensions`` and shown by ``print(model)``:
 
-- ``Attention.kernel`` (the same slot in multi-head latent attention, ``models/mla.py``, the
-  layer's attention when ``model.kv_lora_rank`` > 0): the attention core, a parameterless
+- ``Attention.kernel`` (the same slot in every attention layer, ``layers.KernelSlot``; the
+  layer a block holds is the registered one ``ModelConfig.attention_layer`` names,
+  ``layers.ATTENTION_LAYERS``): the attention core, a parameterless
   module: the registered kernel ``model.attention`` names (``models/attention.py``: ``sdpa``
   by default), with context parallelism's ring / all-to-all composed around it, or wrapped
   to be recomputed or kept out of compiled graphs;
@@ -46,13 +47,23 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from . import flex_attention  # noqa: F401  (registers the flex kernel)
+from . import (
+    attention_layers,  # noqa: F401  (registers the techniques' attention layers)
+    flex_attention,  # noqa: F401  (registers the flex kernel)
+    training_heads,  # noqa: F401  (registers the techniques' extra training heads)
+)
 from .attention import SDPA, EagerAttention, build_kernel, document_mask  # noqa: F401  (re-exported)
 from .config import ModelConfig
-from .layers import KernelSlot, RMSNorm, apply_rope, rms_norm  # noqa: F401  (re-exported)
-from .mla import MultiHeadLatentAttention
+from .heads import TRAINING_HEADS, TrainingHead
+from .layers import (  # noqa: F401  (KernelSlot, rms_norm re-exported)
+    KernelSlot,
+    RMSNorm,
+    apply_rope,
+    build_attention_layer,
+    register_attention_layer,
+    rms_norm,
+)
 from .moe import MoE, SwiGLU
-from .mtp import MTPDepth
 from .rope import model_rope_tables, rope_tables  # noqa: F401  (rope_tables re-exported)
 
 
@@ -87,12 +98,15 @@ def host_copy(doc_ids: torch.Tensor) -> torch.Tensor | None:
     return getattr(doc_ids, HOST_COPY, None)
 
 
+@register_attention_layer("gqa")
 class Attention(KernelSlot):
     """Grouped-query causal self-attention; the core is the module ``kernel``, the registered
     kernel ``model.attention`` names (default :class:`SDPA`), with the model's sliding window.
 
     ``model.qk_norm`` (Qwen3): each query and key head is RMS-normalised (``q_norm``,
     ``k_norm``: one weight of ``head_dim`` shared by all heads) before the rotation."""
+
+    linears = ("wq", "wk", "wv", "wo")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
@@ -128,11 +142,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention: KernelSlot
-        if cfg.is_mla:  # (DeepSeek-V2/V3)
-            self.attention = MultiHeadLatentAttention(cfg)
-        else:
-            self.attention = Attention(cfg)
+        self.attention: KernelSlot = build_attention_layer(cfg)  # (cfg.attention_layer's)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (
             MoE(cfg) if cfg.is_moe_layer(layer_id) else SwiGLU(cfg.dim, cfg.ffn_hidden)
@@ -164,10 +174,11 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The decoder. ``model(input_ids)`` -> logits (B, S, vocab).
 
-    With ``mtp_depth`` > 0 it also holds multi-token prediction's modules ``mtp.{k}``
-    (``models/mtp.py``), which only training runs: a training forward keeps its last layer's
-    output and :meth:`predict_ahead` runs the modules on it; ``model(input_ids)``,
-    evaluation and generation are the main model's."""
+    It also holds the extra training heads its config adds (``models/heads.py``), each the
+    attribute of its registered name (None when the config adds none), which only training
+    runs: a training forward hands them its last layer's output (:meth:`head`) and the
+    training objectives run them after it; ``model(input_ids)``, evaluation and generation
+    are the main model's."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -181,17 +192,15 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Multi-token prediction (models/mtp.py): depth k + 1 is ``mtp.{k}``, its block layer
-        # n_layers + k; None without it. ``mtp_input``: the last layer's output of the last
-        # training forward, which ``predict_ahead`` reads (and drops).
-        self.mtp: nn.ModuleList | None = nn.ModuleList(
-            MTPDepth(cfg.dim, Block(cfg, cfg.n_layers + k), lambda d: RMSNorm(d, cfg.norm_eps))
-            for k in range(cfg.mtp_depth)) if cfg.mtp_depth else None
-        self.mtp_input: torch.Tensor | None = None
+        # The extra training heads (models/heads.py), each under its registered name (None:
+        # the config adds none); their blocks' layer ids follow the layers'.
+        self.head_names: tuple[str, ...] = tuple(TRAINING_HEADS)
+        for name, build in TRAINING_HEADS.items():  # (None: a plain attribute, not a module)
+            setattr(self, name, build(cfg, lambda i: Block(cfg, i)))
         if torch.get_default_device().type == "meta":  # shapes only: build_buffers makes them
             cos = torch.empty(cfg.max_seq_len, cfg.rope_dim)
             sin = torch.empty(cfg.max_seq_len, cfg.rope_dim)
-        else:  # (sin sign-folded; MLA: the rotary part of a head; YaRN: models/rope.py)
+        else:  # (sin sign-folded; cfg.rope_dim wide; YaRN: models/rope.py)
             cos, sin = model_rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -280,41 +289,26 @@ class Transformer(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states -> logits (or the head's input, when
-        ``emit_hidden``), through ``run_head`` when set. A training forward of a model with
-        multi-token prediction keeps ``h`` for :meth:`predict_ahead`."""
-        if self.mtp is not None and self.training and torch.is_grad_enabled():
-            self.mtp_input = h
+        ``emit_hidden``), through ``run_head`` when set. A training forward hands ``h`` to
+        the extra training heads (``keep``)."""
+        if self.training and torch.is_grad_enabled():
+            for extra in self.training_heads().values():
+                extra.keep(h)
         return self.final(h) if self.run_head is None else self.run_head(h)
 
     def blocks(self) -> dict[int, Block]:
         """Every decoder block this model holds, by layer id: its layers, then the blocks of
-        multi-token prediction (layer ids ``n_layers + k``)."""
+        the extra training heads (layer ids ``n_layers`` and up)."""
         out = {int(k): b for k, b in self.layers.items()}
-        for k, depth in enumerate(self.mtp or ()):
-            out[self.cfg.n_layers + k] = depth.block
+        for extra in self.training_heads().values():
+            out.update(extra.blocks())
         return out
 
-    def mtp_layer_ids(self) -> list[int]:
-        """Layer ids of the multi-token prediction blocks this model holds."""
-        return [self.cfg.n_layers + k for k in range(len(self.mtp or ()))]
-
-    def predict_ahead(self, ids: list[torch.Tensor], seq_len: int) -> list[torch.Tensor]:
-        """Multi-token prediction (models/mtp.py) on the last layer's output of the last
-        training forward: ``ids[k]`` (B, s) the token each position reads at depth k + 1;
-        returns each depth's head output (logits, or the head's input when ``emit_hidden``).
-        ``seq_len`` as for :meth:`run_layers`; document masking as the forward's."""
-        if self.mtp is None or self.mtp_input is None:
-            raise RuntimeError("predict_ahead needs a model with multi-token prediction "
-                               "(model.mtp_depth > 0) after a training forward")
-        h, self.mtp_input = self.mtp_input, None
-        cos, sin = self.rope(seq_len)
-        docs = () if self.doc_ids is None else (self.doc_ids,)
-        outs = []
-        for depth, tokens in zip(self.mtp, ids, strict=True):
-            h = depth(h, self.tok_embeddings(tokens), cos, sin, *docs)
-            x = self.head_input(depth.norm(h))
-            outs.append(x if self.emit_hidden else self.output(x))
-        return outs
+    def training_heads(self) -> dict[str, TrainingHead]:
+        """The extra training heads this model holds, by name (none that the config does not
+        add, or that a pipeline split left on another stage)."""
+        held = {name: getattr(self, name) for name in self.head_names}
+        return {name: m for name, m in held.items() if m is not None}
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
         """The computation of :meth:`head` (what ``run_head`` compiles)."""
@@ -345,7 +339,7 @@ class Transformer(nn.Module):
         the MoE layers this model holds; None leaves them as they are."""
         if table is None:
             return
-        for i, layer in self.blocks().items():  # (multi-token prediction's rows follow)
+        for i, layer in self.blocks().items():  # (the training heads' rows follow)
             ff = layer.feed_forward
             if isinstance(ff, MoE) and ff.expert_bias is not None and i < len(table):
                 ff.expert_bias.copy_(torch.tensor(table[i], dtype=torch.float32))

@@ -20,20 +20,29 @@ Hugging Face's port (``RMSNorm(q_lora_rank)`` with its default).
 Rotary convention: meshlm's rotate-half (pair i with i + d/2). Hugging Face's DeepSeek-V3
 (``rope_interleave``) pairs (2i, 2i + 1); the two agree once the rotary output rows of a
 weight are reordered even-first (:func:`interleaved_to_half`, and back
-:func:`half_to_interleaved`): the HF checkpoint conversion applies it to ``wq`` / ``wq_b``
-(each head's rope rows) and ``wkv_a`` (its last rope rows).
+:func:`half_to_interleaved`): the HF checkpoint conversion applies the same order to ``wq`` /
+``wq_b`` (each head's rope rows) and ``wkv_a`` (its last rope rows), as a row permutation
+(``models/mla_hf.py``'s ``interleaved_rows``).
 
 The attention core is the layer's ``kernel`` slot, as in ``Attention`` (``models/llama.py``):
 (B, nh, S, nope + rope) queries and keys, (B, nh, S, v) values, so the registered kernels,
 context parallelism, recomputation and compilation compose around it unchanged.
 
-Tensor parallelism (``parallel/tensor.py``) splits the heads: ``wq`` / ``wq_b`` / ``wkv_b``
-column parallel, ``wo`` row parallel; the down-projections ``wq_a``, ``wkv_a`` and their norms
-are replicated and computed on whole tokens by every tp rank. Two slots carry that:
-``whole_input`` (the layer's input made whole, its gradient already whole: identity, or the
-sequence-parallel all-gather) and ``latent_input`` (what the latents -- and ``x`` for ``wq`` --
-pass before the per-head projections: identity, or tp's copy whose backward all-reduces the
-heads' partial gradients).
+The layer is registered as "mla" (``layers.ATTENTION_LAYERS``, listed in
+``models/attention_layers.py``): ``ModelConfig.attention_layer`` names it when
+``model.kv_lora_rank`` > 0, and every decoder block then holds one. It declares its matmul
+linears (``linears``: all of them, the down-projections included, compute in float8 under
+``precision.dtype=fp8``). YaRN's softmax-scale correction
+(:func:`~meshlm.models.rope.score_scale`) is applied here, folded into the queries; the rotary
+tables are ``qk_rope_head_dim`` wide (``ModelConfig.rope_dim``).
+
+Tensor parallelism (``parallel/mla_tp.py``, the plan registered for "mla") splits the heads:
+``wq`` / ``wq_b`` / ``wkv_b`` column parallel, ``wo`` row parallel; the down-projections
+``wq_a``, ``wkv_a`` and their norms are replicated and computed on whole tokens by every tp
+rank. Two slots carry that: ``whole_input`` (the layer's input made whole, its gradient already
+whole: identity, or the sequence-parallel all-gather) and ``latent_input`` (what the latents --
+and ``x`` for ``wq`` -- pass before the per-head projections: identity, or tp's copy whose
+backward all-reduces the heads' partial gradients).
 
 Communication: none here (the slots' and the kernel's). Memory per layer and token
 (activations kept, besides the kernel's): the latents ``q_lora + kv_lora + rope``, queries and
@@ -48,7 +57,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers import KernelSlot, RMSNorm, apply_rope
+from .layers import KernelSlot, RMSNorm, apply_rope, register_attention_layer
 from .rope import score_scale
 
 LATENT_NORM_EPS = 1e-6  # (DeepSeek's reference and HF: the latent norms' default epsilon)
@@ -93,8 +102,11 @@ class Latents(nn.Module):
         return xs
 
 
+@register_attention_layer("mla")
 class MultiHeadLatentAttention(KernelSlot):
     """Multi-head latent attention (module docstring) with the attention core ``kernel``."""
+
+    linears = ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

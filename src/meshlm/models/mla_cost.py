@@ -53,13 +53,13 @@ Memory: as :meth:`LatentCost.saved` and :meth:`LatentCost.params` state.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..schema import declare
 from .attention_cost import NORM_ELEMENTS, PROJECTIONS, ROTARY_ELEMENTS, ProjectionCost, Widths
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# (models/config.py's ModelConfig, which lists this module: named for the annotations only)
+ModelConfig = Any
 
 _KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 

@@ -1,7 +1,8 @@
 """Multi-token prediction (DeepSeek-V3, DeepSeek-AI 2024, section 2.2): ``model.mtp_depth``
 modules after the main model, depth k predicting the token k + 1 ahead.
 
-Depth k = 1 ... D is the module ``mtp.{k-1}`` of the model. It keeps the causal chain: at
+Depth k = 1 ... D is the module ``mtp.{k-1}`` of the model (:class:`MultiTokenPrediction`,
+the model's extra training head "mtp", ``models/heads.py``). It keeps the causal chain: at
 position i it combines the previous depth's hidden state (depth 0: the main model's last layer
 output, before the final norm) with the embedding of the token k ahead,
 
@@ -12,7 +13,7 @@ output, before the final norm) with the embedding of the token k ahead,
 with layer id ``n_layers + k - 1`` (a MoE block when the model is MoE), its attention causal
 over the positions of the sequence and masked like the main blocks (document masking, context
 parallelism). The training objective adds ``mtp_loss_weight`` times the mean over depths of
-the depth losses (``parallel/loss.py``); evaluation and generation run the main model only.
+the depth losses (``parallel/multi_token.py``); evaluation and generation run the main model only.
 
 The data of depth k is a shift of the micro-batch's targets (``targets[j] = t_{j+1}``): at
 position i it reads ``targets[i + k - 1]`` and predicts ``targets[i + k]``
@@ -34,15 +35,23 @@ Memory (one rank): per depth one decoder block's activations, the two norms and 
 (B, S, 2 h) input, and one more LM head pass (its logits or a chunk of them); weights
 ``2 h^2 + 3 h`` plus the block per depth (the embedding and head are shared). Compute per
 depth and token: ``proj`` (2 h x h), the block and the LM head once more. No communication
-here (parallelism adds its own: ``parallel/tensor.py``, ``context.py``, ``pipeline.py``).
+here (parallelism adds its own: ``parallel/multi_token.py``, and as for any training head
+``parallel/pipeline.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from .heads import register_training_head
+from .layers import RMSNorm
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 
 class MTPDepth(nn.Module):
@@ -69,6 +78,59 @@ class MTPDepth(nn.Module):
         blocks get them."""
         x = torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1)
         return self.block(self.proj_out(self.proj(self.proj_in(x))), cos, sin, *doc_ids)
+
+
+class MultiTokenPrediction(nn.ModuleList):
+    """The model's extra training head ``mtp`` (``models/heads.py``): depth k + 1 is
+    ``mtp.{k}``, an :class:`MTPDepth` whose block has layer id ``n_layers + k``.
+
+    ``input``: the last layer's output of the last training forward (``keep``), which
+    :meth:`predict_ahead` reads and drops."""
+
+    reads_embedding = True  # (the tokens ahead: the pipeline keeps the table on the last stage)
+
+    def __init__(self, depths: list[MTPDepth], first_layer: int) -> None:
+        super().__init__(depths)
+        self.first_layer = first_layer
+        self.input: torch.Tensor | None = None
+
+    def keep(self, h: torch.Tensor) -> None:
+        self.input = h
+
+    def blocks(self) -> dict[int, nn.Module]:
+        """The depths' blocks by layer id (``n_layers + k``)."""
+        return {self.first_layer + k: depth.block for k, depth in enumerate(self)}
+
+    def predict_ahead(self, model: nn.Module, ids: list[torch.Tensor], seq_len: int
+                      ) -> list[torch.Tensor]:
+        """The depths on the last layer's output of ``model``'s last training forward:
+        ``ids[k]`` (B, s) the token each position reads at depth k + 1; returns each depth's
+        head output (logits, or the head's input when ``model.emit_hidden``). ``seq_len`` as
+        for ``Transformer.run_layers``; document masking as the forward's."""
+        if self.input is None:
+            raise RuntimeError("predict_ahead needs a model with multi-token prediction "
+                               "(model.mtp_depth > 0) after a training forward")
+        h, self.input = self.input, None
+        cos, sin = model.rope(seq_len)
+        docs = () if model.doc_ids is None else (model.doc_ids,)
+        outs = []
+        for depth, tokens in zip(self, ids, strict=True):
+            h = depth(h, model.tok_embeddings(tokens), cos, sin, *docs)
+            x = model.head_input(depth.norm(h))
+            outs.append(x if model.emit_hidden else model.output(x))
+        return outs
+
+
+@register_training_head("mtp")
+def build_heads(cfg: ModelConfig, block: Callable[[int], nn.Module]
+                ) -> MultiTokenPrediction | None:
+    """``model.mtp_depth`` depths (None without any): depth k + 1's block is
+    ``block(n_layers + k)``."""
+    if not cfg.mtp_depth:
+        return None
+    return MultiTokenPrediction(
+        [MTPDepth(cfg.dim, block(cfg.n_layers + k), lambda d: RMSNorm(d, cfg.norm_eps))
+         for k in range(cfg.mtp_depth)], cfg.n_layers)
 
 
 def depth_inputs(targets: torch.Tensor, k: int, positions: torch.Tensor | None = None,
@@ -109,4 +171,5 @@ def counted_predictions(seq_len: int, k: int, doc_ids: torch.Tensor | None, batc
     return (doc_ids[..., k + 1:] == doc_ids[..., :-(k + 1)]).sum()
 
 
-__all__ = ["MTPDepth", "counted_predictions", "depth_inputs"]
+__all__ = ["MTPDepth", "MultiTokenPrediction", "build_heads", "counted_predictions",
+           "depth_inputs"]

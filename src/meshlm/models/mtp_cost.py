@@ -38,12 +38,12 @@ float64). Not counted: the cross-entropy's per-depth target shift (local).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..schema import declare
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# (models/config.py's ModelConfig, which lists this module: named for the annotations only)
+ModelConfig = Any
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ stretched f times; DeepSeek-V3's ``rope_scaling``, Hugging Face's ``rope_type = 
   ``mscale(f, m) = 0.1 m ln f + 1`` (``yarn_get_mscale``; m = ``model.rope_mscale``,
   m_all = ``model.rope_mscale_all_dim``, 0 giving 1), so each rotated query-key product grows by
   its square;
-- multi-head latent attention (``models/mla.py``) multiplies its softmax scale by
-  ``mscale(f, m_all)^2`` (:func:`score_scale`), as DeepSeek-V3 does: with m = m_all (V3's
-  published 1.0, 1.0) the tables are unscaled and the whole correction is on the scores. Ordinary
-  attention takes the tables only, as Hugging Face's Llama / Qwen YaRN does.
+- an attention layer may also multiply its softmax scale by ``mscale(f, m_all)^2``
+  (:func:`score_scale`), as DeepSeek-V3's does: with m = m_all (V3's published 1.0, 1.0) the
+  tables are unscaled and the whole correction is on the scores. Grouped-query attention takes
+  the tables only, as Hugging Face's Llama / Qwen YaRN does.
 
 Tables are computed in float64 and stored in fp32 (one rounding per entry). No communication;
 memory: two (max_seq_len, d) fp32 tables per model.
@@ -88,7 +88,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, *, factor: float 
 
 
 def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables of a model: ``cfg.rope_dim`` wide (MLA: the rotary part of a head),
+    """The tables of a model: ``cfg.rope_dim`` wide (the rotated features of a query/key head),
     ``cfg.max_seq_len`` positions, YaRN when ``cfg.rope_factor`` > 1."""
     return rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, factor=cfg.rope_factor,
                        original_max_len=cfg.rope_original_max_len,
@@ -97,8 +97,8 @@ def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def score_scale(cfg: ModelConfig) -> float:
-    """What multi-head latent attention multiplies its softmax scale by: YaRN's
-    ``mscale(f, m_all)^2`` (1 without YaRN)."""
+    """What an attention layer that corrects its scores for YaRN (DeepSeek-V3's) multiplies
+    its softmax scale by: ``mscale(f, m_all)^2`` (1 without YaRN)."""
     return yarn_get_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
 
 

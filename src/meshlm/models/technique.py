@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+# (models/config.py's ModelConfig, which lists this module: named for the annotations only)
+ModelConfig = Any
 
 
 class HeadCost(Protocol):

@@ -19,10 +19,11 @@ does, and each rank's gradients include the other ranks' losses through the dK/d
 all-to-all (Ulysses) backward. Mixture-of-Experts layers add their routing counts over cp so the
 load-balancing loss is the whole sequence's (``expert.attach_count_reducers``).
 
-Multi-token prediction (``models/mtp.py``): its blocks' attention is context parallel like
-the main blocks'; the tokens ahead of a rank's positions lie in other ranks' shares, so
-:meth:`ContextParallel.gather_shares` rebuilds the step's whole target sequences (one
-all-gather over cp of ``G b s / cp`` int64 per step, ``parallel/loss.py``).
+Extra training heads (``models/heads.py``): their blocks' attention is context parallel like
+the main blocks'; an objective that reads the tokens ahead of a rank's positions (they lie in
+other ranks' shares) rebuilds the step's whole target sequences with
+:meth:`ContextParallel.gather_shares` (one all-gather over cp of ``G b s / cp`` int64 per step;
+the objective states it, ``parallel/objective.py``).
 
 Communication: see the two attention modules. Memory: activations / cp; the rotary
 tables of the positions in use; with document masking, which ring blocks the last micro-batch's
@@ -115,7 +116,7 @@ class ContextParallel:
 
     def gather_shares(self, x: torch.Tensor) -> torch.Tensor:
         """Whole sequences from every cp rank's share of them: (..., s/cp) -> (..., s) along
-        the last dim (multi-token prediction reads the tokens ahead of its positions). One
+        the last dim (an extra training objective reads the tokens ahead of its positions). One
         all-gather over cp of ``x`` (contiguous, this rank's device); no gradient."""
         n = self.size
         if not self.enabled or n == 1:

@@ -152,7 +152,7 @@ class ExpertExchange:
 def apply_expert_parallel(model: Transformer, comm: Comm) -> None:
     """Keep this ep rank's experts of every MoE layer and route their tokens (module doc)."""
     ep, rank = comm.size(AXIS), comm.rank(AXIS)
-    for layer in model.blocks().values():  # (multi-token prediction's blocks too)
+    for layer in model.blocks().values():  # (the training heads' blocks too)
         moe = layer.feed_forward
         if not isinstance(moe, MoE):
             continue
@@ -191,8 +191,8 @@ def attach_count_reducers(model: Transformer, comm: Comm) -> None:
 
 
 def moe_layers(model: Transformer) -> dict[int, MoE]:
-    """This rank's MoE layers by global layer index (multi-token prediction's blocks:
-    ``n_layers + k``)."""
+    """This rank's MoE layers by global layer index (the training heads' blocks follow the
+    layers: ``n_layers`` and up)."""
     return {k: layer.feed_forward for k, layer in model.blocks().items()
             if isinstance(layer.feed_forward, MoE)}
 
@@ -201,19 +201,19 @@ def moe_layers(model: Transformer) -> dict[int, MoE]:
 DROPPED, AUX, BIAS_SPREAD, MICRO_BATCHES = range(4)
 
 
-def router_step(model: Transformer, comm: Comm, n_layers: int, n_experts: int
+def router_step(model: Transformer, comm: Comm, n_blocks: int, n_experts: int
                 ) -> dict[str, Any]:
     """End of a step: each MoE layer's load over the global batch, its auxiliary-loss-free
-    bias update, and the statistics for ``metrics.jsonl`` (every rank gets every layer's).
+    bias update, and the statistics for ``metrics.jsonl`` (every rank gets every layer's;
+    ``n_blocks``: the model's layers and the training heads' blocks, ``ModelConfig.n_blocks``).
 
-    One all-reduce of ``n_layers x (E + 4)`` float64 over dp x cp (the global batch of this
+    One all-reduce of ``n_blocks x (E + 4)`` float64 over dp x cp (the global batch of this
     stage's layers), one over pp (the other stages' layers); logged as metrics traffic. The
     table is filled on the device and read to the host once, after both.
     """
     layers = moe_layers(model)
-    n_layers += model.cfg.mtp_depth  # (rows of multi-token prediction's blocks)
     e = n_experts
-    table = torch.zeros(n_layers, e + 4, dtype=torch.float64, device=comm.mesh.device())
+    table = torch.zeros(n_blocks, e + 4, dtype=torch.float64, device=comm.mesh.device())
     for i, moe in layers.items():
         st = moe.stats
         if st.load is not None:
@@ -231,7 +231,7 @@ def router_step(model: Transformer, comm: Comm, n_layers: int, n_experts: int
     comm.all_reduce(table, "pp", purpose="metrics")
     table = table.cpu()
     out: dict[str, Any] = {}
-    for i in range(n_layers):
+    for i in range(n_blocks):
         load, row = table[i, :e], table[i, e:]
         if row[MICRO_BATCHES] == 0:  # not an MoE layer
             continue

@@ -71,11 +71,9 @@ from ..distributed.spec import ATTR, spec_of
 from ..precision import FP8_RECIPES
 
 RECIPES = FP8_RECIPES
-# the linear layers of a decoder block that compute in float8 (paths inside the block)
-FP8_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-               # multi-head latent attention (models/mla.py)
-               "attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b",
-               "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+# the linear layers of a decoder block that compute in float8 (paths inside the block): the
+# attention layer's matmul linears, which it declares (``KernelSlot.linears``), then these
+FP8_LINEARS = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
                "feed_forward.shared.w1", "feed_forward.shared.w2", "feed_forward.shared.w3")
 INSTALL_HINT = 'pip install "meshlm[fp8]"'
 
@@ -373,9 +371,11 @@ def plain_linear(lin: nn.Linear) -> nn.Linear:
 
 
 def _block_linears(block: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, linear) of each of ``FP8_LINEARS`` the block has."""
+    """(parent, attribute, linear) of each linear of the block's attention layer
+    (``attention.linears``) and of ``FP8_LINEARS`` the block has."""
     found = []
-    for path in FP8_LINEARS:
+    attention = tuple(f"attention.{n}" for n in getattr(block.attention, "linears", ()))
+    for path in attention + FP8_LINEARS:
         *parents, leaf = path.split(".")
         parent: nn.Module | None = block
         for name in parents:
@@ -399,16 +399,16 @@ def _sharded_dims(weight: torch.Tensor, token_axes: tuple[str, ...]
 
 class Float8Converter:
     """The model converter of ``precision.dtype=fp8`` (registered as ``fp8`` in
-    ``registry.py``): every block's :data:`FP8_LINEARS` become :class:`Float8Linear` s of
-    ``recipe``, before any parallelism is applied. Their scales are local until
-    ``bind_shards`` tells each linear the axes that shard it (tp, cp)."""
+    ``registry.py``): every block's attention linears and :data:`FP8_LINEARS` become
+    :class:`Float8Linear` s of ``recipe``, before any parallelism is applied. Their scales are
+    local until ``bind_shards`` tells each linear the axes that shard it (tp, cp)."""
 
     def __init__(self, recipe: str) -> None:
         make_plan(recipe)  # (the one-line errors: a bad recipe, torchao missing)
         self.recipe = recipe
 
     def convert(self, model: nn.Module) -> None:
-        for block in model.blocks().values():  # (multi-token prediction's too)
+        for block in model.blocks().values():  # (the extra training heads' too)
             for parent, name, lin in _block_linears(block):
                 if isinstance(lin, Float8Linear) and lin.plan.recipe == self.recipe:
                     continue  # already so (its plan may be bound, or told to defer dW)
@@ -417,7 +417,7 @@ class Float8Converter:
                 setattr(parent, name, f8)
 
     def revert(self, model: nn.Module) -> None:
-        for block in model.blocks().values():  # (multi-token prediction's too)
+        for block in model.blocks().values():  # (the extra training heads' too)
             for parent, name, lin in _block_linears(block):
                 setattr(parent, name, plain_linear(lin))
 

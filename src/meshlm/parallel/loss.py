@@ -20,23 +20,8 @@ of the head input is a partial sum that the head's input operator (copy-to-tp or
 sequence-parallel all-gather) reduces in backward.
 
 Every loss takes optional per-position ``weight`` (B, S): the loss is then the weighted sum
-``sum_i w_i CE_i`` instead of the mean (rows of weight 0 do not count). Multi-token prediction
-(``models/mtp.py``) uses it: :class:`MultiTokenLoss` forms each depth's targets and weights and
-runs the model's MTP modules and the same loss on their head outputs.
-
-Multi-token prediction's normalisation is the main loss's: the token mean over the global
-batch, in every layout. Depth k's loss is the sum over the step's counted predictions divided
-by their number N_k in the global batch (``counted_predictions``); each rank's share of a
-micro-batch (one of ``G dp cp`` shares, G micro-batches per rank) weights its counted
-positions by ``G dp cp / N_k``, so that the mean over micro-batches and over the dp x cp ranks
-that the runners and the engines take -- as they do of the main loss -- is that global mean.
-Without document masking N_k = ``global_batch (S - k)`` is known; with it, one all-reduce over
-dp of D numbers per step (each rank counts its sequences' predictions from the document ids of
-the inputs and of the targets -- a prediction counts only inside its position's document,
-``models/mtp.py`` -- which every cp rank holds whole). Context parallelism reads the tokens
-ahead of its positions from whole sequences: one all-gather over cp of the step's targets
-(``G b s / cp`` int64 per rank). Memory: per micro-batch and depth three (b, s / cp) tensors
-(ids, targets, weights).
+``sum_i w_i CE_i`` instead of the mean (rows of weight 0 do not count); an extra training
+objective (``parallel/objective.py``) runs the same loss on its head's outputs with it.
 """
 
 from __future__ import annotations
@@ -48,8 +33,6 @@ import torch.nn.functional as F
 
 from ..distributed.comm import Comm
 from ..models.llama import Transformer
-from ..models.mtp import counted_predictions, depth_inputs
-from .context import ContextParallel
 from .tensor import TensorParallel, exp_logits_
 
 AXIS = "tp"
@@ -142,71 +125,3 @@ def build_loss(model: Transformer, tp: TensorParallel | None, kind: str, chunk: 
         model.emit_hidden = True
         return ChunkedLoss(model, tp, chunk)
     return tp.loss if tp is not None else cross_entropy
-
-
-# (tokens read, tokens predicted, loss weights) of each depth of one micro-batch, on this rank
-Ahead = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-class MultiTokenLoss:
-    """Multi-token prediction's loss (``models/mtp.py``) in every layout: :meth:`prepare` forms
-    a step's targets and weights per micro-batch and depth (see the module docstring for the
-    normalisation; collective over cp and, with document ids, over dp), :meth:`__call__` runs
-    the model's MTP modules after a training forward and returns the mean over depths of their
-    losses. ``weight``: ``model.mtp_loss_weight``, the factor the objective adds it with."""
-
-    def __init__(self, model: Transformer, loss_fn: Callable[..., torch.Tensor], comm: Comm,
-                 cp: ContextParallel | None, device: torch.device) -> None:
-        self.model, self.loss_fn, self.comm, self.cp = model, loss_fn, comm, cp
-        self.device = device
-        self.depth, self.weight = model.cfg.mtp_depth, model.cfg.mtp_loss_weight
-
-    def prepare(self, micro: list[tuple[torch.Tensor, ...]]) -> list[Ahead]:
-        """Each micro-batch's (ids, targets, weights) per depth, (b, s) tensors on this rank's
-        positions (``micro``: this rank's (inputs, targets[, document ids, the targets'
-        document ids]) of the step, the document ids of whole sequences)."""
-        dev = self.device
-        targets = torch.stack([mb[1] for mb in micro]).to(dev)  # (G, b, s) of this rank
-        docs = self._window_docs(micro)
-        cp = self.cp.size if self.cp is not None else 1
-        whole = self.cp.gather_shares(targets) if cp > 1 else targets  # (G, b, S)
-        g, b, s = whole.shape
-        pos = None if cp == 1 else self.cp.local_positions(targets.shape[-1], dev)
-        dp = self.comm.size("dp")
-        if docs is None:  # every sequence alike: N_k = dp G b (S - k)
-            counts = torch.tensor([float(dp * counted_predictions(s, k, None, g * b))
-                                   for k in range(1, self.depth + 1)], dtype=torch.float64,
-                                  device=dev)
-        else:
-            counts = torch.stack([counted_predictions(s, k, docs, g * b)
-                                  for k in range(1, self.depth + 1)]).double()
-            self.comm.all_reduce(counts, "dp")
-        scale = (float(g * dp * cp) / counts.clamp(min=1)).float()  # (D,) on the device
-        out = []
-        for i in range(g):
-            per = []
-            for k in range(1, self.depth + 1):
-                ids, tgt, counted = depth_inputs(whole[i], k, pos,
-                                                 None if docs is None else docs[i])
-                per.append((ids, tgt, counted.float() * scale[k - 1]))
-            out.append(per)
-        return out
-
-    def _window_docs(self, micro: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
-        """(G, b, S + 1): the documents of the step's whole windows t_0 ... t_S (the inputs'
-        and the last target's), on the device; None without document masking."""
-        if len(micro[0]) <= 2:
-            return None
-        if len(micro[0]) < 4:
-            raise ValueError("multi-token prediction under document masking needs the targets' "
-                             "document ids too (the sampler's target_docs)")
-        inputs = torch.stack([mb[2] for mb in micro])  # (G, b, S)
-        last = torch.stack([mb[3][..., -1:] for mb in micro])  # (G, b, 1): t_S's
-        return torch.cat([inputs, last], dim=-1).to(self.device)
-
-    def __call__(self, ahead: Ahead) -> torch.Tensor:
-        """Mean over depths of their losses on one micro-batch (after its training forward,
-        inside the same ``packed`` block): this rank's weighted share."""
-        outs = self.model.predict_ahead([ids for ids, _, _ in ahead], ahead[0][0].shape[1])
-        losses = [self.loss_fn(out, tgt, w) for out, (_, tgt, w) in zip(outs, ahead, strict=True)]
-        return torch.stack(losses).sum() / len(losses)

@@ -5,12 +5,13 @@ explicit ``parallel.pp_layers`` split); stage 0 also holds the embedding, stage 
 norm, the head and the loss. Rank r keeps the stages the schedule places on it
 (``schedules.rank_stages``: r, r + pp, ...; in a V, r and 2 pp - 1 - r) and deletes every other
 module of the plain model, so parameter names stay those of the one-process model (and a
-checkpoint reshards between any two schedules). Multi-token
-prediction (``models/mtp.py``) runs on the last stage after the head: its modules live there,
-with a copy of the embedding table for the tokens ahead -- kept as a tied head is (same
-initial values; the two copies' gradients summed over the embedding group once per step,
-``V h / t`` values), one copy when the head is that table already, and no copy when the first
-and last stage share a rank (the V schedules).
+checkpoint reshards between any two schedules). The extra
+training heads (``models/heads.py``) run on the last stage after the head: their modules live
+there, and when one reads the embedding table, with a copy of it -- kept as a tied head is
+(same initial values; the two copies' gradients summed over the embedding group once per
+step, ``V h / t`` values), one copy when the head is that table already, and no copy when the
+first and last stage share a rank (the V schedules). Their objectives' losses
+(``parallel/objective.py``) join the last stage's loss, with their blocks' MoE aux losses.
 
 :class:`PipelineExecutor` runs a rank's list of actions (see ``schedules.py``) for ``m``
 micro-batches. Activations and their gradients move with ``batch_isend_irecv`` over the pp
@@ -84,7 +85,7 @@ from .schedules import (
 from .split_linear import DefersWeightGrad, capture_into, split_linears
 
 if TYPE_CHECKING:
-    from .loss import MultiTokenLoss
+    from .objective import ExtraObjective
 
 AXIS = "pp"
 
@@ -101,18 +102,21 @@ class PipelineModel:
         for name in [n for n in model.layers if int(n) not in keep]:
             del model.layers[name]
         first, last = 0 in self.stages, self.n_stages - 1 in self.stages
-        # multi-token prediction runs on the last stage, reading the embedding there too
-        mtp = model.mtp is not None
-        if not first and not (last and mtp):
+        # the extra training heads run on the last stage, some reading the embedding there too
+        heads = model.training_heads()
+        lookups = any(h.reads_embedding for h in heads.values())
+        if not first and not (last and lookups):
             model.tok_embeddings = None
         if not last:
-            model.norm, model.output, model.mtp = None, None, None
-        # The embedding table on both ends (a tied head, or multi-token prediction's lookups
-        # on the last stage): each end keeps its copy (same initial values); their gradients
-        # are summed over the embedding group before the optimizer step. With both ends on
-        # one rank (the V schedules' rank 0) there is one table, as in one process.
+            model.norm, model.output = None, None
+            for name in heads:
+                setattr(model, name, None)
+        # The embedding table on both ends (a tied head, or a training head's lookups on the
+        # last stage): each end keeps its copy (same initial values); their gradients are
+        # summed over the embedding group before the optimizer step. With both ends on one
+        # rank (the V schedules' rank 0) there is one table, as in one process.
         self.tied: nn.Parameter | None = None
-        if (model.cfg.tie_embeddings or mtp) and pp > 1 and (first != last):
+        if (model.cfg.tie_embeddings or lookups) and pp > 1 and (first != last):
             self.tied = (model.tok_embeddings.weight if first or not model.cfg.tie_embeddings
                          else model.output.weight)  # (tied: the same tensor)
             # one global tensor, a copy on each end: counted half each in norms
@@ -144,9 +148,11 @@ class PipelineModel:
             mods.insert(0, m.tok_embeddings)
         if s == self.n_stages - 1:
             mods += [m.norm, m.output]
-            if m.mtp is not None:  # (the embedding's copy here, unless it is the tied head)
-                mods += [m.mtp] + ([m.tok_embeddings] if s > 0 and m.tok_embeddings.weight
-                                   is not m.output.weight else [])
+            heads = list(m.training_heads().values())
+            mods += heads
+            if (any(h.reads_embedding for h in heads) and s > 0
+                    and m.tok_embeddings.weight is not m.output.weight):
+                mods.append(m.tok_embeddings)  # (its copy here, unless it is the tied head)
         return mods
 
 
@@ -223,7 +229,7 @@ class PipelineExecutor:
         self.dispatch: dict[str, Callable[[Action], None]] = {
             "F": self._do_F, "B": self._do_B_split if self.split else self._do_B,
             "I": self._do_I, "W": self._do_W}
-        # each module once (a stage's module list may repeat the embedding: MTP's lookups)
+        # each module once (a stage's module list may repeat the embedding: a head's lookups)
         modules = list({id(mod): mod for st in pipe.stages
                         for mod in pipe.stage_modules(st)}.values())
         # ZB, eager: forward hooks capture each linear's input, and its output gradient in I.
@@ -256,11 +262,11 @@ class PipelineExecutor:
         self.timeline: list[dict] = []
         self.peak_live = 0
         self.grad_scale = 1.0  # the fp16 loss scale (set by the trainer before each step)
-        # multi-token prediction's loss (parallel/loss.py) and the step's prepared targets of
-        # each micro-batch (set by the runner on the last stage; None: none)
-        self.mtp: MultiTokenLoss | None = None
-        self.ahead: list | None = None
-        self.mtp_sum = 0.0  # the last step's sum of the last stage's MTP losses
+        # the extra training objectives (parallel/objective.py) and, per objective, the step's
+        # prepared targets of each micro-batch (set by the runner on the last stage)
+        self.objectives: list[ExtraObjective] = []
+        self.prepared: list[list] = []
+        self.extra_sums: list[float] = []  # the last step's sums of the objectives' losses
 
     # -- zero-bubble capture of linear layers ----------------------------------------------
     def _capture_linear(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -283,8 +289,9 @@ class PipelineExecutor:
         # the last stage's losses, summed on the device and read once, after the step: in
         # float64, as Python would add the floats (a read per micro-batch would wait for it)
         self.loss_sum: torch.Tensor | None = None
-        self.mtp_total: torch.Tensor | None = None  # (the same for multi-token prediction)
-        self.mtp_sum = 0.0
+        # (the same for each extra objective)
+        self.extra_totals: list[torch.Tensor | None] = [None] * len(self.objectives)
+        self.extra_sums = []
         self.peak_live, live = 0, 0
         clock = _Clock(self.device)
         spans: list[tuple[Action, int, int]] = []
@@ -321,9 +328,9 @@ class PipelineExecutor:
         self.step_time = at[end]
         if self.loss_sum is None:
             return 0.0
-        if self.mtp_total is None:
+        if not self.objectives:
             return float(self.loss_sum)
-        loss, self.mtp_sum = torch.stack([self.loss_sum, self.mtp_total]).tolist()
+        loss, *self.extra_sums = torch.stack([self.loss_sum, *self.extra_totals]).tolist()
         return loss
 
     def bubble(self) -> float:
@@ -434,12 +441,12 @@ class PipelineExecutor:
                 loss = self.loss_fn(out, targets.to(self.device))
                 loss64 = loss.detach().double()
                 self.loss_sum = loss64 if self.loss_sum is None else self.loss_sum + loss64
-                if self.mtp is not None:  # multi-token prediction (its blocks' aux loss too)
-                    mtp = self.mtp(self.ahead[a.mb])
-                    mtp64 = mtp.detach().double()
-                    self.mtp_total = mtp64 if self.mtp_total is None else self.mtp_total + mtp64
-                    loss = loss + self.mtp.weight * mtp
-                    extra = self.pipe.model.aux_loss(self.pipe.model.mtp_layer_ids())
+                for j, o in enumerate(self.objectives):  # (their blocks' aux losses too)
+                    x = o(self.prepared[j][a.mb])
+                    x64, acc = x.detach().double(), self.extra_totals[j]
+                    self.extra_totals[j] = x64 if acc is None else acc + x64
+                    loss = loss + o.weight * x
+                    extra = self.pipe.model.aux_loss(o.layer_ids())
                     if isinstance(extra, torch.Tensor):
                         aux = extra if aux is None else aux + extra
                 out = loss / self.m

@@ -2,8 +2,9 @@
 
 Placement (``schedules.stage_rank``): the ``2p`` stages run down the ranks and back up, so
 rank ``r`` holds stage ``r`` (chunk 0) and stage ``2p - 1 - r`` (chunk 1). Rank 0 holds both
-the first stage (the embedding) and the last (final norm, head, loss, multi-token prediction):
-a tied head or MTP's lookups use the one embedding table, with nothing to sum across ranks.
+the first stage (the embedding) and the last (final norm, head, loss, extra training heads):
+a tied head or a training head's lookups use the one embedding table, with nothing to sum
+across ranks.
 The turn of the V, stage ``p - 1`` -> ``p``, stays on rank ``p - 1``: that activation and its
 gradient are handed over in memory, with no send. Exactly two chunks per rank:
 ``parallel.pp_virtual`` must be 2 (torch's ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``

@@ -16,24 +16,16 @@ along the sequence: ``f``/``g`` become all-gather / reduce-scatter along seq (sa
 the embedding's all-reduce becomes a reduce-scatter, the head's input is all-gathered, and the
 replicated norm weights get their gradient all-reduced over tp (it is summed over seq shards).
 
-Multi-head latent attention (``models/mla.py``; MLA_REGION): the heads are split as above
-(``wq`` / ``wq_b`` / ``wkv_b`` column parallel, ``wo`` row parallel), while the down-projections
-``wq_a``, ``wkv_a`` and their norms are replicated, computed by every tp rank on whole tokens
-(DeepSeek-V3: about 8 % of the layer's attention matmuls, repeated t times). The region's
-entrance moves to the latents: the layer's input passes no ``f`` (with sp, an all-gather whose
-backward keeps this rank's chunk: the replicated work's gradient is already whole); the latents
-pass one ``f`` together (backward: one all-reduce of ``b s (q_lora + kv_lora + rope)``
-values); the output passes ``g`` as usual. Qwen3's per-head ``q_norm`` / ``k_norm`` weights
-are shared by heads on every rank: their gradients are all-reduced over tp.
+The attention layer's plan is looked up by its name (``KernelSlot.layer_name``) in
+:data:`ATTENTION_PLANS`: grouped-query attention's ("gqa") is the one above, and Qwen3's
+per-head ``q_norm`` / ``k_norm`` weights are shared by heads on every rank: their gradients are
+all-reduced over tp. A technique's attention layer registers its own plan beside it (listed in
+``parallel/attention_plans.py``), built from the pieces in ``parallel/tensor_plan.py``
+(``_shard``, ``_region_hooks``) and stating its own communication.
 
-Multi-token prediction (``models/mtp.py``; MTP): its blocks are split as the layers are; its
-``proj`` (2h -> h) is column parallel (h/t output rows per rank): the input enters through
-``f`` (sp: the all-gather along seq) and the output shards are all-gathered to (b, s, h) (sp:
-then this rank's sequence chunk taken), as Megatron-Core's ``eh_proj``: forward one
-all-gather of ``b s h`` (sp: plus ``b s 2h`` along seq), backward one all-reduce of
-``b s 2h`` (sp: all-gather of ``b s h`` and reduce-scatter of ``b s 2h``) per depth and
-micro-batch; its norms are sequence parallel under sp. Each depth's head pass adds the loss's
-3 all-reduces of ``b s`` values.
+An extra training head (``models/heads.py``) is sharded by the plan registered under its
+name in :data:`HEAD_PLANS` (listed in ``parallel/training_heads.py``, stating its own
+communication); its decoder blocks are split as the layers are.
 
 Memory per rank: sharded weights / t + replicated norm weights; activations inside the regions
 / t, outside them / t with sequence parallelism (b s h of each norm input instead of b s h).
@@ -48,36 +40,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import traceable
 from ..distributed.comm import Comm
-from ..distributed.spec import set_spec, spec_of
-from ..models.llama import Attention, RMSNorm, Transformer, rms_norm
-from ..models.mla import MultiHeadLatentAttention
+from ..models.llama import Attention, KernelSlot, Transformer
 from ..models.moe import MoE, SwiGLU
 from .tensor_comm import (
     AXIS,
-    _all_gather_seq,
-    _conjugate,
     copy_to_tp,
     gather_last,
-    gather_seq,
     gather_seq_two_ways,
     reduce_from_tp,
     scatter_seq,
 )
+from .tensor_plan import (
+    ATTENTION_PLANS,
+    COLUMN,
+    HEAD_PLANS,
+    ROW,
+    AttentionPlan,
+    HeadPlan,
+    RegionInput,
+    SequenceParallelRMSNorm,
+    _region_hooks,
+    _shard,
+    register_attention_plan,
+)
 
-# (module suffix, parameter, sharded dim): the plan for one decoder layer.
-COLUMN, ROW = 0, 1
-LAYER_PLAN: list[tuple[str, int]] = [
-    ("attention.wq.weight", COLUMN), ("attention.wk.weight", COLUMN),
-    ("attention.wv.weight", COLUMN), ("attention.wo.weight", ROW),
+# (parameter, sharded dim): the plan for one decoder layer -- its grouped-query attention
+# (names inside ``attention``; another attention layer brings its plan, ATTENTION_PLANS) and
+# its MLP (names inside the block).
+GQA_PLAN: list[tuple[str, int]] = [
+    ("wq.weight", COLUMN), ("wk.weight", COLUMN), ("wv.weight", COLUMN), ("wo.weight", ROW),
+]
+MLP_PLAN: list[tuple[str, int]] = [
     ("feed_forward.w1.weight", COLUMN), ("feed_forward.w3.weight", COLUMN),
     ("feed_forward.w2.weight", ROW),
-]
-# Multi-head latent attention (models/mla.py): heads split like q/k/v above (wq as there);
-# the down-projections wq_a, wkv_a and their norms stay replicated (see MLA_REGION below)
-MLA_PLAN: list[tuple[str, int]] = [
-    ("attention.wq_b.weight", COLUMN), ("attention.wkv_b.weight", COLUMN),
 ]
 REGIONS = ("attention", "feed_forward")
 # MoE layer: stacked experts w1/w3 (E, F, H) sharded on F (dim 1), w2 (E, H, F) on F (dim 2);
@@ -87,14 +83,6 @@ MOE_PLAN: list[tuple[str, int]] = [
     ("feed_forward.experts.w2", 2), ("feed_forward.shared.w1.weight", COLUMN),
     ("feed_forward.shared.w3.weight", COLUMN), ("feed_forward.shared.w2.weight", ROW),
 ]
-
-
-def _shard(p: nn.Parameter, dim: int, comm: Comm, padded: int | None = None) -> None:
-    """Keep this rank's slice of ``p`` along ``dim`` (zero-padded to ``padded`` first) and
-    record it in the parameter's shard spec."""
-    spec = spec_of(p).shard(AXIS, dim, comm.rank(AXIS), comm.size(AXIS), padded)
-    p.data = spec.take(p.data).contiguous()
-    set_spec(p, spec)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -110,17 +98,6 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (B, S, h) partial sum
         return scatter_seq(out, self.comm) if self.sp else reduce_from_tp(out, self.comm)
-
-
-class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm on a sequence shard; the weight's gradient is all-reduced over tp."""
-
-    def __init__(self, norm: RMSNorm, comm: Comm) -> None:
-        super().__init__(norm.weight.shape[0], norm.eps)
-        self.weight, self.comm = norm.weight, comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, copy_to_tp(self.weight, self.comm), self.eps)
 
 
 class TensorParallelDispatcher:
@@ -179,7 +156,7 @@ def exp_logits_(x: torch.Tensor, targets: torch.Tensor, start: int, valid: int,
 
 class _VocabParallelCE(torch.autograd.Function):
     """Mean cross-entropy of vocab-sharded logits (Megatron's ``vocab_parallel_cross_entropy``);
-    with per-row ``rows`` weights, their weighted sum (multi-token prediction)."""
+    with per-row ``rows`` weights, their weighted sum (an extra training objective's)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, start: int, valid: int,  # noqa: ANN001
@@ -240,177 +217,59 @@ class TensorParallel:
         return gather_last(logits, self.comm)[..., : self.vocab_size]
 
 
-class RegionInput(nn.Module):
-    """The input of a column-parallel linear made whole on every tp rank: the
-    sequence-parallel all-gather (backward: reduce-scatter), or the copy into the tp region
-    (backward: all-reduce of the partial input gradient). The LM head's input (column
-    parallel over the vocabulary) and multi-token prediction's ``proj`` input pass it."""
-
-    def __init__(self, comm: Comm, sp: bool) -> None:
-        super().__init__()
-        self.comm, self.sp = comm, sp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_seq(x, self.comm) if self.sp else copy_to_tp(x, self.comm)
-
-    def extra_repr(self) -> str:
-        return f"{'gather_seq' if self.sp else 'copy_to_tp'}, tp={self.comm.size(AXIS)}"
-
-
-def _region_hooks(module: nn.Module, comm: Comm, sp: bool, enter: bool = True) -> None:
-    """Input through f (or all-gather along seq) when ``enter``, output through g (or
-    reduce-scatter)."""
-
-    def pre(mod: nn.Module, args: tuple) -> tuple:
-        x = gather_seq(args[0], comm) if sp else copy_to_tp(args[0], comm)
-        return (x, *args[1:])
-
-    def post(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return scatter_seq(out, comm) if sp else reduce_from_tp(out, comm)
-
-    if enter:
-        module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
-
-
 class HeadSharedRMSNorm(SequenceParallelRMSNorm):
     """A norm every tp rank applies to its own heads with one shared weight (Qwen3's
     ``q_norm`` / ``k_norm``): each rank's weight gradient covers its heads only, so it is
     all-reduced over tp (one all-reduce of ``head_dim`` values per norm and micro-batch)."""
 
 
-def _take_seq_shard(grad: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """This rank's sequence chunk of a gradient that is whole and equal on every tp rank."""
-    s_local = grad.shape[1] // comm.size(AXIS)
-    r = comm.rank(AXIS)
-    return grad[:, r * s_local : (r + 1) * s_local].contiguous()
+def _gqa_region(att: KernelSlot, comm: Comm, sp: bool) -> None:
+    """Grouped-query attention as a tp region (module docstring): q/k/v column parallel, ``wo``
+    row parallel, the input through ``f`` and the output through ``g``."""
+    assert isinstance(att, Attention)
+    params = dict(att.named_parameters())
+    for name, dim in GQA_PLAN:
+        _shard(params[name], dim, comm)
+    _region_hooks(att, comm, sp)
+    if att.qk_norm:
+        att.q_norm = HeadSharedRMSNorm(att.q_norm, comm)
+        att.k_norm = HeadSharedRMSNorm(att.k_norm, comm)
 
 
-# all-gather along seq, backward: this rank's chunk (the consumers are replicated)
-_GatherSeqWhole = _conjugate("_GatherSeqWhole", _all_gather_seq, _take_seq_shard)
+register_attention_plan("gqa", _gqa_region)
 
 
-class WholeInput(nn.Module):
-    """MLA's ``whole_input`` under sequence parallelism: the layer's (B, S/t, h) input
-    all-gathered to (B, S, h); the replicated down-projections that read it give a gradient
-    that is whole and equal on every tp rank, so backward keeps this rank's chunk (no
-    reduce-scatter)."""
+def attention_plan(att: KernelSlot) -> AttentionPlan:
+    """The tensor-parallel plan of the attention layer ``att``."""
+    from . import attention_plans  # noqa: F401  (registers the techniques' plans)
 
-    def __init__(self, comm: Comm) -> None:
-        super().__init__()
-        self.comm = comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherSeqWhole.apply(x, self.comm)
-
-    def extra_repr(self) -> str:
-        return f"all-gather seq, tp={self.comm.size(AXIS)}"
+    if att.layer_name not in ATTENTION_PLANS:
+        raise ValueError(f"attention layer {att.layer_name!r} has no tensor-parallel plan "
+                         f"(one of {', '.join(ATTENTION_PLANS)})")
+    return ATTENTION_PLANS[att.layer_name]
 
 
-class TensorParallelLatents(nn.Module):
-    """MLA's ``latent_input`` under tp: the latents (and ``x`` for ``wq``) enter the heads'
-    region through one ``f`` of their concatenation -- identity forward, backward one
-    all-reduce of the heads' partial gradients, ``b s (q_lora + kv_lora + rope)`` values
-    (``b s (h + kv_lora + rope)`` with ``wq``)."""
+def head_plan(name: str) -> HeadPlan:
+    """The tensor-parallel plan of the training head ``name``."""
+    from . import training_heads  # noqa: F401  (registers the techniques' plans)
 
-    def __init__(self, comm: Comm) -> None:
-        super().__init__()
-        self.comm = comm
-
-    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        joint = copy_to_tp(torch.cat(xs, dim=-1), self.comm)
-        return joint.split([x.shape[-1] for x in xs], dim=-1)
-
-    def extra_repr(self) -> str:
-        return f"copy_to_tp, tp={self.comm.size(AXIS)}"
-
-
-def _mla_region(att: MultiHeadLatentAttention, comm: Comm, sp: bool) -> None:
-    """Multi-head latent attention as a tp region (MLA_REGION in the module docstring)."""
-    att.whole_input = WholeInput(comm) if sp else nn.Identity()
-    att.latent_input = TensorParallelLatents(comm)
-    _region_hooks(att, comm, sp, enter=False)
-
-
-def _gather_features(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """(b, s, h/t) on each rank -> (b, s, h): every rank's last-dim shard, in rank order."""
-    t = comm.size(AXIS)
-    b, s, f = x.shape
-    out = traceable.all_gather(x.contiguous(), traceable.key_of(comm), AXIS)  # (t*b, s, h/t)
-    return out.view(t, b, s, f).permute(1, 2, 0, 3).reshape(b, s, t * f)
-
-
-def _own_features(g: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """This rank's last-dim shard of a tensor whole on every tp rank."""
-    f = g.shape[-1] // comm.size(AXIS)
-    r = comm.rank(AXIS)
-    return g[..., r * f : (r + 1) * f].contiguous()
-
-
-def _features_to_seq_shard(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _take_seq_shard(_gather_features(x, comm), comm)
-
-
-def _seq_shard_to_features(g: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return _own_features(_all_gather_seq(g.contiguous(), comm), comm)
-
-
-# all-gather along the last dim, backward: this rank's features (the consumers' gradient is
-# whole on every rank); with sp, then this rank's sequence chunk (backward: all-gather seq)
-_GatherFeatures = _conjugate("_GatherFeatures", _gather_features, _own_features)
-_FeaturesToSeqShard = _conjugate("_FeaturesToSeqShard", _features_to_seq_shard,
-                                 _seq_shard_to_features)
-
-
-class ProjOutput(nn.Module):
-    """Multi-token prediction's ``proj_out`` under tp: the column shards of ``proj``'s output
-    all-gathered to (b, s, h) (Megatron-Core's ``eh_proj``), with sp then this rank's chunk
-    of the sequence. Backward: this rank's features of the whole, equal gradient (with sp:
-    all-gathered along seq first)."""
-
-    def __init__(self, comm: Comm, sp: bool) -> None:
-        super().__init__()
-        self.comm, self.sp = comm, sp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_FeaturesToSeqShard if self.sp else _GatherFeatures).apply(x, self.comm)
-
-    def extra_repr(self) -> str:
-        return f"all-gather features{', seq chunk' if self.sp else ''}, tp={self.comm.size(AXIS)}"
-
-
-def _mtp_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> None:
-    """Multi-token prediction under tp (MTP in the module docstring); its blocks are sharded
-    as the model's layers are."""
-    for depth in model.mtp or ():
-        _shard(depth.proj.weight, COLUMN, comm)
-        depth.proj_in, depth.proj_out = RegionInput(comm, sp), ProjOutput(comm, sp)
-        if sp:
-            depth.enorm = SequenceParallelRMSNorm(depth.enorm, comm)
-            depth.hnorm = SequenceParallelRMSNorm(depth.hnorm, comm)
-            depth.norm = SequenceParallelRMSNorm(depth.norm, comm)
+    if name not in HEAD_PLANS:
+        raise ValueError(f"training head {name!r} has no tensor-parallel plan "
+                         f"(one of {', '.join(HEAD_PLANS) or 'none'})")
+    return HEAD_PLANS[name]
 
 
 def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorParallel:
     """Shard ``model`` in place over tp (see module docstring); returns its loss/state helper."""
     t, r = comm.size(AXIS), comm.rank(AXIS)
     cfg = model.cfg
-    for layer in model.blocks().values():  # (multi-token prediction's blocks too)
+    for layer in model.blocks().values():  # (the training heads' blocks too)
         params = dict(layer.named_parameters())
         moe = isinstance(layer.feed_forward, MoE)
-        plan = LAYER_PLAN[:4] + MLA_PLAN + (MOE_PLAN if moe else LAYER_PLAN[4:])
-        for name, dim in plan:
-            if name in params:  # (a MoE layer without shared expert has no shared.*; MLA)
+        attention_plan(layer.attention)(layer.attention, comm, sp)
+        for name, dim in MOE_PLAN if moe else MLP_PLAN:
+            if name in params:  # (a MoE layer without shared expert has no shared.*)
                 _shard(params[name], dim, comm)
-        att = layer.attention
-        if isinstance(att, MultiHeadLatentAttention):
-            _mla_region(att, comm, sp)
-        else:
-            assert isinstance(att, Attention)
-            _region_hooks(att, comm, sp)
-            if att.qk_norm:
-                att.q_norm = HeadSharedRMSNorm(att.q_norm, comm)
-                att.k_norm = HeadSharedRMSNorm(att.k_norm, comm)
         if moe:
             layer.feed_forward.dispatcher = TensorParallelDispatcher(comm, sp)
         else:
@@ -421,7 +280,8 @@ def apply_tensor_parallel(model: Transformer, comm: Comm, sp: bool) -> TensorPar
             layer.ffn_norm = SequenceParallelRMSNorm(layer.ffn_norm, comm)
     if sp:
         model.norm = SequenceParallelRMSNorm(model.norm, comm)
-    _mtp_tensor_parallel(model, comm, sp)
+    for name, extra in model.training_heads().items():  # (their own weights)
+        head_plan(name)(extra, comm, sp)
     # Vocabulary: pad to a multiple of t, rows [r V_p / t, (r + 1) V_p / t) on rank r.
     v = cfg.vocab_size
     padded = -(-v // t) * t

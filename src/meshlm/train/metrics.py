@@ -2,8 +2,8 @@
 
 One JSON object per line with at least ``step, loss, lr, grad_norm, tokens_per_s, mfu,
 step_time_s, mem_peak_bytes`` and ``val_loss`` on evaluation steps (the README contract);
-``mtp_loss`` with multi-token prediction (the mean over its depths of their losses; ``loss``
-stays the main model's).
+``{name}_loss`` for each extra training objective the model has (``parallel/objective.py``: its
+mean over the global batch; ``loss`` stays the main model's).
 Writes are line-buffered and flushed, so a crash loses at most the current line.
 """
 

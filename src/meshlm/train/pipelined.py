@@ -6,9 +6,9 @@ through it (gradients stay local until the engine reduces them after the last mi
 the tied embedding's two copies are summed first), a forward-only pass for evaluation and
 sampling, and the measured bubble and timeline. Communication: the executor's activations and
 gradients over pp, plus one all-reduce over pp of the loss sum and one of the bubble per step.
-Multi-token prediction (``models/mtp.py``) runs on the last stage: its targets are prepared
-there once per step (``MultiTokenLoss.prepare``), its loss travels with the loss sum, and the
-record's ``mtp_loss`` adds one all-reduce over dp x cp.
+Extra training objectives (``parallel/objective.py``) run on the last stage: their targets are
+prepared there once per step (``prepare``), their losses travel with the loss sum, and the
+record's ``{name}_loss`` values add one all-reduce over dp x cp.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..config import Config
 from ..distributed.comm import Comm
 from ..distributed.phases import phase
 from ..parallel.engine import Engine
-from ..parallel.loss import MultiTokenLoss
+from ..parallel.objective import ExtraObjective, metric
 from ..parallel.pipeline import PipelineExecutor, PipelineModel
 from ..parallel.tensor import TensorParallel
 from ..precision import Precision
@@ -33,7 +33,7 @@ class PipelineRunner:
 
     def __init__(self, cfg: Config, pipe: PipelineModel, engine: Engine, tp: TensorParallel | None,
                  comm: Comm, loss_fn: Callable, precision: Precision, device: torch.device,
-                 mtp: MultiTokenLoss | None = None) -> None:
+                 objectives: list[ExtraObjective] | None = None) -> None:
         self.pipe, self.engine, self.tp, self.comm = pipe, engine, tp, comm
         self.precision, self.schedule = precision, cfg.parallel.pp_schedule
         # tokens of a sequence on this rank: its context-parallel share
@@ -45,11 +45,12 @@ class PipelineRunner:
             self.activation_shape(cfg.train.micro_batch, self.seq_len),
             loss_fn, precision.autocast, device, compiled=cfg.train.compile)
         self.bubble = 0.0
-        # multi-token prediction's loss on the last stage (None elsewhere and without it)
-        self.mtp = mtp if pipe.n_stages - 1 in pipe.stages else None
-        self.executor.mtp = self.mtp
-        self.with_mtp = mtp is not None  # (every stage: the record's collective)
-        self.mtp_loss = 0.0
+        # the extra training objectives: run on the last stage (none elsewhere); every stage
+        # keeps their metric names (the record's collective)
+        objectives = objectives or []
+        self.executor.objectives = objectives if pipe.n_stages - 1 in pipe.stages else []
+        self.metrics = [metric(o.name) for o in objectives]
+        self.extra_losses = [0.0] * len(objectives)
 
     def activation_shape(self, batch: int, seq_len: int) -> tuple[int, int, int]:
         """Shape of the activations between stages of ``seq_len`` tokens on this rank (a
@@ -67,16 +68,16 @@ class PipelineRunner:
         with phase("forward"):  # (the executor marks its backward actions)
             self.engine.set_sync(False)
             self.engine.begin_step()
-            if self.mtp is not None:
-                self.executor.ahead = self.mtp.prepare(micro)
+            self.executor.prepared = [o.prepare(micro) for o in self.executor.objectives]
             loss_sum = self.executor.run(micro, self.seq_len)  # last stage only
-            self.executor.ahead = None
+            self.executor.prepared = []
             self.pipe.sync_tied_grads(self.comm)
             pp = self.comm.size("pp")
-            loss, bubble, mtp = self.comm.reduce_scalars(
+            sums = self.executor.extra_sums or [0.0] * len(self.metrics)  # (0: not last stage)
+            loss, bubble, *extra = self.comm.reduce_scalars(
                 [loss_sum / len(micro), self.executor.bubble(),
-                 self.executor.mtp_sum / len(micro)], "pp")
-            self.bubble, self.mtp_loss = bubble / pp, mtp
+                 *(x / len(micro) for x in sums)], "pp")
+            self.bubble, self.extra_losses = bubble / pp, extra
         return loss
 
     def forward(self, ids: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -98,11 +99,12 @@ class PipelineRunner:
 
     def record(self, step: int) -> dict[str, Any]:
         """The measured bubble of the step and the most micro-batches alive at once; with
-        multi-token prediction its loss (the global batch's mean: collective over dp x cp)."""
+        each extra objective's loss (the global batch's mean: collective over dp x cp)."""
         rec: dict[str, Any] = {"pp_bubble": self.bubble, "pp_peak_live": self.executor.peak_live}
-        if self.with_mtp:
+        if self.metrics:
             n = self.comm.size("dp_cp")
-            rec["mtp_loss"] = self.comm.reduce_scalars([self.mtp_loss], "dp_cp")[0] / n
+            sums = self.comm.reduce_scalars(self.extra_losses, "dp_cp")
+            rec.update({name: x / n for name, x in zip(self.metrics, sums, strict=True)})
         return rec
 
     def timeline(self) -> dict[str, Any]:

@@ -1,4 +1,7 @@
-"""Live progress line (rich) on a terminal; plain log lines every ``log_every`` steps otherwise."""
+"""Live progress line (rich) on a terminal; plain log lines every ``log_every`` steps otherwise.
+
+The line shows each extra training objective's loss by its registered name
+(``parallel/objective.py``) after the main loss."""
 
 from __future__ import annotations
 
@@ -6,6 +9,9 @@ import sys
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..parallel.objective import metric
+from ..parallel.training_heads import registered
 
 
 def format_bytes(n: float) -> str:
@@ -19,7 +25,8 @@ def format_bytes(n: float) -> str:
 def summary(rec: dict[str, Any]) -> str:
     text = (
         f"loss {rec['loss']:.4f} | "
-        + (f"mtp {rec['mtp_loss']:.4f} | " if rec.get("mtp_loss") is not None else "")
+        + "".join(f"{name} {rec[metric(name)]:.4f} | " for name in registered()
+                  if rec.get(metric(name)) is not None)
         + f"lr {rec['lr']:.2e} | "
         + (f"gnorm {rec['grad_norm']:.3f} | " if rec.get("grad_norm") is not None else
            f"skipped (fp16 overflow, scale {rec.get('loss_scale', 0):g}) | ")

@@ -10,10 +10,10 @@ reduction, overlapped with the last backward); :class:`~meshlm.train.pipelined.P
 runs them through the pipeline schedule. Memory: the activations of one micro-batch (of the
 schedule's live micro-batches under pp).
 
-Multi-token prediction (``model.mtp_depth`` > 0, ``models/mtp.py``): each micro-batch's
-objective is its loss, the MoE aux losses and ``mtp_loss_weight`` times the mean of the MTP
-depths' losses (``parallel/loss.py``: their targets are prepared once per step); the record's
-``mtp_loss`` is that mean over the global batch (one all-reduce over dp x cp per step).
+Extra training objectives (``parallel/objective.py``; zero, one or several): each
+micro-batch's objective is its loss, the MoE aux losses and each objective's ``weight`` times
+its loss (their targets are prepared once per step); the record's ``{name}_loss`` is each one's
+mean over the global batch (one all-reduce over dp x cp per step for all of them).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from ..distributed.comm import Comm
 from ..distributed.phases import phase
 from ..models.llama import Transformer
 from ..parallel.engine import Engine
-from ..parallel.loss import MultiTokenLoss
+from ..parallel.objective import ExtraObjective, metric
+from ..parallel.training_heads import build_objectives
 from ..precision import Precision
 from .parts.model import ModelPart
 from .pipelined import PipelineRunner
@@ -55,17 +56,18 @@ class MicroBatchRunner:
     def __init__(self, model: Transformer, engine: Engine, loss_fn: Callable,
                  precision: Precision, device: torch.device,
                  after_micro_batch: Callable[[], None] = lambda: None,
-                 mtp: MultiTokenLoss | None = None, comm: Comm | None = None) -> None:
+                 objectives: list[ExtraObjective] | None = None, comm: Comm | None = None
+                 ) -> None:
         self.model, self.engine, self.loss_fn = model, engine, loss_fn
         self.precision, self.device = precision, device
         self.after_micro_batch = after_micro_batch  # (tests: a rank that freezes in a step)
-        self.mtp, self.comm = mtp, comm  # multi-token prediction's loss (None: none)
-        self.mtp_loss = 0.0  # this rank's mean MTP loss of the last step
+        self.objectives, self.comm = objectives or [], comm  # the extra training objectives
+        self.extra_losses = [0.0] * len(self.objectives)  # this rank's means of the last step
 
     def forward_backward(self, micro: MicroBatches) -> float:
         total = torch.zeros((), device=self.device)
-        mtp_total = torch.zeros((), device=self.device)
-        ahead = self.mtp.prepare(micro) if self.mtp is not None else None
+        totals = [torch.zeros((), device=self.device) for _ in self.objectives]
+        prepared = [o.prepare(micro) for o in self.objectives]
         for i, (inputs, targets, *docs) in enumerate(micro):
             self.engine.set_sync(i == len(micro) - 1)  # DDP communicates on the last only
             inputs, targets = inputs.to(self.device), targets.to(self.device)
@@ -73,19 +75,19 @@ class MicroBatchRunner:
                   self.model.packed(docs[0] if docs else None)):
                 loss = self.loss_fn(self.model(inputs), targets)
                 objective = loss
-                if ahead is not None:
-                    mtp = self.mtp(ahead[i])
-                    objective = loss + self.mtp.weight * mtp
-                    mtp_total += mtp.detach()
-                aux = self.model.aux_loss()  # (after multi-token prediction: its blocks' too)
+                for o, ready, sum_ in zip(self.objectives, prepared, totals, strict=True):
+                    extra = o(ready[i])
+                    objective = objective + o.weight * extra
+                    sum_ += extra.detach()
+                aux = self.model.aux_loss()  # (after the objectives: their blocks' too)
             with phase("backward"):
                 self.precision.scale((objective + aux) / len(micro)).backward()
             total += loss.detach()
             self.after_micro_batch()
-        if ahead is None:
+        if not self.objectives:
             return float(total) / len(micro)
-        loss_sum, mtp_sum = torch.stack([total, mtp_total]).tolist()
-        self.mtp_loss = mtp_sum / len(micro)
+        loss_sum, *sums = torch.stack([total, *totals]).tolist()  # (one host read)
+        self.extra_losses = [x / len(micro) for x in sums]
         return loss_sum / len(micro)
 
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -95,13 +97,13 @@ class MicroBatchRunner:
             return float(self.loss_fn(self.model(inputs), targets))
 
     def record(self, step: int) -> dict[str, Any]:
-        """With multi-token prediction its loss: the global batch's mean (collective over
-        dp x cp)."""
-        if self.mtp is None:
+        """Each extra objective's loss: the global batch's mean (collective over dp x cp)."""
+        if not self.objectives:
             return {}
         n = self.comm.size("dp_cp") if self.comm is not None else 1
-        mean = self.comm.reduce_scalars([self.mtp_loss], "dp_cp")[0] if n > 1 else self.mtp_loss
-        return {"mtp_loss": mean / n}
+        sums = (self.comm.reduce_scalars(self.extra_losses, "dp_cp") if n > 1
+                else self.extra_losses)
+        return {metric(o.name): x / n for o, x in zip(self.objectives, sums, strict=True)}
 
     def timeline(self) -> dict[str, Any] | None:
         return None
@@ -111,10 +113,10 @@ def build_runner(cfg: Config, model: ModelPart, precision: Precision, comm: Comm
                  device: torch.device, after_micro_batch: Callable[[], None]) -> StepRunner:
     """The pipeline's runner when the model has stages (``parallel.pp`` > 1), else the plain
     micro-batch loop (``after_micro_batch`` runs after each of its micro-batches)."""
-    mtp = (MultiTokenLoss(model.model, model.loss_fn, comm, model.cp, device)
-           if model.model_cfg.mtp_depth else None)
+    objectives = build_objectives(model.model_cfg, model.model, model.loss_fn, comm, model.cp,
+                                  device)
     if model.pipe is not None:
         return PipelineRunner(cfg, model.pipe, model.engine, model.tp, comm, model.loss_fn,
-                              precision, device, mtp)
+                              precision, device, objectives)
     return MicroBatchRunner(model.model, model.engine, model.loss_fn, precision, device,
-                            after_micro_batch, mtp, comm)
+                            after_micro_batch, objectives, comm)

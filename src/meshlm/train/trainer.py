@@ -30,6 +30,7 @@ from ..distributed.comm import Comm, CommLog
 from ..distributed.mesh import Mesh
 from ..distributed.phases import phase, phase_of
 from ..generate import generate_text
+from ..parallel.training_heads import needs_target_docs
 from ..precision import PrecisionPlan
 from .metrics import PhasePeaks
 from .oom import Advice, OutOfMemory, is_oom
@@ -138,7 +139,7 @@ class Trainer:
         self.islands = Islands(cfg.diloco, m.engine, self.comm, m.model_cfg.n_layers,
                                cfg.train.steps)
         self.batches = Batches(cfg.data, cfg.train, self.data, self.mesh, self.context.positions,
-                               target_docs=m.model_cfg.mtp_depth > 0)  # (MTP's document rule)
+                               target_docs=needs_target_docs(m.model_cfg))
         own: dict[str, Stateful] = dict(zip(self.STATES, (self.batches, self.optimizer, m,
                                                            self.islands), strict=True))
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.run, lambda: to_toml(cfg),

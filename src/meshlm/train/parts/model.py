@@ -142,8 +142,8 @@ class ModelPart:
         """Every MoE layer's selection bias (zeros for dense layers); the pipeline stages'
         layers summed over pp (one tiny all-reduce), so every rank has them all."""
         mc = self.model_cfg
-        table = torch.zeros(mc.n_layers + mc.mtp_depth, mc.moe_experts, dtype=torch.float64,
-                            device=self.device)  # (multi-token prediction's blocks last)
+        table = torch.zeros(mc.n_blocks, mc.moe_experts, dtype=torch.float64,
+                            device=self.device)  # (the training heads' blocks last)
         for i, moe in moe_layers(self.model).items():
             table[i] = moe.expert_bias.double()
         self.comm.all_reduce(table, "pp", purpose="state")
@@ -171,7 +171,7 @@ class Routing:
     def update(self) -> None:
         """End of a step: statistics and the balancing bias (MoE only; collective)."""
         if self.model_cfg.is_moe:
-            self.last = router_step(self.model, self.comm, self.model_cfg.n_layers,
+            self.last = router_step(self.model, self.comm, self.model_cfg.n_blocks,
                                     self.model_cfg.moe_experts)
 
     def record(self, step: int) -> dict[str, Any]:
