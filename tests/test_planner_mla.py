@@ -198,6 +198,15 @@ TP_RUNS = [
 SEQ, BATCH, MICRO = 48, 4, 2
 
 
+def _one_step(corpus_dir: Path, cache_dir: Path, micro: int) -> list[str]:
+    """One training step of the tiny model on the test corpus (the comm-log tests' runs)."""
+    return ["--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
+            "--data.vocab_size=512", f"--data.seq_len={SEQ}", "--train.steps=1",
+            f"--train.global_batch={BATCH}", f"--train.micro_batch={micro}",
+            "--train.warmup_steps=0", "--train.eval_every=0", "--run.sample_tokens=0",
+            "--train.peak_flops=1e10"]
+
+
 def test_tensor_parallel_bytes_equal_the_comm_log(corpus_dir: Path, cache_dir: Path,
                                                   tmp_path: Path) -> None:
     """Per step, every tp collective's bytes (``op/tp``) the planner counts equal a tp 2 run's
@@ -212,11 +221,7 @@ def test_tensor_parallel_bytes_equal_the_comm_log(corpus_dir: Path, cache_dir: P
     whole-layer recomputation (Megatron's), not by meshlm's ``torch.utils.checkpoint``, whose
     recomputation stops early, once the tensors backward needs exist -- one activation per
     layer and micro-batch, for GQA as for MLA (``gqa-sp-full``); it is subtracted exactly."""
-    base = ["--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
-            "--data.vocab_size=512", f"--data.seq_len={SEQ}", "--train.steps=1",
-            f"--train.global_batch={BATCH}", f"--train.micro_batch={MICRO}",
-            "--train.warmup_steps=0", "--train.eval_every=0", "--run.sample_tokens=0",
-            "--train.peak_flops=1e10"]
+    base = _one_step(corpus_dir, cache_dir, MICRO)
     runs = [[*args, f"--run.dir={tmp_path / name}"] for name, args in TP_RUNS]
     run_world(2, train_runs, base, runs)
     failures = []
@@ -252,11 +257,7 @@ def test_multi_token_step_collectives_equal_the_comm_log(corpus_dir: Path, cache
     counted predictions of each depth summed over dp (float64) -- with the cp attention
     collectives of its blocks, every ``/cp`` and ``/dp`` byte the planner counts equals a
     world-4 run's comm log (both sides are tensor shapes times their item size: exact)."""
-    base = ["--model.preset=tiny", f"--data.path={corpus_dir}", f"--data.cache_dir={cache_dir}",
-            "--data.vocab_size=512", f"--data.seq_len={SEQ}", "--train.steps=1",
-            f"--train.global_batch={BATCH}", f"--train.micro_batch={MICRO // 2}",
-            "--train.warmup_steps=0", "--train.eval_every=0", "--run.sample_tokens=0",
-            "--train.peak_flops=1e10"]
+    base = _one_step(corpus_dir, cache_dir, MICRO // 2)
     runs = [[*args, f"--run.dir={tmp_path / name}"] for name, args in CP_RUNS]
     run_world(4, train_runs, base, runs)
     for (name, args), run in zip(CP_RUNS, runs, strict=True):
