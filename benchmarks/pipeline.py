@@ -148,8 +148,16 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
     return times
 
 
+KEEP = "+keep"  # suffix: the side keeps freed memory in its processes (run.malloc_keep's policy)
+
+
 def worker(impl: str, args: dict, run_dir: str) -> dict:
     base = rss_bytes()
+    if impl.endswith(KEEP):  # (before anything is allocated, on both sides alike)
+        from meshlm.train.process import keep_freed_memory
+
+        keep_freed_memory()
+        impl = impl.removesuffix(KEEP)
     cfg = config(args, impl, run_dir)
     times = (meshlm_step_times(cfg, args["steps"]) if impl.startswith("meshlm")
              else torch_side(impl, cfg, args["steps"]))
@@ -176,6 +184,9 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/pipeline.json")
     ap.add_argument("--only", default="", help="comma-separated implementations to run "
                     "(default: all)")
+    ap.add_argument("--keep-freed", action="store_true",
+                    help="also run each implementation keeping freed memory in its processes "
+                         "(glibc: run.malloc_keep's policy), as NAME+keep in the same rounds")
     a = ap.parse_args()
     if a.steps < 3:  # the first two steps are warm-up: the time is the median of steps 3..N
         ap.error(f"--steps {a.steps}: at least 3 (steps 1-2 are warm-up)")
@@ -187,11 +198,14 @@ def main() -> None:
         if unknown:
             ap.error(f"--only: unknown implementation(s) {', '.join(sorted(unknown))}")
         impls = [i for i in impls if i in a.only.split(",")]
+    if a.keep_freed:
+        impls = [x for i in impls for x in (i, i + KEEP)]
     best, runs = rounds_of(a.world, impls, args, a.rounds)
     tokens = a.batch * a.seq
     rows = []
     for impl in impls:
-        b, peer = best[impl], PAIRS.get(impl, "")
+        b, peer = best[impl], PAIRS.get(impl.removesuffix(KEEP), "")
+        peer = peer + KEEP if peer and impl.endswith(KEEP) else peer
         ref = best.get(peer)
         # the pair's ratio in each round (run one after the other), the median of the rounds:
         # a load that comes and goes on a shared machine moves both sides of a round alike
