@@ -28,6 +28,7 @@ from meshlm.models.attention_cost import PROJECTIONS, projection_cost
 from meshlm.models.config import ModelConfig
 from meshlm.models.moe_cost import EXPERT_KERNELS
 from meshlm.models.mtp_cost import MTP
+from meshlm.models.techniques import HEADS
 from meshlm.parallel.context_cost import CONTEXT
 from meshlm.planner import (
     CATALOGUE,
@@ -305,7 +306,10 @@ def test_multi_token_prediction_on_the_last_stage() -> None:
     own = 2 * c.dim * c.dim + 3 * c.dim + c.vocab_size * c.dim  # proj, norms, embedding copy
     assert p.dense - p0.dense == pytest.approx(block + own)
     assert p.expert - p0.expert == pytest.approx(256 / 64 * 3 * c.dim * c.expert_hidden)
-    assert MTP.params(c, 1, False) == 2 * c.dim * c.dim + 3 * c.dim
+    assert MTP.params(c, 1) == 2 * c.dim * c.dim + 3 * c.dim
+    # the embedding's copy on the last stage, added once by the heads' sum
+    assert HEADS.params(c, 8, True) == MTP.params(c, 8) + -(-c.vocab_size // 8) * c.dim
+    assert HEADS.params(c, 8, False) == MTP.params(c, 8)
     rates = H800.rates()
     head, head0 = (head_compute(w, lo, H800, rates, False, True) for w in (work, work0))
     assert head["loss"] == pytest.approx(2 * head0["loss"])
@@ -313,7 +317,7 @@ def test_multi_token_prediction_on_the_last_stage() -> None:
     acts = head_activations(work, lo, False, True) - 2 * head_activations(work0, lo, False, True)
     assert acts == pytest.approx(MTP.saved(c, 2, "megatron", 1) * 4096)
     assert MTP.blocks(c) == (True,) and MTP.head_passes(c) == 2
-    assert MTP.blocks(no) == () and MTP.head_passes(no) == 1 and MTP.params(no, 8, True) == 0
+    assert MTP.blocks(no) == () and MTP.head_passes(no) == 1 and HEADS.params(no, 8, True) == 0
     # the model's FLOPs (MFU) count the MTP module's matmuls and attention
     assert work.model.flops_per_token(4096) == c.flops_per_token(4096)
     assert c.flops_per_token(4096) > no.flops_per_token(4096)

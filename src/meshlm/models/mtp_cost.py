@@ -149,14 +149,11 @@ class MTPCost:
         """``(in, out)`` of each ``proj`` on a rank (column parallel over tp)."""
         return [(2 * c.dim, c.dim / t)] * c.mtp_depth
 
-    def params(self, c: ModelConfig, t: int, embedding_copy: bool) -> float:
-        """Parameters on a rank besides the blocks: ``proj`` and the three norms per depth,
-        plus the embedding's copy (``V / t`` rows, vocab padded to tp) when the embedding
-        lives on another pipeline stage."""
-        if not c.mtp_depth:
-            return 0.0
-        own = c.mtp_depth * (2 * c.dim * c.dim / t + 3 * c.dim)
-        return own + (-(-c.vocab_size // t) * c.dim if embedding_copy else 0.0)
+    def params(self, c: ModelConfig, t: int) -> float:
+        """Parameters on a rank besides the blocks: ``proj`` and the three norms per depth
+        (the embedding's copy on the last stage is ``HeadCosts.params``', counted once for
+        every head that looks tokens up)."""
+        return c.mtp_depth * (2 * c.dim * c.dim / t + 3 * c.dim)
 
     def step_collectives(self, c: ModelConfig, tokens: float, doc_masking: bool
                          ) -> list[tuple[str, str, float]]:

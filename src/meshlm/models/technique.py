@@ -24,7 +24,7 @@ ModelConfig = Any
 
 class HeadCost(Protocol):
     """One training head's cost (see the module docstring; ``params`` without the embedding's
-    copy, which :class:`HeadCosts` adds once)."""
+    copy, which :class:`HeadCosts` adds once when ``lookups`` > 0)."""
 
     name: str
 
@@ -38,7 +38,7 @@ class HeadCost(Protocol):
 
     def linears(self, c: ModelConfig, t: int) -> list[tuple[float, float]]: ...
 
-    def params(self, c: ModelConfig, t: int, embedding_copy: bool) -> float: ...
+    def params(self, c: ModelConfig, t: int) -> float: ...
 
     def saved(self, c: ModelConfig, a: float, profile: str, out_t: int) -> float: ...
 
@@ -76,7 +76,7 @@ class HeadCosts:
         """Parameters on a rank besides the blocks, plus the embedding's copy (``V / t`` rows,
         vocab padded to tp) when a head looks tokens up and the embedding lives on another
         pipeline stage."""
-        own = sum(h.params(c, t, False) for h in self.heads)
+        own = sum(h.params(c, t) for h in self.heads)
         copy = -(-c.vocab_size // t) * c.dim if embedding_copy and self.lookups(c) else 0.0
         return own + copy
 
