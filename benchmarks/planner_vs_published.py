@@ -15,7 +15,8 @@ that names nothing and requires the same question). The columns beyond the shape
 reported figures (``benchmarks/data/README.md``): ``stack`` (the software as a kernel family,
 ``meshlm.planner.stacks``), ``year``, ``architecture`` (a catalogue entry for what no column
 holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_overlap``,
-``pp_schedule``, ``loss_kernel``, ``fp8_recipe``, ``derived_tokens_per_sec_per_gpu``.
+``pp_schedule``, ``loss_kernel``, ``fp8_recipe``, ``ep_dispatch``, ``ep_overlap``,
+``dropout``, ``derived_tokens_per_sec_per_gpu``.
 
 - model: layers, hidden, heads, vocab and seq_len are required; a blank ffn_hidden is 4 x
   hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
@@ -165,16 +166,22 @@ class Rules:
       and the next forward, pipelined or not (``overlap_grad_reduce`` /
       ``overlap_param_gather``, on in NeMo's and Megatron-Bridge's recipes), and a blank
       ``tp_comm_overlap`` completed (Transformer Engine's userbuffers overlap is available),
-      and a MoE layer's routed rows split over tp (sequence-parallel dispatch / expert
-      tensor parallelism) (off: ZeRO-0, reductions after the pipeline's flush, no tp overlap
-      unless stated, routed rows replicated over tp as meshlm runs them).
+      a MoE layer's routed rows split over tp (sequence-parallel dispatch / expert
+      tensor parallelism) and an interleaved schedule's p2p overlapped with compute
+      (``overlap_p2p_comm``) (off: ZeRO-0, reductions after the pipeline's flush, no tp
+      overlap unless stated, routed rows replicated over tp as meshlm runs them, p2p
+      exposed).
 
     Not switches: an FP8 run's casts and experts as its stack runs them (separate cast kernels
     in torchao eager, fused in Transformer Engine and under torch.compile; routed experts in
     float8 with Transformer Engine's grouped linears and DeepSeek-V3's) and its
     ``fp8_recipe``'s scaling granularity -- counted kernel traffic, the same for every stack
-    (``precision_cost.py``), not adopted from any row's miss; and a DualPipe schedule's
-    overlapped all-to-alls (:data:`OVERLAPPED_SCHEDULES`), the schedule's documented point.
+    (``precision_cost.py``), not adopted from any row's miss; what an FP8 run's stack keeps
+    in float8 (Transformer Engine's saved linear inputs and FP8 primary weights:
+    ``planner/stacks.py``, read from its code and its recipes); a DualPipe schedule's
+    overlapped all-to-alls (:data:`OVERLAPPED_SCHEDULES`), the schedule's documented point;
+    and the expert dispatcher and all-to-all overlap a row states (``ep_dispatch``,
+    ``ep_overlap``).
     """
 
     kernels: str = "eager"
@@ -479,8 +486,13 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         fp8_casts=opts.get("fp8_casts", "fused"),
                         fp8_recipe=opts.get("fp8_recipe", "tensorwise"),
                         fp8_experts=opts.get("fp8_experts", False),
-                        ep_overlap=schedule in OVERLAPPED_SCHEDULES,
+                        ep_overlap=schedule in OVERLAPPED_SCHEDULES or _yes(raw, "ep_overlap"),
+                        ep_dispatch=(raw.get("ep_dispatch") or "").strip() or "all-to-all",
+                        dropout=(raw.get("dropout") or "").strip().lower() != "no",
+                        fp8_saved_inputs=opts.get("fp8_saved_inputs", False),
+                        fp8_params=opts.get("fp8_params", False),
                         dp_overlap=opts.get("dp_overlap", False),
+                        pp_overlap=opts.get("pp_overlap", False),
                         experts_over_tp=opts.get("experts_over_tp", False))
     zero_text = (raw.get("zero_stage_or_fsdp") or "").strip()
     defaults = layout_defaults(stack, rules.mcore_defaults) if stack else {}

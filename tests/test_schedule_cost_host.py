@@ -2,7 +2,10 @@
 (``parallel/schedule_cost.py``): ``replay_tables`` runs the action tables as the executor
 does, and with NCCL's posted order it is ``schedules.simulate`` exactly; ``bubble`` with both
 terms 0 is the closed form, and each compute pays the overhead once (so a schedule with v
-chunks per rank pays it v times per micro-batch). Single process, torch-free; seconds."""
+chunks per rank pays it v times per micro-batch); a posting cost per send or receive adds
+exactly the posted ops on the critical path (worked by hand on 2-stage 1F1B), a rank's late
+start only where it delays the path, and the replay with each action's own costs given one by
+one is the replay with the constants. Single process, torch-free; seconds."""
 
 from __future__ import annotations
 
@@ -66,3 +69,56 @@ def test_extrapolated_beyond_the_replayed_rounds() -> None:
     idle = [cost.bubble(3.0, 1, p, m, overhead=o) for m in (12, 14, 16)]
     assert idle[2] - idle[1] == pytest.approx(idle[1] - idle[0], rel=1e-6)
     assert idle[0] > cost.bubble(3.0, 1, p, 12)
+
+
+STAGES = [(1.0, 1.0, 1.0)] * 2  # 1F1B, p = 2: forward 1, backward 2 on either stage
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_posting_cost_on_the_critical_path(m: int) -> None:
+    """A host cost c per posted send or receive on 2-stage 1F1B (forward 1, backward 2,
+    transfers free): the step is (m + 1) 3 + 2 m c. By hand: the path runs F0 on rank 0,
+    its send (c), then on rank 1 each micro-batch's F and B and the group after it -- the
+    gradient's send and the next activation's receive (2c), the last send alone (c) -- and
+    B of the last micro-batch on rank 0; rank 1's first receive is posted before F0 ends."""
+    c = 0.01
+    time, busy = replay_tables("1f1b", 2, 1, m, STAGES, post=c)
+    assert time == pytest.approx((m + 1) * 3 + 2 * m * c, abs=1e-12)
+    assert busy == pytest.approx([3.0 * m] * 2, abs=1e-12)
+    # the planner's form: the busiest rank's idle time, the same replay
+    idle = SCHEDULES["1f1b"].bubble(3.0, 1, 2, m, (1.0, 1.0, 1.0), [3.0, 3.0], post=c,
+                                    ordered=False)
+    assert idle == pytest.approx(3 + 2 * m * c, abs=1e-12)
+
+
+def test_starts() -> None:
+    """By hand, 1F1B, p = 2, m = 2 (forward 1, backward 2; step 9): rank 1 entering the
+    step at 2.5 starts F0 then instead of at 1 (the step 1.5 later); entering at 0.5, before
+    F0's activation arrives at 1, changes nothing."""
+    assert replay_tables("1f1b", 2, 1, 2, STAGES)[0] == pytest.approx(9.0)
+    assert replay_tables("1f1b", 2, 1, 2, STAGES, starts=(0.0, 2.5))[0] == pytest.approx(10.5)
+    assert replay_tables("1f1b", 2, 1, 2, STAGES, starts=(0.0, 0.5))[0] == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zbv", "dualpipev"])
+def test_own_costs_replay_as_the_constants(name: str) -> None:
+    """``each`` and ``delivery`` giving every action and message the constants' values
+    replay the same step as the constants; giving None falls back to them."""
+    v, p, m = chunks(name), 4, 8
+    stages = [(0.3, 0.4, 0.2)] * (p * v)
+    kw = {"latency": 0.05, "overhead": 0.01, "post": 0.02, "starts": (0.0, 0.01, 0.03, 0.02)}
+    ref = replay_tables(name, p, v, m, stages, **kw)
+
+    def each(r: int, a: schedules.Action) -> float:
+        if schedules.is_p2p(a):
+            return 0.02
+        f, i, w = stages[a.stage]
+        return {"F": f, "B": i + w, "I": i, "W": w}[a.op]
+
+    own = replay_tables(name, p, v, m, stages, **kw, each=each,
+                        delivery=lambda a: 0.05)
+    none = replay_tables(name, p, v, m, stages, **kw, each=lambda r, a: None,
+                         delivery=lambda a: None)
+    for got in (own, none):
+        assert got[0] == pytest.approx(ref[0], abs=1e-12)
+        assert got[1] == pytest.approx(ref[1], abs=1e-12)

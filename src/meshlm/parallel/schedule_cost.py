@@ -45,24 +45,27 @@ the order it posts them (NCCL's rule): with unequal passes that can add idle tim
 three, so the replay is the bound a run reaches where transfers never wait on each other
 (gloo, or NCCL when the posted order happens to fit the times).
 
-**Host time and transfers** (``bubble(..., overhead=, latency=)``, default 0: the closed
-forms above). The executor's timeline counts as idle what happens between two computes of a
-rank -- posting the sends and receives between them, dispatch (``overhead``, paid per compute,
-so v times per micro-batch with v chunks per rank: a looped or V schedule's v-fold smaller
-bubble is bought with v-fold more of it) -- and the time an input takes from the compute that
-made it on another rank to the compute waiting for it (``latency``). With either set, the
-schedule's action tables are replayed as the executor runs them (:func:`replay_tables`: each
-run of sends and receives posted as one group, a compute waiting for the whole group holding
-its input -- sends included, one handle per group -- and groups completing in the order
-posted under NCCL, ``ordered``, or each on its own under gloo); with both 0 and ``ordered``
-that replay is ``schedules.simulate``'s, exactly. On a 2-core CPU with gloo
-(``benchmarks/pipeline_bubble.py``, 2026-11-29) the host gap measured 0.1-1.7 ms and the
-delivery 0.5-4 ms per message (a quiet ping-pong: 0.03-0.2 ms; the rest is waking the
-receiving rank's threads), enough to move a looped or V schedule's bubble by 12-52 %. The
-planner passes neither yet: on GPUs both are host-side costs hidden behind queued kernels
-while the host runs ahead of the device, and exposed only where a rank waits for a
-transfer (NCCL's point-to-point latency); no GPU value has been measured for them, so the
-planner's GPU predictions keep both at 0.
+**Host time and transfers** (``bubble(..., overhead=, latency=, post=, starts=)``, default 0
+and None: the closed forms above). The executor's timeline counts as idle what happens
+between two computes of a rank -- posting each send and receive the table puts between them
+(``post``, per op: a rank pays for what its table posts there, e.g. two ops per micro-batch
+and chunk on a middle rank of looped BFS, one on its end ranks) and the rest, dispatch
+(``overhead``, per compute, so v times per micro-batch with v chunks per rank: a looped or V
+schedule's v-fold smaller bubble is bought with v-fold more of both) -- the time a message
+takes once both its sides are posted (``latency``), and the ranks entering the step at
+different times (``starts``). With any set, the schedule's action tables are replayed as the
+executor runs them (:func:`replay_tables`: each run of sends and receives posted as one
+group, op after op, a compute waiting for the whole group holding its input -- sends
+included, one handle per group -- and groups completing in the order posted under NCCL,
+``ordered``, or each on its own under gloo); with all unset and ``ordered`` that replay is
+``schedules.simulate``'s, exactly. On a 2-core CPU with gloo (``benchmarks/pipeline_bubble.py``,
+2026-11-29) posting measured 0.2-0.6 ms per op, dispatch 0.02-0.08 ms, the delivery up to
+2.7 ms (mean over the waits that blocked; a quiet ping-pong: 0.03-0.2 ms, the rest is waking
+the threads of the ranks involved) and the ranks' starts up to 7 ms apart, enough to move a
+looped or V schedule's bubble by 12-44 %. The planner passes none of them: on GPUs they are
+host-side costs hidden behind queued kernels while the host runs ahead of the device, and
+exposed only where a rank waits for a transfer (NCCL's point-to-point latency); no GPU value
+has been measured for them, so the planner's GPU predictions keep them at 0.
 
 The planner scales the idle time to unequal stages: ``bubble(others, ...)`` is ``others``
 (the other stages' micro-batch times, summed: ``(p - 1)(f + b)`` with equal stages) times the
@@ -89,8 +92,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .cost import Registry
+
+if TYPE_CHECKING:
+    from .schedules import Action
 
 Split = tuple[float, float, float]  # (f, i, w): forward, input gradient, weight gradient
 EQUAL: Split = (1.0, 1.0, 1.0)
@@ -223,34 +230,62 @@ def replay(schedule: str, p: int, v: int, m: int, split: Split = EQUAL,
 
 
 def replay_tables(schedule: str, p: int, v: int, m: int, stages: Sequence[Split],
-                  latency: float = 0.0, overhead: float = 0.0, ordered: bool = False
+                  latency: float = 0.0, overhead: float = 0.0, ordered: bool = False,
+                  post: float = 0.0, starts: Sequence[float] | None = None,
+                  each: Callable[[int, Action], float | None] | None = None,
+                  delivery: Callable[[Action], float | None] | None = None
                   ) -> tuple[float, list[float]]:
     """(step time, each rank's compute time) of ``schedule``'s action tables
     (``schedules.build_schedule``) as the executor runs them: each run of sends and receives
-    posted as one group when the rank reaches it; a message done ``latency`` after both its
-    sides are posted; a compute waiting for the whole group holding its input (its sends
-    too: a handle per group) and starting ``overhead`` after the rank's previous compute
-    (the host time between two computes); the step ending when the last group is done (the
-    executor waits for its sends). ``stages[s]``: stage s's (f, i, w) per micro-batch.
-    ``ordered``: a rank's groups also complete in the order it posts them (NCCL's rule, as
-    ``schedules.simulate``); otherwise each group when its own messages are (gloo)."""
+    posted as one group when the rank reaches it, the rank's host busy ``post`` per send or
+    receive while posting it (one after the other, in the table's order); a message done
+    ``latency`` after both its sides are posted (under ``ordered``: each side when its whole
+    group is posted); a compute waiting for the whole group holding its input
+    (its sends too: a handle per group) and starting ``overhead`` after the rank's previous
+    compute and the groups posted since (the host's remaining time between two computes:
+    dispatch); the step ending when the last group is done (the executor waits for its
+    sends). ``stages[s]``: stage s's (f, i, w) per micro-batch. ``starts[r]``: when rank r
+    enters the step (default 0 for every rank). ``ordered``: a rank's groups also complete
+    in the order it posts them (NCCL's rule, as ``schedules.simulate``); otherwise each
+    group when its own messages are (gloo). ``each(r, action)`` and ``delivery(receive)``,
+    where given and not None, replace the constants action by action (a replay of a
+    measured step, or of drawn costs): a compute's own time, a send's or receive's own
+    posting time, and a message's own delivery (named by its receive action). With
+    ``post``, ``starts``, ``each`` and ``delivery`` unset, the replay is the one the planner
+    had before they were added."""
     from .schedules import COMPUTE, build_schedule, group_end, is_p2p  # (torch-free)
 
     tables = build_schedule(schedule, p, m, v)
     n_stages = p * v
     if len(stages) != n_stages:
         raise ValueError(f"{len(stages)} stage costs for {n_stages} stages")
+    if starts is not None and len(starts) != p:
+        raise ValueError(f"{len(starts)} start times for {p} ranks")
     owner = {a.stage: r for r, acts in enumerate(tables) for a in acts if a.op in COMPUTE}
 
-    def cost(op: str, s: int) -> float:
-        f, i, w = stages[s]
-        return {"F": f, "B": i + w, "I": i, "W": w}[op]
+    def cost(r: int, a: Action) -> float:
+        own = each(r, a) if each is not None else None
+        if own is not None:
+            return own
+        f, i, w = stages[a.stage]
+        return {"F": f, "B": i + w, "I": i, "W": w}[a.op]
 
+    def posting(r: int, a: Action) -> float:
+        own = each(r, a) if each is not None else None
+        return post if own is None else own
+
+    def delivered(receive: Action) -> float:
+        own = delivery(receive) if delivery is not None else None
+        return latency if own is None else own
+
+    receives: dict[tuple[int, int, int], Action] = {}  # (sender, receiver, n) -> the receive
     posted: dict[tuple[int, int, str, int], tuple[list, int, int]] = {}  # -> group, rank, k
     count: dict[tuple[int, int, str], int] = {}
-    groups: list[list[list]] = [[] for _ in range(p)]  # [ops, done, posted at] per group
+    # per group: [ops, done, posted at (its last op's posting), {op: its own posting}]
+    groups: list[list[list]] = [[] for _ in range(p)]
     holder: dict[tuple[int, str, int, int], tuple[list, int]] = {}
-    pos, clock, busy, computes = [0] * p, [0.0] * p, [0.0] * p, [0] * p
+    pos, busy, computes = [0] * p, [0.0] * p, [0] * p
+    clock = [0.0] * p if starts is None else [float(t) for t in starts]
 
     def start(g: list, r: int, k: int) -> float | None:
         """When the group can run: posted (ordered: and the rank's previous group done)."""
@@ -259,15 +294,26 @@ def replay_tables(schedule: str, p: int, v: int, m: int, stages: Sequence[Split]
         before = done(groups[r][k - 1], r, k - 1)
         return None if before is None else max(g[2], before)
 
+    def side_at(op: tuple[int, int, str, int]) -> float | None:
+        """When one side of a message can go: its own posting (gloo, op by op), or its
+        group's start (ordered: the group is launched as one)."""
+        g, r, k = posted[op]
+        return start(g, r, k) if ordered else g[3][op]
+
     def done(g: list, r: int, k: int) -> float | None:
         if g[1] is None:
-            ends = [start(g, r, k)]
-            for sender, receiver, side, n in g[0]:
-                other = posted.get((sender, receiver, "recv" if side == "send" else "send", n))
-                ends.append(None if other is None else start(*other))
-            if any(t is None for t in ends):
+            if start(g, r, k) is None:
                 return None
-            g[1] = max(ends) + latency  # type: ignore[type-var]
+            ends = []
+            for sender, receiver, side, n in g[0]:
+                other = (sender, receiver, "recv" if side == "send" else "send", n)
+                there = side_at(other) if other in posted else None
+                if there is None:
+                    return None
+                mine = side_at((sender, receiver, side, n))
+                assert mine is not None
+                ends.append(max(mine, there) + delivered(receives[(sender, receiver, n)]))
+            g[1] = max(ends)
         return g[1]
 
     while any(pos[r] < len(tables[r]) for r in range(p)):
@@ -278,17 +324,22 @@ def replay_tables(schedule: str, p: int, v: int, m: int, stages: Sequence[Split]
                 a = acts[pos[r]]
                 if is_p2p(a):
                     end = group_end(acts, pos[r])
-                    g: list = [[], None, clock[r]]
+                    g: list = [[], None, clock[r], {}]
                     k = len(groups[r])
                     for x in acts[pos[r]:end]:
+                        clock[r] += posting(r, x)  # (the host posting this send or receive)
                         side = "send" if x.op.startswith("SEND") else "recv"
                         pair = (r, x.peer) if side == "send" else (x.peer, r)
                         n = count.get((*pair, side), 0)
                         count[(*pair, side)] = n + 1
+                        if side == "recv":
+                            receives[(*pair, n)] = x
                         posted[(*pair, side, n)] = (g, r, k)
                         g[0].append((*pair, side, n))
+                        g[3][(*pair, side, n)] = clock[r]
                         if side == "recv":
                             holder[(r, x.op[-1], x.mb, x.stage)] = (g, k)
+                    g[2] = clock[r]
                     groups[r].append(g)
                     pos[r], moved = end, True
                     continue
@@ -301,8 +352,9 @@ def replay_tables(schedule: str, p: int, v: int, m: int, stages: Sequence[Split]
                     if ready is None:
                         break
                     t = max(t, ready)
-                clock[r] = t + cost(a.op, a.stage)
-                busy[r] += cost(a.op, a.stage)
+                took = cost(r, a)
+                clock[r] = t + took
+                busy[r] += took
                 computes[r] += 1
                 pos[r], moved = pos[r] + 1, True
         if not moved:
@@ -352,13 +404,14 @@ def _replayed(schedule: str) -> Callable[..., float]:
 
 
 def _host_idle(schedule: str, p: int, v: int, m: int, split: Split, ranks: Sequence[float],
-               overhead: float, latency: float, ordered: bool) -> float:
+               overhead: float, latency: float, ordered: bool, post: float = 0.0,
+               starts: Sequence[float] | None = None) -> float:
     """Idle time of the busiest rank with the executor's host time between computes
-    (``overhead`` per compute) and a transfer time (``latency`` per message): ``schedule``'s
-    action tables replayed (:func:`replay_tables`), each rank's chunks sharing its micro-batch
-    time
-    ``ranks[r]`` in the ratio of ``split``. Beyond ``REPLAY_ROUNDS`` p micro-batches,
-    extrapolated linearly (the steady state adds a constant idle time per micro-batch)."""
+    (``overhead`` per compute, ``post`` per send or receive posted) and a transfer time
+    (``latency`` per message), the ranks entering the step at ``starts``: ``schedule``'s action tables replayed
+    (:func:`replay_tables`), each rank's chunks sharing its micro-batch time ``ranks[r]`` in
+    the ratio of ``split``. Beyond ``REPLAY_ROUNDS`` p micro-batches, extrapolated linearly
+    (the steady state adds a constant idle time per micro-batch)."""
     from .schedules import stage_rank  # (torch-free)
 
     total = sum(split)
@@ -366,7 +419,8 @@ def _host_idle(schedule: str, p: int, v: int, m: int, split: Split, ranks: Seque
               for s in range(p * v)]
 
     def idle(k: int) -> float:
-        time, busy = replay_tables(schedule, p, v, k, stages, latency, overhead, ordered)
+        time, busy = replay_tables(schedule, p, v, k, stages, latency, overhead, ordered,
+                                   post, starts)
         return time - max(busy)
 
     hi = REPLAY_ROUNDS * p
@@ -397,7 +451,8 @@ class ScheduleCost:
 
     def bubble(self, others: float, v: int, p: int, m: int, split: Split = EQUAL,
                ranks: Sequence[float] | None = None, overhead: float = 0.0,
-               latency: float = 0.0, ordered: bool = True) -> float:
+               latency: float = 0.0, ordered: bool = True, post: float = 0.0,
+               starts: Sequence[float] | None = None) -> float:
         """Idle time per step of the slowest rank, given ``others``: the other stages'
         micro-batch times, summed ((p - 1) t_mb with equal stages), and the forward /
         input-gradient / weight-gradient shares ``split`` of a micro-batch's time. ``ranks``
@@ -409,12 +464,16 @@ class ScheduleCost:
         step each pay the overhead, so it weighs v times more in a looped or V schedule; a
         compute waits for the whole group of sends and receives holding its input; groups
         complete in the order posted when ``ordered``, NCCL's rule, else each on its own,
-        gloo's); both 0 (the default): transfers and dispatch free, the closed forms."""
+        gloo's); ``post``: the host time to post one send or receive (each group's posted
+        ops add up between two computes); ``starts``: when each rank enters the step (its
+        idle time before is counted). All unset (the default): transfers and dispatch free,
+        the closed forms."""
         if p < 2:
             return 0.0
-        if overhead > 0 or latency > 0:
+        if overhead > 0 or latency > 0 or post > 0 or starts is not None:
             times = list(ranks) if ranks is not None else [others / (p - 1)] * p
-            return _host_idle(self.name, p, v, m, split, times, overhead, latency, ordered)
+            return _host_idle(self.name, p, v, m, split, times, overhead, latency, ordered,
+                              post, starts)
         if ranks is not None and self.replayed:
             return self.idle(p, v, m, split, ranks)
         return others * self.idle(p, v, m, split) / ((p - 1) * sum(split))

@@ -291,8 +291,15 @@ def stage_params(work: Workload, lo: Layout, stage: int) -> StageParams:
 def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank, as its ZeRO stage holds them."""
     n_dense = shard_ranks(lo)
-    return ZERO[lo.zero].states(p.dense, p.expert, n_dense, max(1, n_dense // lo.ep),
-                                work.state_cost.bytes)
+    zero = ZERO[lo.zero]
+    out = zero.states(p.dense, p.expert, n_dense, max(1, n_dense // lo.ep),
+                      work.state_cost.bytes)
+    if work.fp8_params and work.precision.float8_linears:
+        # FP8 primary weights: the decoder-block linears held in float8, one byte each
+        w = work.state_cost.bytes[0]
+        out["params"] -= (w - 1) * p.block_linear / (n_dense if "params" in zero.sharded
+                                                     else 1)
+    return out
 
 
 def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
@@ -332,14 +339,21 @@ def layer_activations(work: Workload, lo: Layout, moe: bool = False,
     out_t = TENSOR[lo.sp].outside(t)  # tensors outside the tp regions (split only with sp)
     items: dict[str, float] = {}
     if work.profile == "megatron":
+        # a linear's saved input: 16-bit, or its float8 copy (Transformer Engine under FP8)
+        lin = 1 if work.fp8_saved_inputs and work.precision.float8_linears else 2
         items["norm inputs"] = 2 * h * 2 / out_t
-        items["dropout masks"] = 2 * h * 1 / out_t
-        items["region inputs"] = 2 * h * 2 / out_t  # Megatron gathers again in backward
+        if work.dropout:
+            items["dropout masks"] = 2 * h * 1 / out_t
+        items["region inputs"] = 2 * h * lin / out_t  # Megatron gathers again in backward
         items.update(proj.saved(c, t, 2, work.profile, fused_norm))  # q k v, attention out
-        items["mlp"] = (4 if gated else 2) * f * 2 / t
+        items["attention out"] *= lin / 2  # the output projection's input
+        # the first MLP linear's output (16-bit) and the activation's output, the second
+        # linear's input (float8 under Transformer Engine's FP8)
+        items["mlp"] = ((3 if gated else 1) * 2 + lin) * f / t
         # softmax output 2as + dropout mask as + dropout output 2as (sec. 4.1); flash attention
         # keeps an fp32 log-sum-exp per head instead
-        items["scores"] = (heads * 4 if work.flash else 5 * heads * work.seq_len / lo.cp) / t
+        items["scores"] = (heads * 4 if work.flash else (5 if work.dropout else 2) * heads
+                           * work.seq_len / lo.cp) / t
     else:
         r = 4  # meshlm's RMSNorm and residual stream are fp32 (autocast leaves them)
         items["norm inputs"] = 2 * h * r / out_t
@@ -495,7 +509,7 @@ def head_activations(work: Workload, lo: Layout, first: bool, last: bool) -> flo
     out_t = TENSOR[lo.sp].outside(lo.tp)
     a = work.precision.act_bytes
     total = 8.0 * tokens if first else 0.0  # token ids (int64)
-    if work.profile == "megatron" and first:
+    if work.profile == "megatron" and first and work.dropout:
         total += c.dim * tokens / out_t  # embedding dropout mask
     if last:
         norm = (2 * c.dim if work.profile == "megatron" else 2 * (c.dim + 1) * 4) / out_t

@@ -26,7 +26,10 @@ Stacks (the CSV's values):
   tensor-parallel communication overlap (userbuffers) available: a row that does not say
   whether it used it is completed like a blank micro-batch. With tp > 1 a MoE layer's
   routed rows are split over tp (each rank dispatches and computes 1/tp of them: sequence
-  parallelism's tokens, or expert tensor parallelism's share of each expert).
+  parallelism's tokens, or expert tensor parallelism's share of each expert). Under FP8 the
+  linears save the float8 copy of their input for backward and the weights are held in
+  float8 (FP8 primary weights, on in NeMo's and Megatron-Bridge's FP8 recipes). An interleaved
+  schedule's sends and receives overlap the compute (``overlap_p2p_comm``).
 - ``megatron-deepspeed``: Megatron's tensor parallelism under DeepSpeed's engine (MT-NLG,
   BLOOM): fused kernels, DeepSpeed's pipeline engine (whole activations between stages),
   gradients reduced in the 16-bit dtype.
@@ -87,6 +90,17 @@ class Stack:
     # a MoE layer's routed rows split over tp (Megatron-Core's sequence-parallel token
     # dispatch / expert tensor parallelism; Workload.experts_over_tp)
     experts_over_tp: bool = False
+    # an FP8 run's linears save the float8 copy of their input for backward (Transformer
+    # Engine's Linear / LayerNormLinear, TE 1.x and 2.x; DeepSeek-V3's cached FP8 activations,
+    # sec. 3.3.3) -- torchao's Float8Linear saves the 16-bit input (Workload.fp8_saved_inputs)
+    fp8_saved_inputs: bool = False
+    # an FP8 run holds the block linears' weights in float8 (Transformer Engine's FP8 primary
+    # weights: NeMo's fp8_params, Megatron-Bridge's fp8_param_gather, set by their FP8
+    # precision recipes) (Workload.fp8_params)
+    fp8_params: bool = False
+    # an interleaved schedule's p2p overlapped with compute (Megatron-Core's overlap_p2p_comm,
+    # set by NeMo / Megatron-Bridge whenever there are virtual stages) (Workload.pp_overlap)
+    pp_overlap: bool = False
 
     def fp32_grad_reduce(self, precision: str) -> bool:
         """Whether 16-bit training's gradients go over the wire in fp32 (``precision`` is the
@@ -101,7 +115,7 @@ for _stack in (
     Stack("megatron", "Megatron-LM before Transformer Engine", "fused", True, "bf16-fp32"),
     Stack("megatron-te", "Megatron-Core / NeMo with Transformer Engine", "fused", True,
           "bf16-fp32", fp8_experts=True, dp_overlap=True, zero_default=1, tp_overlap=True,
-          experts_over_tp=True),
+          experts_over_tp=True, fp8_saved_inputs=True, fp8_params=True, pp_overlap=True),
     Stack("megatron-deepspeed", "Megatron's tensor parallelism under DeepSpeed", "fused", False,
           "16bit"),
     Stack("gpt-neox", "EleutherAI's GPT-NeoX (Megatron-DeepSpeed)", "fused", False, "16bit"),
@@ -112,10 +126,11 @@ for _stack in (
     Stack("torchtitan-compile", "torchtitan under torch.compile", "fused", False, "fp32",
           interleaved_vpp=2),
     Stack("nanotron", "nanotron", "fused", False, "fp32", grad_accum_pass=True),
-    Stack("llm-foundry", "MosaicML llm-foundry (MPT)", "eager", False, "16bit", loss="fused"),
+    Stack("llm-foundry", "MosaicML llm-foundry (MPT)", "eager", False, "16bit", loss="fused",
+          fp8_saved_inputs=True),
     Stack("meshlm", "meshlm", "eager", False, "fp32", fp8_casts="separate"),
     Stack("in-house", "an unpublished, optimised stack", "fused", False, "fp32",
-          fp8_experts=True),
+          fp8_experts=True, fp8_saved_inputs=True),
     Stack("maxtext", "MaxText (JAX / XLA)", "fused", False, "fp32"),
 ):
     STACKS.register(_stack)
@@ -146,7 +161,10 @@ def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
             "loss": stack.loss if loss else "torch",
             "fp32_grad_reduce": grad_reduce and stack.fp32_grad_reduce(precision),
             "grad_accum_pass": grad_reduce and stack.grad_accum_pass,
+            "fp8_saved_inputs": fp8 and stack.fp8_saved_inputs,
+            "fp8_params": fp8 and stack.fp8_params,
             "dp_overlap": overlap and stack.dp_overlap,
+            "pp_overlap": overlap and stack.pp_overlap,
             "experts_over_tp": overlap and stack.experts_over_tp}
 
 

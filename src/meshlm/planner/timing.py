@@ -73,7 +73,8 @@ do it:
 - DiLoCo islands (``islands`` > 1): each rank's owned shard all-reduced across islands once
   every ``inner_steps`` steps, in the cross-island dtype -- exposed, its time divided by H;
 - tensor/sequence parallel collectives (``parallel/tensor_cost.py``) and pipeline sends are
-  on the critical path: exposed (with ``tp_overlap`` -- async TP, published runs only -- they
+  on the critical path: exposed (an interleaved schedule's sends hide behind the GEMMs where
+  the stack overlaps them, ``Workload.pp_overlap``: Megatron-Core's overlap_p2p_comm) (with ``tp_overlap`` -- async TP, published runs only -- they
   hide behind the GEMMs);
   pipeline sends carry fp32 activations (meshlm's executor) or, for other frameworks
   (``Workload.p2p_dtype``), the compute dtype, split over tp with Megatron's scatter/gather
@@ -85,7 +86,14 @@ do it:
 - context parallelism's messages and what hides them are its mode's
   (``parallel/context_cost.py``: ring attention beside the attention compute, Ulysses'
   all-to-alls exposed); with cp, weight gradients are reduced over dp x cp (comm-log axis
-  ``dp_cp``); expert all-to-alls: exposed;
+  ``dp_cp``); expert all-to-alls: exposed, unless the run overlaps them with another
+  micro-batch (``Workload.ep_overlap``) or its schedule pairs passes (DualPipeV);
+- an all-to-all across nodes sends each peer its piece at once: the pieces for the group's
+  ranks on the same node go over NVLink while the rest cross the network, and the longer of
+  the two transfers is its time; an expert dispatcher that sends a token once per node
+  (``Workload.ep_dispatch``, ``planner/dispatch.py``: DeepEP) puts fewer bytes on the
+  network. The expert group's ranks are tp apart in meshlm's mesh, consecutive where the
+  stack folds experts over tp (``experts_over_tp``: Megatron-Core's expert rank order);
 - on CPU (gloo) nothing overlaps: the transport uses the same cores.
 
 **Bubble**: the schedule's share of the other stages' micro-batch times
@@ -105,7 +113,9 @@ recomputation.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..layout import Layout
@@ -125,6 +135,7 @@ from ..precision_cost import (
     PrecisionCost,
     value_bytes,
 )
+from .dispatch import shares as dispatch_shares
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
     last_rank,
@@ -207,6 +218,9 @@ class CommEvent:
     stride: int  # distance between consecutive group members in the rank order
     overlap: str  # how it hides (see module docstring)
     seconds: float = 0.0
+    # an all-to-all's (network, NVLink) shares of ``nbytes`` for a group of n ranks, ``local``
+    # per node, where a dispatcher decides them (planner/dispatch.py); None: one piece per peer
+    shares: Callable[[int, int], tuple[float, float]] | None = None
 
 
 @dataclass
@@ -231,8 +245,10 @@ def threads_per_rank(hw: Accelerator, world: int) -> int:
 
 
 def collective_time(hw: Accelerator, op: str, nbytes: float, n: int, stride: int,
-                    procs: int = 1) -> float:
-    """Seconds of one collective over ``n`` ranks ``stride`` apart (see module docstring)."""
+                    procs: int = 1,
+                    shares: Callable[[int, int], tuple[float, float]] | None = None) -> float:
+    """Seconds of one collective over ``n`` ranks ``stride`` apart (see module docstring);
+    ``shares``: an all-to-all's (network, NVLink) shares of ``nbytes`` (planner/dispatch.py)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     if hw.cpu is not None:
@@ -251,6 +267,13 @@ def collective_time(hw: Accelerator, op: str, nbytes: float, n: int, stride: int
         return hw.coll_latency + steps * step + 2 * frac * nbytes / bw
     if op == "send":
         return hw.coll_latency + step + nbytes / bw
+    if op == "all_to_all" and inter:
+        # every rank sends 1/n of its buffer to each peer, all at once: the pieces for the
+        # peers on its own node go over NVLink while the rest cross the network, in parallel
+        local = max(1, min(n, hw.gpus_per_node // max(1, stride)))  # group members per node
+        net, nvlink = shares(n, local) if shares else ((n - local) / n, (local - 1) / n)
+        return (hw.coll_latency + (n - 1) * step
+                + max(nvlink * nbytes / (hw.intra_bw * hw.intra_eff), net * nbytes / bw))
     return hw.coll_latency + (n - 1) * step + frac * nbytes / bw  # ag, rs, all-to-all
 
 
@@ -480,7 +503,10 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         # stays on its rank: parallel/schedule_cost.py)
         sends, recvs = SCHEDULES[lo.pp_schedule].messages(lo.pp, lo.pp_virtual, stage)
         stride = lo.tp * lo.cp * lo.dp
-        ev.append(CommEvent("pp", "send", "pp", act, sends * m, 2, stride, "exposed"))
+        # a stack that overlaps an interleaved schedule's sends and receives with its compute
+        # (Workload.pp_overlap: Megatron-Core's overlap_p2p_comm) hides them behind the GEMMs
+        hide = "gemm" if work.pp_overlap and lo.pp_virtual > 1 else "exposed"
+        ev.append(CommEvent("pp", "send", "pp", act, sends * m, 2, stride, hide))
         ev.append(CommEvent("pp", "recv", "pp", act, recvs * m, 2, stride, "free"))
         if split and not seq_split:  # scatter/gather: the received pieces gathered over tp
             ev.append(CommEvent("tp", "all_gather", "tp", act * lo.tp, recvs * m, lo.tp, 1,
@@ -531,13 +557,18 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
         # (DualPipeV's overlapped forward + backward: parallel/overlap.py)
         hidden = 1.0 if work.ep_overlap else (
             SCHEDULES[lo.pp_schedule].paired(lo.pp, m, stage) if lo.pp > 1 else 0.0)
+        # the group's ranks: tp apart in meshlm's mesh (ep inside dp x cp); consecutive where
+        # the stack folds the experts over tp x dp x cp (Megatron-Core's expert rank order
+        # "tp-ep-dp-pp" with expert tp 1: ep innermost, so ep <= GPUs per node stays on NVLink)
+        stride = 1 if work.experts_over_tp else lo.tp
+        split = functools.partial(dispatch_shares, work.ep_dispatch, c)
         for share, how in ((hidden, "gemm"), (1.0 - hidden, "exposed")):
             if share > 0:
                 ev.append(CommEvent("ep", "all_to_all", "ep", routed, calls * share, lo.ep,
-                                    lo.tp, how))
+                                    stride, how, shares=split))
         if not c.moe_capacity:  # dropless: split sizes first (int64 per rank and expert)
             ev.append(CommEvent("ep", "all_gather", "ep", 8 * lo.ep * c.moe_experts,
-                                fwd * moe * m, lo.ep, lo.tp, "exposed"))
+                                fwd * moe * m, lo.ep, stride, "exposed"))
     if lo.tp > 1:  # the routing weights' f (parallel/tensor.py's TensorParallelDispatcher):
         # their fp32 gradient summed over tp in backward, T k values per MoE layer
         ev.append(CommEvent("tp", "all_reduce", "tp", tokens * c.moe_topk * 4, moe * m, lo.tp,
@@ -633,7 +664,8 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     events = comm_events(work, lo, slow)
     for e in events:
         if e.overlap != "free":  # a receive is the other side of a timed send
-            e.seconds = collective_time(hw, e.op, e.nbytes, e.group, e.stride, procs) * e.calls
+            e.seconds = collective_time(hw, e.op, e.nbytes, e.group, e.stride, procs,
+                                        e.shares) * e.calls
         out.comm[e.name] = out.comm.get(e.name, 0.0) + e.seconds
         key = f"{e.op}/{e.axis}"
         out.volumes[key] = out.volumes.get(key, 0.0) + e.nbytes * e.calls

@@ -33,6 +33,7 @@ from ..precision_cost import (
     PrecisionCost,
     StatesCost,
 )
+from .dispatch import EP_DISPATCHES
 
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = PRECISIONS
@@ -158,6 +159,26 @@ class Workload:
     # DualPipeV the planner hides the share of a rank's passes the table pairs
     # (parallel/schedule_cost.py, ``paired``), as meshlm's executor runs them.
     ep_overlap: bool = False
+    # how expert parallelism's tokens reach other nodes (EP_DISPATCHES): "all-to-all" sends
+    # one copy per selected expert (NCCL's all-to-all: meshlm, Megatron-Core's alltoall
+    # dispatcher); "node-dedup" sends each token once per destination node over the network
+    # and forwards it to that node's experts over NVLink (DeepEP's internode kernels,
+    # DeepSeek-V3 sec. 3.2.2): the network carries the nodes a token touches, not its copies
+    ep_dispatch: str = "all-to-all"
+    # the ``megatron`` profile's memory (Korthikanti et al.'s count): whether the model trains
+    # with dropout (its masks are saved for backward; Megatron-Core's default 0.1, the NeMo /
+    # Megatron-Bridge providers of Llama 3, Nemotron-4 and GPT-3 set 0); whether an FP8 run's
+    # linears keep the float8 copy of their input for backward instead of the 16-bit one
+    # (Transformer Engine's Linear / LayerNormLinear); whether its weights are held in float8
+    # (Transformer Engine's FP8 primary weights, NeMo's fp8_params / Megatron-Bridge's
+    # fp8_param_gather: the fp32 master copy stays in the optimizer)
+    dropout: bool = True
+    # an interleaved schedule's sends and receives overlapped with the compute (Megatron-
+    # Core's overlap_p2p_comm, on in NeMo's and Megatron-Bridge's recipes with virtual
+    # stages); meshlm's executor waits for each group of them
+    pp_overlap: bool = False
+    fp8_saved_inputs: bool = False
+    fp8_params: bool = False
     # the stack overlaps data-parallel reductions with a pipeline's backward too and ZeRO-1's
     # parameter all-gather with the next forward (Megatron-Core's overlap_grad_reduce /
     # overlap_param_gather; planner/stacks.py). meshlm reduces after the pipeline's flush.
@@ -239,6 +260,9 @@ class Workload:
         if self.fp8_recipe not in FP8_SCALINGS:
             out.append(f"fp8_recipe {self.fp8_recipe!r} is not one of "
                        f"{', '.join(FP8_SCALINGS)}")
+        if self.ep_dispatch not in EP_DISPATCHES:
+            out.append(f"ep_dispatch {self.ep_dispatch!r} is not one of "
+                       f"{', '.join(EP_DISPATCHES)}")
         if self.experts not in EXPERT_KERNELS:
             out.append(f"experts {self.experts!r} is not one of {', '.join(EXPERT_KERNELS)}")
         if self.doc_len < 0:

@@ -1,0 +1,109 @@
+"""What a Transformer Engine stack keeps and overlaps (``planner/stacks.py``): FP8 runs' saved
+linear inputs and primary weights in float8, dropout-free models' activations, an interleaved
+schedule's p2p overlapped with compute -- torch-free arithmetic, checked against hand counts.
+
+Communication: none (the planner's arithmetic). Memory: none to speak of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshlm.layout import Layout
+from meshlm.models.presets import PRESETS
+from meshlm.planner import ModelSpec, Workload
+from meshlm.planner.hardware import CATALOGUE
+from meshlm.planner.memory import layer_activations, memory, stage_params, state_bytes
+from meshlm.planner.stacks import STACKS, workload_options
+from meshlm.planner.timing import comm_events, step_time
+
+H100 = CATALOGUE["h100-sxm"]
+CFG = PRESETS["llama3-8b"]
+LO = Layout(tp=4, sp=True, pp=4, dp=2, zero=1, micro_batch=1, pp_schedule="interleaved",
+            pp_virtual=2)
+
+
+def _work(**kw) -> Workload:  # noqa: ANN003
+    return Workload(ModelSpec(CFG), 8192, 64, states="mixed", profile="megatron", **kw)
+
+
+def test_megatron_te_states_what_it_keeps_in_float8_and_overlaps() -> None:
+    te = STACKS["megatron-te"]
+    assert te.fp8_saved_inputs and te.fp8_params and te.pp_overlap
+    assert not STACKS["torchtitan"].fp8_saved_inputs  # torchao saves the 16-bit input
+    opts = workload_options(te, "fp8 mixed")
+    assert opts["fp8_saved_inputs"] and opts["fp8_params"] and opts["pp_overlap"]
+    off = workload_options(te, "fp8 mixed", fp8=False, overlap=False)
+    assert not (off["fp8_saved_inputs"] or off["fp8_params"] or off["pp_overlap"])
+
+
+def test_saved_inputs_in_float8_halve_exactly_the_linear_inputs() -> None:
+    """Per token (tp 4, sequence parallel): the LN outputs (2 h, split over tp), the output
+    projection's input (h / tp) and the second MLP linear's input (f / tp) drop from two
+    bytes to one; everything else is unchanged. A bf16 run is unchanged by the flag."""
+    h, f, t = CFG.dim, CFG.ffn_hidden, LO.tp
+    tokens = 8192
+    plain = layer_activations(_work(dtype="fp8"), LO)
+    te = layer_activations(_work(dtype="fp8", fp8_saved_inputs=True), LO)
+    saved = {k: (plain[k] - te[k]) / tokens for k in plain}
+    assert saved["region inputs"] == pytest.approx(2 * h / t)
+    assert saved["attention out"] == pytest.approx(h / t)  # n_heads x head dim = h
+    assert saved["mlp"] == pytest.approx(f / t)
+    assert all(v == 0 for k, v in saved.items()
+               if k not in ("region inputs", "attention out", "mlp"))
+    bf16 = _work(dtype="bf16")
+    assert layer_activations(dataclasses.replace(bf16, fp8_saved_inputs=True), LO) == \
+        layer_activations(bf16, LO)
+
+
+def test_no_dropout_saves_no_masks() -> None:
+    h, t = CFG.dim, LO.tp
+    with_masks = layer_activations(_work(), LO)
+    without = layer_activations(_work(dropout=False), LO)
+    assert with_masks["dropout masks"] == pytest.approx(2 * h / t * 8192)
+    assert "dropout masks" not in without
+    assert {k: v for k, v in with_masks.items() if k != "dropout masks"} == without
+    # materialised scores: softmax output, dropout mask and dropout output (5 bytes per
+    # score) without flash attention; the softmax output alone (2) without dropout
+    eager = layer_activations(_work(flash=False), LO)["scores"]
+    assert layer_activations(_work(flash=False, dropout=False), LO)["scores"] == \
+        pytest.approx(eager * 2 / 5)
+
+
+def test_fp8_primary_weights_hold_the_block_linears_in_one_byte() -> None:
+    """ZeRO-1 keeps whole weights on every rank: the decoder-block linears' share of them
+    drops from 2 bytes to 1; embeddings, norms, grads and optimizer states stay."""
+    base = _work(dtype="fp8")
+    fp8w = dataclasses.replace(base, fp8_params=True)
+    p = stage_params(base, LO, 0)
+    a, b = state_bytes(base, LO, p), state_bytes(fp8w, LO, p)
+    assert a["params"] - b["params"] == pytest.approx(p.block_linear)
+    assert (a["grads"], a["optim"]) == (b["grads"], b["optim"])
+    # ZeRO-3 shards the weights: the saving is the rank's shard of them
+    z3 = Layout(**{**LO.as_dict(), "zero": 3})
+    a3, b3 = state_bytes(base, z3, p), state_bytes(fp8w, z3, p)
+    assert a3["params"] - b3["params"] == pytest.approx(p.block_linear / (LO.dp * LO.cp))
+    # only with float8 linears
+    bf16 = _work(dtype="bf16")
+    assert state_bytes(dataclasses.replace(bf16, fp8_params=True), LO, p) == \
+        state_bytes(bf16, LO, p)
+    assert memory(fp8w, LO, H100).total < memory(base, LO, H100).total
+
+
+def test_interleaved_p2p_overlap_hides_the_sends_behind_the_gemms() -> None:
+    work = _work()
+    hidden = dataclasses.replace(work, pp_overlap=True)
+    sends = {w.pp_overlap: [e for e in comm_events(w, LO) if e.op == "send"]
+             for w in (work, hidden)}
+    assert [e.overlap for e in sends[False]] == ["exposed"]
+    assert [e.overlap for e in sends[True]] == ["gemm"]
+    exposed, overlapped = step_time(work, LO, H100), step_time(hidden, LO, H100)
+    assert exposed.items["comm: pp"] > 0
+    assert overlapped.items.get("comm: pp", 0.0) < exposed.items["comm: pp"]
+    assert overlapped.step < exposed.step
+    # plain 1F1B keeps its sends on the critical path (Megatron-Core overlaps the
+    # interleaved schedule's only)
+    one = Layout(**{**LO.as_dict(), "pp_schedule": "1f1b", "pp_virtual": 1})
+    assert [e.overlap for e in comm_events(hidden, one) if e.op == "send"] == ["exposed"]
