@@ -73,9 +73,9 @@ do it:
 - DiLoCo islands (``islands`` > 1): each rank's owned shard all-reduced across islands once
   every ``inner_steps`` steps, in the cross-island dtype -- exposed, its time divided by H;
 - tensor/sequence parallel collectives (``parallel/tensor_cost.py``) and pipeline sends are
-  on the critical path: exposed (an interleaved schedule's sends hide behind the GEMMs where
-  the stack overlaps them, ``Workload.pp_overlap``: Megatron-Core's overlap_p2p_comm) (with ``tp_overlap`` -- async TP, published runs only -- they
-  hide behind the GEMMs);
+  on the critical path: exposed (with ``tp_overlap`` -- async TP, published runs only -- the
+  collectives hide behind the GEMMs; so do an interleaved schedule's sends where the stack
+  overlaps them, ``Workload.pp_overlap``: Megatron-Core's overlap_p2p_comm);
   pipeline sends carry fp32 activations (meshlm's executor) or, for other frameworks
   (``Workload.p2p_dtype``), the compute dtype, split over tp with Megatron's scatter/gather
   (``p2p_split``: 1/tp per rank plus an all-gather over tp on the receiving stage);
