@@ -17,7 +17,7 @@ from meshlm.planner import ModelSpec, Workload
 from meshlm.planner.dispatch import EP_DISPATCHES, nodes_touched, shares
 from meshlm.planner.hardware import CATALOGUE
 from meshlm.planner.search import evaluate
-from meshlm.planner.timing import collective_time, comm_events
+from meshlm.planner.timing import collective_time, comm_events, step_time
 
 H100 = CATALOGUE["h100-sxm"]
 NVLINK = H100.intra_bw * H100.intra_eff
@@ -115,3 +115,30 @@ def test_folded_experts_keep_an_ep_group_of_a_node_on_nvlink() -> None:
     assert tb == pytest.approx(H100.coll_latency + 7 * H100.intra_step_latency
                                + 7 / 8 * b.nbytes / NVLINK)
     assert ta > 4 * tb  # half its pieces over the network
+
+
+def test_overlapped_all_to_alls_hide_behind_the_paired_computation() -> None:
+    """``ep_overlap`` (DualPipe, Megatron's 1F1B all-to-all overlap): the all-to-alls hide
+    behind the other micro-batch's whole computation, not only its GEMMs -- exposed is what
+    exceeds the step's compute (t_micro x micro-batches), and the split sizes' all-gather
+    stays exposed."""
+    cfg = PRESETS["qwen3-30b-a3b"]
+    lo = Layout(dp=16, ep=16, zero=1, micro_batch=1)
+    plain = Workload(ModelSpec(cfg), 4096, 64, states="mixed", profile="megatron",
+                     ep_dispatch="node-dedup")
+    over = dataclasses.replace(plain, ep_overlap=True)
+    events = [e for e in comm_events(over, lo) if e.name == "ep"]
+    assert [e.overlap for e in events if e.op == "all_to_all"] == ["compute"]
+
+    def seconds(ev) -> float:  # noqa: ANN001
+        return collective_time(H100, ev.op, ev.nbytes, ev.group, ev.stride, 1,
+                               ev.shares) * ev.calls
+
+    a2a = sum(seconds(e) for e in events if e.op == "all_to_all")
+    rest = sum(seconds(e) for e in events if e.op != "all_to_all")
+    t, t0 = step_time(over, lo, H100), step_time(plain, lo, H100)
+    cover = t.t_micro * t.micro_batches
+    gemm = t.items["compute: gemm"]
+    assert gemm < a2a < cover  # more than the GEMMs could hide, less than the computation
+    assert t.items["comm: ep"] == pytest.approx(max(0.0, a2a - cover) + rest)
+    assert t0.items["comm: ep"] == pytest.approx(a2a + rest)

@@ -390,14 +390,13 @@ def test_deepseek_v3_published_run_is_predicted() -> None:
     predicted = bench.predicted_metric(row, plan)
     assert math.isfinite(predicted) and predicted > 0
     # DualPipe (the row's pp_schedule) hides the all-to-alls behind the paired micro-batch's
-    # GEMMs, but they take longer than the GEMMs as counted (16-bit copies, every routed copy
-    # over InfiniBand): the prediction is below the published figure by about what stays
-    # exposed
-    assert row.work.ep_overlap
+    # computation, and the row's node-limited dispatch (ep_dispatch) sends each token once
+    # per node: they are shorter than the computation, so little stays exposed; the
+    # prediction is still below the published figure (docs/planner.md lists the miss)
+    assert row.work.ep_overlap and row.work.ep_dispatch == "node-dedup"
     ep = plan.time.items["comm: ep"]
-    assert predicted < row.reported
-    assert predicted * plan.time.step / (plan.time.step - ep) == pytest.approx(row.reported,
-                                                                               rel=0.3)
+    assert plan.time.comm["ep"] > 10 * ep  # before overlap, against what stays exposed
+    assert 0.6 * row.reported < predicted < row.reported
 
 
 def test_plan_of_deepseek_v3_is_fast_and_torch_free_text() -> None:
@@ -417,8 +416,8 @@ def test_plan_of_deepseek_v3_is_fast_and_torch_free_text() -> None:
 def test_dualpipev_hides_the_paired_share_of_expert_all_to_alls() -> None:
     """Under DualPipeV meshlm's executor runs each paired forward + backward as two lanes
     taking turns at their expert all-to-alls (parallel/overlap.py): the planner books that
-    share of each rank's all-to-alls as hidden behind the GEMMs, the rest exposed -- the same
-    bytes as ZB-V, the same V placement."""
+    share of each rank's all-to-alls as hidden behind the computation, the rest exposed --
+    the same bytes as ZB-V, the same V placement."""
     from meshlm.parallel.schedule_cost import SCHEDULES
     from meshlm.planner.timing import moe_events
 
@@ -434,5 +433,5 @@ def test_dualpipev_hides_the_paired_share_of_expert_all_to_alls() -> None:
         total = a2a["zbv"]["exposed"]
         share = SCHEDULES["dualpipev"].paired(4, m, r)
         assert 0 < share < 1
-        assert a2a["dualpipev"]["gemm"] == pytest.approx(total * share)
+        assert a2a["dualpipev"]["compute"] == pytest.approx(total * share)
         assert a2a["dualpipev"]["exposed"] == pytest.approx(total * (1 - share))

@@ -99,9 +99,9 @@ def test_what_stays_in_16_bit_under_fp8() -> None:
     assert dense_part < bf16_moe  # attention's linears in float8 even with 16-bit experts
 
 
-def test_dualpipe_hides_expert_all_to_alls_behind_the_gemms() -> None:
-    """``ep_overlap`` (a DualPipe row): the expert all-to-alls hide behind the step's GEMMs;
-    without it they are exposed whole."""
+def test_dualpipe_hides_expert_all_to_alls_behind_the_computation() -> None:
+    """``ep_overlap`` (a DualPipe row): the expert all-to-alls hide behind the step's
+    computation; without it they are exposed whole."""
     from meshlm.planner import evaluate
 
     moe = PRESETS["mixtral-8x7b"]
@@ -112,7 +112,7 @@ def test_dualpipe_hides_expert_all_to_alls_behind_the_gemms() -> None:
     a, b = (evaluate(w, lo, hw, lo.world_size).time for w in (plain, paired))
     assert a.comm["ep"] == b.comm["ep"] > 0  # the same bytes, before overlap
     assert a.items["comm: ep"] == pytest.approx(a.comm["ep"])
-    assert a.comm["ep"] < a.items["compute: gemm"]  # the GEMMs can hide all of it here
+    assert a.comm["ep"] < a.items["compute: gemm"]  # the computation can hide all of it
     # what stays exposed is the dropless split-size all-gather (a few bytes), not the
     # all-to-alls
     assert b.items["comm: ep"] < 0.05 * a.items["comm: ep"]

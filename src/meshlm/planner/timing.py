@@ -87,7 +87,8 @@ do it:
   (``parallel/context_cost.py``: ring attention beside the attention compute, Ulysses'
   all-to-alls exposed); with cp, weight gradients are reduced over dp x cp (comm-log axis
   ``dp_cp``); expert all-to-alls: exposed, unless the run overlaps them with another
-  micro-batch (``Workload.ep_overlap``) or its schedule pairs passes (DualPipeV);
+  micro-batch (``Workload.ep_overlap``) or its schedule pairs passes (DualPipeV): then they
+  hide behind the paired micro-batch's whole computation (attention and MLP alike);
 - an all-to-all across nodes sends each peer its piece at once: the pieces for the group's
   ranks on the same node go over NVLink while the rest cross the network, and the longer of
   the two transfers is its time; an expert dispatcher that sends a token once per node
@@ -552,7 +553,8 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
         routed = tokens * c.moe_topk * c.dim * a / (lo.tp if work.experts_over_tp else 1)
         calls = 2 * (fwd + 1) * moe * m
-        # hidden behind the other micro-batch's GEMMs: all of them where the run says so
+        # hidden behind the other micro-batch's computation (attention, MLP, everything the
+        # paired chunk runs: DeepSeek-V3 sec. 3.2.1): all of them where the run says so
         # (Workload.ep_overlap), else the share of this rank's passes its schedule pairs
         # (DualPipeV's overlapped forward + backward: parallel/overlap.py)
         hidden = 1.0 if work.ep_overlap else (
@@ -562,7 +564,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
         # "tp-ep-dp-pp" with expert tp 1: ep innermost, so ep <= GPUs per node stays on NVLink)
         stride = 1 if work.experts_over_tp else lo.tp
         split = functools.partial(dispatch_shares, work.ep_dispatch, c)
-        for share, how in ((hidden, "gemm"), (1.0 - hidden, "exposed")):
+        for share, how in ((hidden, "compute"), (1.0 - hidden, "exposed")):
             if share > 0:
                 ev.append(CommEvent("ep", "all_to_all", "ep", routed, calls * share, lo.ep,
                                     stride, how, shares=split))
@@ -672,6 +674,7 @@ def step_time(work: Workload, lo: Layout, hw: Accelerator) -> TimeBreakdown:
     windows = {"fwd": fwd * m, "bwd": (t_mb - fwd) * m, "last_bwd": t_mb - fwd,
                "gemm": mb_items.get("gemm", 0.0) * m,
                "attention": mb_items.get("attention", 0.0) * m,
+               "compute": t_mb * m,
                "layers": stage_blocks(work, lo, slow)}
     for name, v in exposed_comm(events, hw, lo, windows, work.dp_overlap).items():
         out.items[f"comm: {name}"] = v
@@ -740,7 +743,7 @@ def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
     way. ``dp_overlap`` also hides ZeRO-1's parameter all-gather behind the next forward.
     """
     exposed: dict[str, float] = {}
-    budget = {"gemm": win["gemm"], "attention": win["attention"]}
+    budget = {"gemm": win["gemm"], "attention": win["attention"], "compute": win["compute"]}
     zero3 = {"fwd": 0.0, "bwd": 0.0, "first": 0.0}
 
     def add(name: str, seconds: float) -> None:
@@ -770,7 +773,8 @@ def exposed_comm(events: list[CommEvent], hw: Accelerator, lo: Layout,
                 zero3["first"] += per_call / (2 * max(1, win["layers"]) + 1) * e.calls
             else:
                 zero3["bwd"] += e.seconds
-        else:  # hides behind the GEMMs (async TP) or the attention (ring attention)
+        else:  # hides behind the GEMMs (async TP), the attention (ring attention) or the
+            # paired micro-batch's whole computation (expert all-to-alls under DualPipe)
             add(e.name, e.seconds - budget[e.overlap])
             budget[e.overlap] = max(0.0, budget[e.overlap] - e.seconds)
     if zero3["fwd"] or zero3["bwd"]:

@@ -154,8 +154,9 @@ class Workload:
     fp8_recipe: str = "tensorwise"
     fp8_experts: bool = False
     # expert parallelism's all-to-alls overlapped with another micro-batch's computation
-    # (DualPipe's paired forward and backward, DeepSeek-V3 sec. 3.2.1): they hide behind the
-    # step's GEMMs instead of being exposed. meshlm's own plans leave this off: under
+    # (DualPipe's paired forward and backward, DeepSeek-V3 sec. 3.2.1; Megatron-Core's
+    # overlap_moe_expert_parallel_comm): they hide behind the step's computation instead of
+    # being exposed. meshlm's own plans leave this off: under
     # DualPipeV the planner hides the share of a rank's passes the table pairs
     # (parallel/schedule_cost.py, ``paired``), as meshlm's executor runs them.
     ep_overlap: bool = False
