@@ -491,6 +491,7 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         dropout=(raw.get("dropout") or "").strip().lower() != "no",
                         fp8_saved_inputs=opts.get("fp8_saved_inputs", False),
                         fp8_params=opts.get("fp8_params", False),
+                        fp8_tp_gather=opts.get("fp8_tp_gather", False),
                         dp_overlap=opts.get("dp_overlap", False),
                         pp_overlap=opts.get("pp_overlap", False),
                         experts_over_tp=opts.get("experts_over_tp", False))

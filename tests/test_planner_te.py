@@ -107,3 +107,39 @@ def test_interleaved_p2p_overlap_hides_the_sends_behind_the_gemms() -> None:
     # interleaved schedule's only)
     one = Layout(**{**LO.as_dict(), "pp_schedule": "1f1b", "pp_virtual": 1})
     assert [e.overlap for e in comm_events(hidden, one) if e.op == "send"] == ["exposed"]
+
+
+def _tp_bytes(work: Workload, lo: Layout, op: str, stage: int = 1) -> float:
+    return sum(e.nbytes * e.calls for e in comm_events(work, lo, stage) if e.axis == "tp"
+               and e.op == op)
+
+
+def test_float8_tp_gathers_carry_one_byte_in_the_blocks_only() -> None:
+    """Transformer Engine (any tensorwise or block scaling) and torchao (tensorwise only)
+    all-gather the float8 linears' inputs: on a middle stage (no lookups, no head) of a
+    sequence-parallel layout each block's four all-gathers per forward + backward halve,
+    hand count ``4 layers m tokens h`` bytes, while the reduce-scatters stay 16-bit; a bf16
+    run, a rowwise torchao run and tensor parallelism without SP are unchanged."""
+    te, titan = STACKS["megatron-te"], STACKS["torchtitan-compile"]
+    assert workload_options(te, "fp8 mixed", fp8_recipe="mxfp8")["fp8_tp_gather"]
+    assert workload_options(titan, "fp8", fp8_recipe="current")["fp8_tp_gather"]
+    assert not workload_options(titan, "fp8", fp8_recipe="rowwise")["fp8_tp_gather"]
+    assert not workload_options(te, "fp8 mixed", fp8=False)["fp8_tp_gather"]
+    assert not STACKS["meshlm"].fp8_tp_gather  # meshlm gathers in the compute dtype
+    lo = Layout(tp=4, sp=True, pp=4, dp=2, zero=1, micro_batch=1)
+    plain, narrow = _work(dtype="fp8"), _work(dtype="fp8", fp8_tp_gather=True)
+    m = lo.micro_batches(64)
+    layers = CFG.n_layers // lo.pp
+    tokens = lo.micro_batch * 8192
+    saved = _tp_bytes(plain, lo, "all_gather") - _tp_bytes(narrow, lo, "all_gather")
+    assert saved == pytest.approx(4 * layers * m * tokens * CFG.dim * (2 - 1))
+    assert _tp_bytes(narrow, lo, "reduce_scatter") == _tp_bytes(plain, lo, "reduce_scatter")
+    bf16 = _work(dtype="bf16")
+    assert _tp_bytes(dataclasses.replace(bf16, fp8_tp_gather=True), lo, "all_gather") == \
+        _tp_bytes(bf16, lo, "all_gather")
+    no_sp = dataclasses.replace(lo, sp=False)
+    assert comm_events(narrow, no_sp, 1) == comm_events(plain, no_sp, 1)
+    # the first stage's embedding output still gathers in 16 bits: the same saving there
+    first = _tp_bytes(plain, lo, "all_gather", 0) - _tp_bytes(narrow, lo, "all_gather", 0)
+    assert first == pytest.approx(saved)
+    assert _tp_bytes(plain, lo, "all_gather", 0) > _tp_bytes(plain, lo, "all_gather")

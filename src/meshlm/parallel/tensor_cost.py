@@ -106,11 +106,13 @@ class TensorCost:
 
     def collectives(self, act: float, norm_grad: float, tokens: float, layers: int,
                     first: bool, last: bool, forwards: int, m: int, overlap: str,
-                    model: ModelConfig | None = None) -> list[Collective]:
+                    model: ModelConfig | None = None, block_gather: float | None = None
+                    ) -> list[Collective]:
         """One step's tp messages on a rank (``act``: bytes of one micro-batch's activation;
         ``norm_grad``: of one norm's weight gradient, ``h`` values; ``overlap``: the regions';
-        ``model``: the model whose layers' terms to add, :func:`stage_terms`); the clipping
-        norm's last."""
+        ``model``: the model whose layers' terms to add, :func:`stage_terms`;
+        ``block_gather``: bytes of the blocks' sequence-parallel all-gathers where they travel
+        narrower than ``act``, a float8 stack's); the clipping norm's last."""
         terms = stage_terms(model, first, last)
         redo = (forwards + 1) / 2  # recomputed forwards communicate again
         latent = layers if terms.entry else 0  # attention regions entered by their latents
@@ -118,7 +120,14 @@ class TensorCost:
         ends = 4 * layers * redo - latent + terms.lookups + terms.heads
         out = []
         if self.name:
-            out.append(Collective("all_gather", act, (ends + latent) * m, overlap))
+            if block_gather is None:
+                out.append(Collective("all_gather", act, (ends + latent) * m, overlap))
+            else:  # the blocks' regions in the narrow dtype, the lookups' and heads' not
+                out.append(Collective("all_gather", block_gather, 4 * layers * redo * m,
+                                      overlap))
+                if terms.lookups + terms.heads:
+                    out.append(Collective("all_gather", act, (terms.lookups + terms.heads) * m,
+                                          overlap))
             out.append(Collective("reduce_scatter", act, ends * m, overlap))
             out.append(Collective("all_reduce", norm_grad, (2 * layers + terms.norms) * m,
                                   overlap))

@@ -28,15 +28,18 @@ Stacks (the CSV's values):
   routed rows are split over tp (each rank dispatches and computes 1/tp of them: sequence
   parallelism's tokens, or expert tensor parallelism's share of each expert). Under FP8 the
   linears save the float8 copy of their input for backward and the weights are held in
-  float8 (FP8 primary weights, on in NeMo's and Megatron-Bridge's FP8 recipes). An interleaved
-  schedule's sends and receives overlap the compute (``overlap_p2p_comm``).
+  float8 (FP8 primary weights, on in NeMo's and Megatron-Bridge's FP8 recipes), and the
+  sequence-parallel all-gathers carry float8 (the LayerNormLinear input forward, the
+  row-parallel output gradient backward). An interleaved schedule's sends and receives
+  overlap the compute (``overlap_p2p_comm``).
 - ``megatron-deepspeed``: Megatron's tensor parallelism under DeepSpeed's engine (MT-NLG,
   BLOOM): fused kernels, DeepSpeed's pipeline engine (whole activations between stages),
   gradients reduced in the 16-bit dtype.
 - ``deepspeed``: DeepSpeed ZeRO over a Hugging Face model: eager kernels, 16-bit reduction.
 - ``torchtitan``: eager PyTorch, FSDP2 with ``reduce_dtype`` float32, a multi-stage pipeline
   schedule whose split is not given runs 2 stages per rank (``generate_split_points``),
-  torchao float8 casts as separate kernels (an amax reduction, then the scaled cast).
+  torchao float8 casts as separate kernels (an amax reduction, then the scaled cast); under
+  tensorwise scaling torchao's float8 tensor-parallel styles all-gather in float8.
 - ``torchtitan-compile``: the same under ``torch.compile``: memory-bound kernels and the
   float8 casts fused by Inductor.
 - ``nanotron``: flash-attn's fused RMSNorm and rotary kernels, gradients accumulated and
@@ -101,6 +104,12 @@ class Stack:
     # an interleaved schedule's p2p overlapped with compute (Megatron-Core's overlap_p2p_comm,
     # set by NeMo / Megatron-Bridge whenever there are virtual stages) (Workload.pp_overlap)
     pp_overlap: bool = False
+    # the float8 scalings under which an FP8 run's sequence-parallel all-gathers carry float8
+    # (Workload.fp8_tp_gather): Transformer Engine quantizes a LayerNormLinear's input before
+    # its all-gather and a row-parallel linear's output gradient before the backward one
+    # (per-tensor and MX-block scaling alike); torchao's Float8ColwiseParallel /
+    # Float8RowwiseParallel do the same, for tensorwise scaling only
+    fp8_tp_gather: tuple[str, ...] = ()
 
     def fp32_grad_reduce(self, precision: str) -> bool:
         """Whether 16-bit training's gradients go over the wire in fp32 (``precision`` is the
@@ -115,16 +124,17 @@ for _stack in (
     Stack("megatron", "Megatron-LM before Transformer Engine", "fused", True, "bf16-fp32"),
     Stack("megatron-te", "Megatron-Core / NeMo with Transformer Engine", "fused", True,
           "bf16-fp32", fp8_experts=True, dp_overlap=True, zero_default=1, tp_overlap=True,
-          experts_over_tp=True, fp8_saved_inputs=True, fp8_params=True, pp_overlap=True),
+          experts_over_tp=True, fp8_saved_inputs=True, fp8_params=True, pp_overlap=True,
+          fp8_tp_gather=("tensorwise", "blockwise")),
     Stack("megatron-deepspeed", "Megatron's tensor parallelism under DeepSpeed", "fused", False,
           "16bit"),
     Stack("gpt-neox", "EleutherAI's GPT-NeoX (Megatron-DeepSpeed)", "fused", False, "16bit"),
     Stack("deepspeed", "DeepSpeed ZeRO over an eager model", "eager", False, "16bit",
           fp8_casts="separate"),
     Stack("torchtitan", "torchtitan, eager", "eager", False, "fp32", interleaved_vpp=2,
-          fp8_casts="separate"),
+          fp8_casts="separate", fp8_tp_gather=("tensorwise",)),
     Stack("torchtitan-compile", "torchtitan under torch.compile", "fused", False, "fp32",
-          interleaved_vpp=2),
+          interleaved_vpp=2, fp8_tp_gather=("tensorwise",)),
     Stack("nanotron", "nanotron", "fused", False, "fp32", grad_accum_pass=True),
     Stack("llm-foundry", "MosaicML llm-foundry (MPT)", "eager", False, "16bit", loss="fused",
           fp8_saved_inputs=True),
@@ -153,9 +163,11 @@ def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
     recipe = fp8_recipe.strip().lower()
     if recipe and recipe not in FP8_RECIPE_SCALING:
         raise ValueError(f"fp8_recipe {recipe!r} is not one of {', '.join(FP8_RECIPE_SCALING)}")
+    scaling = FP8_RECIPE_SCALING.get(recipe, "tensorwise")
     return {"kernels": stack.kernels,
             "fp8_casts": stack.fp8_casts if fp8 else "fused",
-            "fp8_recipe": FP8_RECIPE_SCALING.get(recipe, "tensorwise") if fp8 else "tensorwise",
+            "fp8_recipe": scaling if fp8 else "tensorwise",
+            "fp8_tp_gather": fp8 and scaling in stack.fp8_tp_gather,
             "fp8_experts": fp8 and stack.fp8_experts,
             "p2p_split": pipeline_split and stack.p2p_split,
             "loss": stack.loss if loss else "torch",

@@ -489,9 +489,11 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
                             lo.dp * lo.cp, lo.tp, "exposed"))  # clip
     if lo.tp > 1:  # tensor / sequence parallelism's (parallel/tensor_cost.py)
         act = tokens * c.dim * a
+        narrow = work.fp8_tp_gather and work.precision.float8_linears  # (one byte a value)
         cols = TENSOR[lo.sp].collectives(act, c.dim * 4, tokens, p.layers, stage == 0,
                                          stage == last_rank(lo), RECOMPUTE[lo.recompute].forwards,
-                                         m, "gemm" if lo.tp_overlap else "exposed", c)
+                                         m, "gemm" if lo.tp_overlap else "exposed", c,
+                                         block_gather=tokens * c.dim if narrow else None)
         ev += [CommEvent("tp", col.op, "tp", col.nbytes, col.calls, lo.tp, 1, col.overlap)
                for col in cols]
     if lo.pp > 1:

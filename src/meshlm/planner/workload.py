@@ -180,6 +180,11 @@ class Workload:
     pp_overlap: bool = False
     fp8_saved_inputs: bool = False
     fp8_params: bool = False
+    # an FP8 run's sequence-parallel all-gathers in the blocks carry float8, one byte per
+    # value: the float8 linears' inputs forward and the row-parallel outputs' gradients
+    # backward (Transformer Engine; torchao's float8 tensor-parallel styles; planner/stacks.py);
+    # their reduce-scatters stay in the compute dtype. meshlm gathers in the compute dtype.
+    fp8_tp_gather: bool = False
     # the stack overlaps data-parallel reductions with a pipeline's backward too and ZeRO-1's
     # parameter all-gather with the next forward (Megatron-Core's overlap_grad_reduce /
     # overlap_param_gather; planner/stacks.py). meshlm reduces after the pipeline's flush.
