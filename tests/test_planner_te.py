@@ -143,3 +143,24 @@ def test_float8_tp_gathers_carry_one_byte_in_the_blocks_only() -> None:
     first = _tp_bytes(plain, lo, "all_gather", 0) - _tp_bytes(narrow, lo, "all_gather", 0)
     assert first == pytest.approx(saved)
     assert _tp_bytes(plain, lo, "all_gather", 0) > _tp_bytes(plain, lo, "all_gather")
+
+
+def test_fp8_primary_weights_are_gathered_in_one_byte() -> None:
+    """The distributed optimizer's parameter all-gather moves the block linears' float8
+    weights (Megatron-Core's fp8_param_gather with FP8 primary weights): hand count, the
+    gathered bytes drop by exactly the stage's block-linear weights (one byte each, from
+    two); the gradient reduce-scatter and a bf16 run are unchanged."""
+    lo = Layout(tp=2, sp=True, pp=2, dp=8, zero=1, micro_batch=1)
+
+    def dp_bytes(work: Workload, op: str) -> float:
+        return sum(e.nbytes * e.calls for e in comm_events(work, lo, 1) if e.name == "dp"
+                   and e.op == op)
+
+    plain, te = _work(dtype="fp8"), _work(dtype="fp8", fp8_params=True)
+    block = stage_params(te, lo, 1).block_linear
+    assert block > 0
+    assert dp_bytes(plain, "all_gather") - dp_bytes(te, "all_gather") == pytest.approx(block)
+    assert dp_bytes(te, "reduce_scatter") == dp_bytes(plain, "reduce_scatter")
+    bf16 = _work(dtype="bf16")
+    assert comm_events(dataclasses.replace(bf16, fp8_params=True), lo, 1) == \
+        comm_events(bf16, lo, 1)

@@ -28,7 +28,8 @@ Stacks (the CSV's values):
   routed rows are split over tp (each rank dispatches and computes 1/tp of them: sequence
   parallelism's tokens, or expert tensor parallelism's share of each expert). Under FP8 the
   linears save the float8 copy of their input for backward and the weights are held in
-  float8 (FP8 primary weights, on in NeMo's and Megatron-Bridge's FP8 recipes), and the
+  float8 and gathered in float8 by the distributed optimizer (FP8 primary weights,
+  ``fp8_param_gather``, on in NeMo's and Megatron-Bridge's FP8 recipes), and the
   sequence-parallel all-gathers carry float8 (the LayerNormLinear input forward, the
   row-parallel output gradient backward). An interleaved schedule's sends and receives
   overlap the compute (``overlap_p2p_comm``).

@@ -475,7 +475,13 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         grads = params * (4 if work.fp32_grad_reduce else g)
         root = p.root_unit if axis == dp_axis else 0.0
         replicas = lo.dp_rep if hybrid else 1
-        for col in zero.collectives(grads, params, layer_params, root, w, m, n, replicas):
+        w_gather = w
+        if axis == dp_axis and work.fp8_params and work.precision.float8_linears and params:
+            # FP8 primary weights: the block linears' weights are gathered in float8, one
+            # byte each (Megatron-Core's fp8_param_gather; memory.py holds them so too)
+            w_gather = w - (w - 1) * min(p.block_linear, params) / params
+        for col in zero.collectives(grads, params, layer_params, root, w_gather, m, n,
+                                    replicas):
             if col.over == "replica":  # the ranks holding the same shard
                 ev.append(CommEvent("dp", col.op, "dp_rep", col.nbytes, col.calls, lo.dp_rep,
                                     lo.tp * n_dp, col.overlap))
