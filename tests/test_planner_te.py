@@ -139,10 +139,22 @@ def test_float8_tp_gathers_carry_one_byte_in_the_blocks_only() -> None:
         _tp_bytes(bf16, lo, "all_gather")
     no_sp = dataclasses.replace(lo, sp=False)
     assert comm_events(narrow, no_sp, 1) == comm_events(plain, no_sp, 1)
-    # the first stage's embedding output still gathers in 16 bits: the same saving there
-    first = _tp_bytes(plain, lo, "all_gather", 0) - _tp_bytes(narrow, lo, "all_gather", 0)
-    assert first == pytest.approx(saved)
-    assert _tp_bytes(plain, lo, "all_gather", 0) > _tp_bytes(plain, lo, "all_gather")
+    # the first stage's embedding output and the last stage's head input still gather in
+    # 16 bits: the same saving there; the number of all-gathers is unchanged
+    for stage in (0, lo.pp - 1):
+        there = (_tp_bytes(plain, lo, "all_gather", stage)
+                 - _tp_bytes(narrow, lo, "all_gather", stage))
+        assert there == pytest.approx(saved)
+        assert _tp_bytes(plain, lo, "all_gather", stage) > _tp_bytes(plain, lo, "all_gather")
+
+        def calls(w: Workload, st: int = stage) -> float:
+            return sum(e.calls for e in comm_events(w, lo, st) if e.axis == "tp"
+                       and e.op == "all_gather")
+        assert calls(narrow) == calls(plain)
+    # full recomputation runs each block's forward again: its two gathers too (1.5x)
+    full = dataclasses.replace(lo, recompute="full")
+    again = _tp_bytes(plain, full, "all_gather") - _tp_bytes(narrow, full, "all_gather")
+    assert again == pytest.approx(1.5 * saved)
 
 
 def test_fp8_primary_weights_are_gathered_in_one_byte() -> None:
@@ -164,3 +176,13 @@ def test_fp8_primary_weights_are_gathered_in_one_byte() -> None:
     bf16 = _work(dtype="bf16")
     assert comm_events(dataclasses.replace(bf16, fp8_params=True), lo, 1) == \
         comm_events(bf16, lo, 1)
+    # ZeRO-3 gathers each layer's weights twice per micro-batch (forward, backward): the
+    # block linears save one byte each time
+    z3 = dataclasses.replace(lo, zero=3)
+    m = z3.micro_batches(64)
+
+    def z3_bytes(work: Workload) -> float:
+        return sum(e.nbytes * e.calls for e in comm_events(work, z3, 1) if e.name == "dp"
+                   and e.op == "all_gather")
+
+    assert z3_bytes(plain) - z3_bytes(te) == pytest.approx(2 * block * m)

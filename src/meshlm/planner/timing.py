@@ -478,8 +478,12 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         w_gather = w
         if axis == dp_axis and work.fp8_params and work.precision.float8_linears and params:
             # FP8 primary weights: the block linears' weights are gathered in float8, one
-            # byte each (Megatron-Core's fp8_param_gather; memory.py holds them so too)
-            w_gather = w - (w - 1) * min(p.block_linear, params) / params
+            # byte each (Megatron-Core's fp8_param_gather; memory.py holds them so too): the
+            # bytes per weight of the gather ZeRO's stage makes -- every parameter once
+            # (ZeRO-1 / 2), or the layers twice and the root unit once (ZeRO-3)
+            saved = (w - 1) * min(p.block_linear, params)
+            w_gather = ((2 * (layer_params * w - saved) + root * w) / (2 * layer_params + root)
+                        if zero.gathers_layers and layer_params else w - saved / params)
         for col in zero.collectives(grads, params, layer_params, root, w_gather, m, n,
                                     replicas):
             if col.over == "replica":  # the ranks holding the same shard
