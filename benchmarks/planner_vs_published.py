@@ -16,7 +16,7 @@ reported figures (``benchmarks/data/README.md``): ``stack`` (the software as a k
 ``meshlm.planner.stacks``), ``year``, ``architecture`` (a catalogue entry for what no column
 holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_overlap``,
 ``pp_schedule``, ``loss_kernel``, ``fp8_recipe``, ``ep_dispatch``, ``ep_overlap``,
-``dropout``, ``derived_tokens_per_sec_per_gpu``.
+``dropout``, ``fp8_param_gather``, ``attention_kernel``, ``derived_tokens_per_sec_per_gpu``.
 
 - model: layers, hidden, heads, vocab and seq_len are required; a blank ffn_hidden is 4 x
   hidden (GPT), blank kv_heads = heads. The CSV does not say whether the MLP is SwiGLU
@@ -30,7 +30,9 @@ holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_over
   H800, H200, B200, MI300X; an H100 whose text says HBM2e and not PCIe is the 96 GB HBM2e SXM
   part at 500 W, the only SXM H100 with HBM2e -- torchtitan's); a memory size ("96GB"), a
   power cap ("@500W") and a per-GPU network rate ("400Gb/s ... per GPU", or "N Gbps" per
-  8-GPU node) written there replace the entry's. TPUs and V100 are not in the catalogue.
+  8-GPU node) written there replace the entry's. A GPU the text calls power-limited without
+  giving the limit is not predicted: the cap sets the clocks, so its rate is unknown. TPUs and
+  V100 are not in the catalogue.
 - recomputation: "full", "selective" (Korthikanti's attention core), torchtitan's "selective
   (op)" (op-level); torchtitan's "selective (layer)" (every n-th layer checkpointed) is not
   modelled and is completed like a blank.
@@ -49,10 +51,14 @@ holds), ``flop_convention``, ``mfu_peak``, ``sequence_parallel``, ``tp_comm_over
 - software era: techniques are not assumed before they existed. Rows whose ``year`` is 2022
   or earlier materialise attention scores (FlashAttention appeared in May 2022) and use sequence
   parallelism only where they say so (it was introduced in 2022); later rows get flash
-  attention, and sequence parallelism is completed like the other blank knobs. States are
+  attention -- FlashAttention-2's speed unless ``attention_kernel`` names an older kernel
+  (``flash1``: FlashAttention 1.x or its Triton port, about half as fast) -- and sequence
+  parallelism is completed like the other blank knobs. States are
   mixed precision (2 + 2 + 12 bytes) for every row. The loss is the ``loss_kernel`` column's,
   else the stack's default (llm-foundry's MPT: flash-attn's fused cross-entropy), else
-  torch's cross-entropy.
+  torch's cross-entropy. ``fp8_param_gather`` (yes / no; blank: the stack's default, yes
+  with Transformer Engine's FP8 primary weights) says whether ZeRO's or FSDP's parameter
+  all-gather moves the block linears in float8 (torchao's ``enable_fsdp_float8_all_gather``).
 - stack (``meshlm.planner.stacks``): the kernel family and the framework defaults -- fused or
   eager memory-bound kernels, the dtype gradients are reduced in, Megatron's pipeline
   scatter/gather, a separate fp32 accumulation pass, the split of an interleaved schedule,
@@ -324,6 +330,9 @@ def build_hardware(text: str, rules: Rules = Rules()) -> Accelerator | str:
     per_gpu = re.search(r"(\d+)\s*GB/S[^,;)]*PER GPU", t)
     per_node = re.search(r"(\d+)\s*GBPS", t)
     watts = re.search(r"(\d{3,4})\s*W\b", t)
+    if "POWER-LIMITED" in t.replace(" ", "-") and not watts:
+        # a power cap sets the clocks, so the rate of a GPU whose cap is not given is unknown
+        return f"hardware {text!r}: power-limited, the limit not stated"
     if watts and rules.power_cap:
         changes["power"] = float(watts.group(1))
     if per_gpu:
@@ -388,6 +397,10 @@ def run_year(raw: dict[str, str]) -> int | None:
 
 def _yes(raw: dict[str, str], key: str) -> bool:
     return (raw.get(key) or "").strip().lower() in ("yes", "true", "1")
+
+
+def _no(raw: dict[str, str], key: str) -> bool:
+    return (raw.get(key) or "").strip().lower() in ("no", "false", "0")
 
 
 def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
@@ -478,6 +491,7 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
     loss = (raw.get("loss_kernel") or "").strip().lower() or opts.get("loss", "torch")
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
                         profile="megatron", flash=modern, loss=loss,
+                        flash_kernel=(raw.get("attention_kernel") or "").strip() or "flash2",
                         kernels=kernel_family(raw, rules.kernels),
                         p2p_dtype="compute" if rules.p2p_16bit else "fp32",
                         p2p_split=opts.get("p2p_split", False),
@@ -491,6 +505,9 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         dropout=(raw.get("dropout") or "").strip().lower() != "no",
                         fp8_saved_inputs=opts.get("fp8_saved_inputs", False),
                         fp8_params=opts.get("fp8_params", False),
+                        fp8_param_gather=(_yes(raw, "fp8_param_gather")
+                                          or (not _no(raw, "fp8_param_gather")
+                                              and opts.get("fp8_param_gather", False))),
                         fp8_tp_gather=opts.get("fp8_tp_gather", False),
                         dp_overlap=opts.get("dp_overlap", False),
                         pp_overlap=opts.get("pp_overlap", False),

@@ -35,8 +35,12 @@ def test_megatron_te_states_what_it_keeps_in_float8_and_overlaps() -> None:
     assert not STACKS["torchtitan"].fp8_saved_inputs  # torchao saves the 16-bit input
     opts = workload_options(te, "fp8 mixed")
     assert opts["fp8_saved_inputs"] and opts["fp8_params"] and opts["pp_overlap"]
+    assert opts["fp8_param_gather"]  # FP8 primary weights are gathered as they are held
     off = workload_options(te, "fp8 mixed", fp8=False, overlap=False)
-    assert not (off["fp8_saved_inputs"] or off["fp8_params"] or off["pp_overlap"])
+    assert not (off["fp8_saved_inputs"] or off["fp8_params"] or off["pp_overlap"]
+                or off["fp8_param_gather"])
+    # torchao gathers in float8 only where the run switches it on (a column of the run)
+    assert not workload_options(STACKS["torchtitan"], "fp8")["fp8_param_gather"]
 
 
 def test_saved_inputs_in_float8_halve_exactly_the_linear_inputs() -> None:
@@ -168,13 +172,16 @@ def test_fp8_primary_weights_are_gathered_in_one_byte() -> None:
         return sum(e.nbytes * e.calls for e in comm_events(work, lo, 1) if e.name == "dp"
                    and e.op == op)
 
-    plain, te = _work(dtype="fp8"), _work(dtype="fp8", fp8_params=True)
+    plain, te = _work(dtype="fp8"), _work(dtype="fp8", fp8_param_gather=True)
     block = stage_params(te, lo, 1).block_linear
     assert block > 0
     assert dp_bytes(plain, "all_gather") - dp_bytes(te, "all_gather") == pytest.approx(block)
     assert dp_bytes(te, "reduce_scatter") == dp_bytes(plain, "reduce_scatter")
+    # holding the weights in float8 is memory's business; the gather is its own switch
+    assert comm_events(_work(dtype="fp8", fp8_params=True), lo, 1) == \
+        comm_events(plain, lo, 1)
     bf16 = _work(dtype="bf16")
-    assert comm_events(dataclasses.replace(bf16, fp8_params=True), lo, 1) == \
+    assert comm_events(dataclasses.replace(bf16, fp8_param_gather=True), lo, 1) == \
         comm_events(bf16, lo, 1)
     # ZeRO-3 gathers each layer's weights twice per micro-batch (forward, backward): the
     # block linears save one byte each time
@@ -186,3 +193,20 @@ def test_fp8_primary_weights_are_gathered_in_one_byte() -> None:
                    and e.op == "all_gather")
 
     assert z3_bytes(plain) - z3_bytes(te) == pytest.approx(2 * block * m)
+
+
+def test_an_older_flash_kernel_takes_twice_the_attention_time() -> None:
+    """``Workload.flash_kernel``: FlashAttention 1.x (``flash1``) runs attention at half
+    FlashAttention-2's rate (Dao 2023), so a micro-batch's attention time doubles exactly;
+    the GEMMs, memory-bound work and communication are unchanged; an unknown kernel is a
+    problem the workload names."""
+    lo = Layout(tp=2, sp=True, dp=4, zero=1, micro_batch=1)
+    new, old = _work(dtype="bf16"), _work(dtype="bf16", flash_kernel="flash1")
+    a, b = step_time(new, lo, H100).items, step_time(old, lo, H100).items
+    assert b["compute: attention"] == pytest.approx(2 * a["compute: attention"])
+    for k in a:
+        if k != "compute: attention" and k.startswith("compute"):
+            assert b[k] == pytest.approx(a[k]), k
+    assert comm_events(old, lo, 0) == comm_events(new, lo, 0)
+    assert any("flash_kernel 'flash3'" in p
+               for p in _work(dtype="bf16", flash_kernel="flash3").problems())

@@ -176,6 +176,7 @@ def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
             "grad_accum_pass": grad_reduce and stack.grad_accum_pass,
             "fp8_saved_inputs": fp8 and stack.fp8_saved_inputs,
             "fp8_params": fp8 and stack.fp8_params,
+            "fp8_param_gather": fp8 and stack.fp8_params,  # FP8 primary weights: gathered so
             "dp_overlap": overlap and stack.dp_overlap,
             "pp_overlap": overlap and stack.pp_overlap,
             "experts_over_tp": overlap and stack.experts_over_tp}

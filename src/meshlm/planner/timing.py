@@ -146,7 +146,7 @@ from .memory import (
     stage_blocks,
     stage_params,
 )
-from .workload import Workload
+from .workload import FLASH_SPEED, Workload
 
 # torch's cross-entropy on fp32 logits, forward + backward, in passes over the fp32 logits
 # (counted with TorchDispatchMode on ``F.cross_entropy(logits.float(), y)``; a test recounts
@@ -368,7 +368,8 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     # materialised scores are full batched GEMMs.
     # scores over the query/key width, values over the value width: 2 + 2 FLOPs per pair
     attn_flops = 2 * tokens * work.seq_len * (widths.q + widths.out) / t
-    attn_fwd = (work.score_fraction * attn_flops / rates.attention(widths.head_dim) if work.flash
+    attn_rate = rates.attention(widths.head_dim) * FLASH_SPEED[work.flash_kernel]
+    attn_fwd = (work.score_fraction * attn_flops / attn_rate if work.flash
                 else max(attn_flops / o_rate, tokens * work.seq_len * c.n_heads / t * a
                                / rates.bandwidth(tokens * h * a)))
     tensor = tokens * h * a
@@ -476,11 +477,12 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         root = p.root_unit if axis == dp_axis else 0.0
         replicas = lo.dp_rep if hybrid else 1
         w_gather = w
-        if axis == dp_axis and work.fp8_params and work.precision.float8_linears and params:
-            # FP8 primary weights: the block linears' weights are gathered in float8, one
-            # byte each (Megatron-Core's fp8_param_gather; memory.py holds them so too): the
-            # bytes per weight of the gather ZeRO's stage makes -- every parameter once
-            # (ZeRO-1 / 2), or the layers twice and the root unit once (ZeRO-3)
+        if (axis == dp_axis and work.fp8_param_gather and work.precision.float8_linears
+                and params):
+            # the block linears' weights are gathered in float8, one byte each
+            # (Workload.fp8_param_gather): the bytes per weight of the gather ZeRO's stage
+            # makes -- every parameter once (ZeRO-1 / 2), or the layers twice and the root
+            # unit once (ZeRO-3)
             saved = (w - 1) * min(p.block_linear, params)
             w_gather = ((2 * (layer_params * w - saved) + root * w) / (2 * layer_params + root)
                         if zero.gathers_layers and layer_params else w - saved / params)

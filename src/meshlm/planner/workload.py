@@ -35,6 +35,12 @@ from ..precision_cost import (
 )
 from .dispatch import EP_DISPATCHES
 
+# A flash kernel's attention speed relative to FlashAttention-2's, the rate the hardware
+# catalogue's ``attn_eff`` gives: FlashAttention 1.x and its Triton port run at about half
+# (Dao 2023, "FlashAttention-2", abstract: "around 2x speedup compared to FlashAttention";
+# sec. 4.1: 1.7-3.0x over FlashAttention, 1.3-2.5x over its Triton implementation)
+FLASH_SPEED = {"flash2": 1.0, "flash1": 0.5}
+
 # the dtypes meshlm trains in (precision.dtype), and fp8, which the planner models only
 DTYPES = PRECISIONS
 STATES = tuple(STATE_MODES)  # how weights, gradients and Adam moments are held
@@ -111,6 +117,9 @@ class Workload:
     states: str = "fp32"
     profile: str = "meshlm"
     flash: bool = True
+    # the flash kernel's generation (FLASH_SPEED): FlashAttention-2-class unless a run states
+    # an older one
+    flash_kernel: str = "flash2"
     loss: str = "torch"
     loss_chunk: int = 1024  # tokens per chunk of the ``chunked`` loss
     kernels: str = "eager"  # eager | fused (memory-bound kernels; see planner/timing.py)
@@ -180,6 +189,11 @@ class Workload:
     pp_overlap: bool = False
     fp8_saved_inputs: bool = False
     fp8_params: bool = False
+    # ZeRO's / FSDP's parameter all-gather moves the block linears' weights in float8, one
+    # byte each: Megatron-Core's fp8_param_gather (with FP8 primary weights), torchao's
+    # enable_fsdp_float8_all_gather (tensorwise scaling: each shard cast before the gather).
+    # meshlm gathers in the weights' dtype.
+    fp8_param_gather: bool = False
     # an FP8 run's sequence-parallel all-gathers in the blocks carry float8, one byte per
     # value: the float8 linears' inputs forward and the row-parallel outputs' gradients
     # backward (Transformer Engine; torchao's float8 tensor-parallel styles; planner/stacks.py);
@@ -255,6 +269,9 @@ class Workload:
             out.append(f"p2p_dtype {self.p2p_dtype!r} is not one of fp32, compute")
         if self.kernels not in KERNELS:
             out.append(f"kernels {self.kernels!r} is not one of {', '.join(KERNELS)}")
+        if self.flash_kernel not in FLASH_SPEED:
+            out.append(f"flash_kernel {self.flash_kernel!r} is not one of "
+                       f"{', '.join(FLASH_SPEED)}")
         if self.optimizer not in OPTIMIZER_KERNELS:
             out.append(f"optimizer {self.optimizer!r} is not one of "
                        f"{', '.join(OPTIMIZER_KERNELS)}")
