@@ -1,8 +1,9 @@
 """Shared measurement protocol of the multi-process benchmarks.
 
 Each implementation runs in its own spawned gloo world (so a rank's peak memory is its own),
-``rounds`` times, alternating with the others; the fastest run counts, and a step counts at
-the pace of its slowest rank. Memory is the growth of peak resident memory (max over ranks)
+``rounds`` times, alternating with the others -- in the given order in even rounds and in the
+reverse order in odd ones, so that no implementation always runs first after a world's
+teardown -- the fastest run counts, and a step counts at the pace of its slowest rank. Memory is the growth of peak resident memory (max over ranks)
 over the resident memory a rank had before building its model.
 
 An implementation named ``<impl>-compiled`` is ``<impl>`` with ``train.compile=true``: its first
@@ -67,7 +68,7 @@ def best_of(world: int, worker: Callable[..., dict], impls: list[str], args: dic
     best: dict[str, dict] = {}
     tmp = Path(tempfile.mkdtemp(prefix="meshlm-bench-"))
     for r in range(rounds):
-        for impl in impls:
+        for impl in (impls if r % 2 == 0 else impls[::-1]):  # ABBA: no fixed first runner
             res = run_world(world, worker, impl, args, str(tmp / f"{impl}-{r}"))
             step = max(x["step_time_s"] for x in res)  # the slowest rank sets the pace
             mem = max(x["peak_rss_growth"] for x in res)

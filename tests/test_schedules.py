@@ -156,9 +156,42 @@ def test_ungrouped_interleaved_tables_deadlock_under_nccl_rule() -> None:
     simulate(build_schedule("interleaved", 2, 4, 2), 2)
 
 
+def test_interleaved_takes_the_grouping_that_simulates_sooner() -> None:
+    """Interleaved 1F1B's tables are Megatron-Core's grouping or the messages placed by time,
+    whichever simulate() finishes sooner with transfers of GROUPING_LATENCY: the timed ones at
+    pp 2 (each output sent as soon as it is made), Megatron-Core's where more chunks would
+    queue more groups (pp 4, v 4) and at m == pp; the same compute order either way."""
+    from meshlm.parallel.schedules import (
+        GROUPING_LATENCY,
+        _interleaved_tables,
+        _timed,
+    )
+
+    def time(t: list, v: int) -> float:
+        return simulate(t, v, GROUPING_LATENCY)["time"]
+
+    def compute(t: list) -> list:
+        return [[(a.op, a.mb, a.stage) for a in acts if a.op in ("F", "B")] for acts in t]
+
+    for pp, m, v, timed in ((2, 8, 2, True), (2, 4, 3, True), (4, 16, 4, False),
+                            (2, 2, 2, False)):
+        built = build_schedule("interleaved", pp, m, v)
+        megatron = _interleaved_tables(pp, m, v)
+        assert compute(built) == compute(megatron)
+        assert (built != megatron) == timed, (pp, m, v)
+        if timed:
+            assert built == _timed("interleaved", pp, m, v)
+            assert time(built, v) < time(megatron, v)
+        elif m > pp:
+            assert time(_timed("interleaved", pp, m, v), v) >= time(megatron, v)
+
+
 def test_interleaved_groups_pair_sends_with_receives() -> None:
-    """Steady state: one group per forward + backward, holding both sends and both receives."""
-    tables = build_schedule("interleaved", 4, 8, 2)
+    """Megatron-Core's grouping, steady state: one group per forward + backward, holding both
+    sends and both receives."""
+    from meshlm.parallel.schedules import _interleaved_tables
+
+    tables = _interleaved_tables(4, 8, 2)
     acts = tables[1]
     groups, run = [], []
     for a in acts + [None]:
@@ -173,7 +206,9 @@ def test_interleaved_groups_pair_sends_with_receives() -> None:
 def test_messages_out_of_order_on_a_pair_are_detected() -> None:
     """pp 2: F and B travel the same pair; a receiver expecting them in another order than
     the sender posts them would get the wrong tensor (same shape: silent on hardware)."""
-    tables = build_schedule("interleaved", 2, 4, 2)
+    from meshlm.parallel.schedules import _interleaved_tables
+
+    tables = _interleaved_tables(2, 4, 2)
     r1 = list(tables[1])
     i = next(i for i, a in enumerate(r1) if a.op == "SEND_F" and i + 1 < len(r1)
              and r1[i + 1].op == "SEND_B")

@@ -21,7 +21,10 @@ Two neighbouring stages on one rank (the turn of the V) hand over in memory: no 
                   receives the next input; in the steady state, after one forward and one
                   backward, one group sends both results and receives the next input and output
                   gradient -- what the neighbours send in their own group of that iteration,
-                  used when its chunk comes (m == p: all forwards first, as Megatron-Core).
+                  used when its chunk comes (m == p: all forwards first, as Megatron-Core) --
+                  or, where :func:`simulate` finishes that sooner (every m > p at pp 2; v 2 at
+                  some m up to pp 6), with its messages placed by time as the new schedules'
+                  (``_interleaved_best``).
 - ``zb``          ZB-H1 (Qi et al. 2023): 1F1B with each B split into I then a deferred W; rank
                   r, which idles r backward slots at the end of 1F1B, defers its W passes by r
                   micro-batches so they fill that bubble; the chain between stages runs through
@@ -57,6 +60,7 @@ of AFAB and 1F1B: (p - 1) / (m + p - 1).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -475,11 +479,41 @@ def _timed(name: str, pp: int, m: int, v: int) -> list[list[Action]]:
     return timed_tables(orders, lambda s: stage_rank(name, s, pp), pp * v)
 
 
+# what a point-to-point group takes once matched, in forwards of one chunk, when the two
+# groupings of interleaved 1F1B are compared (``_interleaved_best``): transfers that are not
+# free, as on any network, but shorter than the compute they should hide behind
+GROUPING_LATENCY = 0.1
+
+
+def _interleaved_best(pp: int, m: int, v: int) -> list[list[Action]]:
+    """Interleaved 1F1B's tables: Megatron-Core's grouping (``_interleaved_tables``: a
+    forward's output is sent with the next backward's gradient, after both) or the messages
+    placed by time (``timed_tables``: each sent as soon as it is made), whichever
+    :func:`simulate` finishes sooner with transfers of :data:`GROUPING_LATENCY`; Megatron-
+    Core's on a tie. Sending each output as soon as it is made wins at pp 2 (the neighbour
+    waits for it) and where v = 2; batching four messages in one group wins where more
+    chunks queue more groups (pp 4, v >= 3). Both are deadlock-free under NCCL's rule."""
+    megatron = _interleaved_tables(pp, m, v)
+    if not _timed_interleaved_faster(pp, m, v):
+        return megatron
+    return _timed("interleaved", pp, m, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _timed_interleaved_faster(pp: int, m: int, v: int) -> bool:
+    if m == pp:  # all forwards first: nothing to send earlier
+        return False
+    timed = _timed("interleaved", pp, m, v)
+    megatron = _interleaved_tables(pp, m, v)
+    return (simulate(timed, v, GROUPING_LATENCY)["time"]
+            < simulate(megatron, v, GROUPING_LATENCY)["time"] - 1e-6)  # (not on rounding)
+
+
 SCHEDULE_DEFS: dict[str, ScheduleDef] = {
     "afab": ScheduleDef(lambda pp, m, v, r: _afab(pp, m, r),
                         lambda _n, pp, m, v: _afab_tables(pp, m)),
     "1f1b": ScheduleDef(lambda pp, m, v, r: _one_f_one_b(pp, m, r), tables_from_order),
-    "interleaved": ScheduleDef(_interleaved, lambda _n, pp, m, v: _interleaved_tables(pp, m, v)),
+    "interleaved": ScheduleDef(_interleaved, lambda _n, pp, m, v: _interleaved_best(pp, m, v)),
     "zb": ScheduleDef(lambda pp, m, v, r: _one_f_one_b(pp, m, r, split=True), tables_from_order,
                       split=True),
     "zbv": ScheduleDef(lambda pp, m, v, r: zbv_order(pp, m, r), _timed, split=True),
