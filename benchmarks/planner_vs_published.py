@@ -692,13 +692,15 @@ def run(path: Path, do_search: bool = True, kernels: str = "eager") -> dict[str,
 
 TOGGLES = tuple(f.name for f in fields(Rules) if f.name != "kernels")
 KERNEL_CHOICES = ("eager", "fused", "family")
-# The switch that treats every row alike, read from the row's own date and not from which
-# source or framework published it: what a system of that year could run (FlashAttention is
-# of May 2022). The leave-one-source-out re-decides the per-source and per-family
-# rules -- every other switch, 16-bit stage activations included (adopted while studying
-# Korthikanti's misses) -- and keeps this one on; the strict variant re-decides it too (both
-# are reported).
-UNIVERSAL = ("era",)
+# The switches that treat every row alike, read from the row's own date and hardware text and
+# not from which source or framework published it: what a system of that year could run
+# (FlashAttention is of May 2022), and the GPU the text names -- its power cap ("@500W") and
+# its memory (an SXM H100 with HBM2e is the 96 GB, 500 W part: off, the text's HBM2e part
+# would be read as the 80 GB HBM3 one). The leave-one-source-out re-decides the
+# per-source and per-family rules -- every other switch, 16-bit stage activations included
+# (adopted while studying Korthikanti's misses) -- and keeps these on; the strict variant
+# re-decides them too (both are reported).
+UNIVERSAL = ("era", "power_cap", "hbm2e_part")
 
 
 def source_of(source: str) -> str:

@@ -286,7 +286,8 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
         bench, tmp_path: Path) -> None:  # noqa: ANN001
     """Hand-built case: two sources whose rows need the power cap (reported = the capped
     prediction) and one llm-foundry row (reported = its fused-loss prediction). Held out,
-    each power-capped source keeps the cap (the other source shows it is needed); the
+    each power-capped source keeps the cap (a universal fact of the hardware text, which the
+    other source shows is needed too); the
     llm-foundry row loses its own rule (no other row gives evidence for it) and is scored
     with torch's cross-entropy."""
     gpt = {"model_name": "GPT-1.3B", "params_B": "1.3", "layers": "24", "hidden": "2048",
@@ -328,7 +329,8 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
     assert loso["rows"] == 4 and loso["in_sample_within_20pct"] == 4
     # The universal fact (the row's date: no FlashAttention in 2021) stays on in the issue's
     # procedure; the strict one re-decides it too, and no other source needs the era rule.
-    assert loso["universal_kept"] == ["era"]
+    assert loso["universal_kept"] == list(bench.UNIVERSAL)
+    assert "power_cap" in bench.UNIVERSAL and "hbm2e_part" in bench.UNIVERSAL
     def off(described: str) -> list[str]:
         return described.split("off: ")[1].split(", ") if "off: " in described else []
 
@@ -338,7 +340,7 @@ def test_leave_one_source_out_redecides_rules_without_the_held_out_source(
     expected = flash_2021 / float(raws[3]["reported_tokens_per_sec_per_gpu"]) - 1
     assert abs(expected) > 1e-3
     assert strict["gamma"]["errors"][0] == pytest.approx(expected, rel=1e-6)
-    assert loso["strict"]["combinations"] == 2 * loso["combinations"]
+    assert loso["strict"]["combinations"] == 2 ** len(bench.UNIVERSAL) * loso["combinations"]
 
 
 def test_fast_rule_choice_is_the_slow_one(bench) -> None:  # noqa: ANN001

@@ -311,7 +311,21 @@ def eager_saved(work: Workload, lo: Layout, moe: bool) -> float:
     memory-bound work. Under tensor parallelism it splits as the elementwise work does --
     norms over sequence shards with sp, the regions' interior over tp -- and keeps what runs
     on gathered full-sequence tensors (each linear's autocast copy of its input) whole."""
-    return sum(layer_activations(replace(work, profile="meshlm"), lo, moe).values())
+    items = layer_activations(replace(work, profile="meshlm"), lo, moe)
+    if work.fp8_saved_inputs and work.precision.float8_linears:
+        # a stack that keeps the linears' inputs in float8 (Transformer Engine: the norm, the
+        # activation and the cast fused, Workload.fp8_saved_inputs) writes and reads them at
+        # one byte: each linear's input copy, the output projection's input and the second
+        # MLP linear's input (one of the MLP's tensors; memory.py's megatron profile alike)
+        a = work.precision.act_bytes
+        tokens = lo.micro_batch * work.seq_len / lo.cp
+        c = work.model.config
+        f = (c.expert_hidden * (c.moe_topk + c.moe_shared_experts) if moe
+             else c.ffn_hidden)  # (memory.py's layer_activations)
+        items["region inputs"] /= a
+        items["attention out"] /= a
+        items["mlp"] -= (a - 1) * f / lo.tp * tokens
+    return sum(items.values())
 
 
 def moe_ops(c: ModelConfig, lo: Layout, experts: str = "grouped") -> float:
