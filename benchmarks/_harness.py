@@ -3,8 +3,9 @@
 Each implementation runs in its own spawned gloo world (so a rank's peak memory is its own),
 ``rounds`` times, alternating with the others -- in the given order in even rounds and in the
 reverse order in odd ones, so that no implementation always runs first after a world's
-teardown -- the fastest run counts, and a step counts at the pace of its slowest rank. Memory is the growth of peak resident memory (max over ranks)
-over the resident memory a rank had before building its model.
+teardown -- the fastest run counts, and a step counts at the pace of its slowest rank. Memory
+is the growth of peak resident memory (max over ranks) over the resident memory a rank had
+before building its model.
 
 An implementation named ``<impl>-compiled`` is ``<impl>`` with ``train.compile=true``: its first
 step compiles (excluded, like every warm-up step, from the median; kernels come from the

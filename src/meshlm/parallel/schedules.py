@@ -490,13 +490,13 @@ def _interleaved_best(pp: int, m: int, v: int) -> list[list[Action]]:
     forward's output is sent with the next backward's gradient, after both) or the messages
     placed by time (``timed_tables``: each sent as soon as it is made), whichever
     :func:`simulate` finishes sooner with transfers of :data:`GROUPING_LATENCY`; Megatron-
-    Core's on a tie. Sending each output as soon as it is made wins at pp 2 (the neighbour
-    waits for it) and where v = 2; batching four messages in one group wins where more
-    chunks queue more groups (pp 4, v >= 3). Both are deadlock-free under NCCL's rule."""
-    megatron = _interleaved_tables(pp, m, v)
-    if not _timed_interleaved_faster(pp, m, v):
-        return megatron
-    return _timed("interleaved", pp, m, v)
+    Core's on a tie. Sending each output as soon as it is made wins at every m > pp at pp 2
+    (the neighbour waits for it) and at v = 2 for some m up to pp 6; batching four messages
+    in one group wins where more chunks queue more groups (pp 4, v >= 3). Both are
+    deadlock-free under NCCL's rule."""
+    if _timed_interleaved_faster(pp, m, v):
+        return _timed("interleaved", pp, m, v)
+    return _interleaved_tables(pp, m, v)
 
 
 @functools.lru_cache(maxsize=256)
