@@ -18,7 +18,9 @@ to post one send or receive (the comm layer's bookkeeping and gloo's ``isend`` /
 timed call by call), paid where the table posts each op, so a rank pays for what its table
 posts between two computes; ``dispatch``, the rest of the host time between two computes;
 ``delivery``, the time from a message's later side posted to the end of a wait for it that
-blocked (the transfer and the wake-ups of the threads involved); ``starts``, when each rank
+blocked (the transfer and the wake-ups of the threads involved), averaged over every message
+of the step -- one done before its wait counts at most the time it was done by
+(:func:`censored_mean`); ``starts``, when each rank
 entered the step. With them the schedule's action tables are replayed as the executor runs
 them under gloo (``schedule_cost.replay_tables``: a compute waits for the whole group of
 sends and receives holding its input, each op posted after the ones before it in its group).
@@ -303,7 +305,9 @@ def host_terms(lines: list[dict]) -> dict:
       consecutive computes less the postings and waits inside it;
     - ``latency``: a message's delivery -- from the return of the later of its two sides'
       ``isend`` / ``irecv`` calls to the end of a wait for it that blocked (the transfer,
-      the wake-ups of the threads involved: on this machine mostly the latter);
+      the wake-ups of the threads involved: on this machine mostly the latter) -- as the
+      mean over every message (:func:`censored_mean`: a message done before its waits is
+      seen only as a bound); ``latency_blocked``, the mean over the blocked waits alone;
     - ``starts``: when each rank entered the step, after the first (the previous step's
       end and the optimizer step differ between ranks by a few ms).
 
@@ -362,17 +366,36 @@ def host_terms(lines: list[dict]) -> dict:
                 (early if recv <= send else late).append(at + w[1] - max(send, recv))
                 delivered[key] = max(delivered.get(key, float("-inf")), at + w[1] - max(send, recv))
     deliveries = early + late
-    latency = statistics.mean(deliveries) if deliveries else 0.0
+    latency = censored_mean(delivered, done_by)
     return {"post": posted / ops if ops else 0.0,
             "dispatch": statistics.mean(gaps) if gaps else 0.0,
             "latency": latency, "starts": [t["origin"] - first for t in lines],
             "n_latency": len(deliveries),
+            "latency_blocked": statistics.mean(deliveries) if deliveries else 0.0,
             "latency_median": statistics.median(deliveries) if deliveries else 0.0,
             "latency_recv_first": statistics.mean(early) if early else None,
             "latency_send_first": statistics.mean(late) if late else None,
             "n_recv_first": len(early), "n_send_first": len(late),
             "postings": postings, "computes": computes, "deliveries": deliveries,
             "delivered": delivered, "done_by": done_by}
+
+
+def censored_mean(delivered: dict, done_by: dict, rounds: int = 100) -> float:
+    """The mean delivery over every message of the step (:func:`host_terms`): a message whose
+    wait blocked took its measured delivery (``delivered``); one that was done before any
+    wait for it took at most ``done_by`` -- what it took is not seen, only that bound. The
+    mean ``L`` solves ``L = mean(delivered, min(L, done_by))`` (the unseen deliveries are
+    taken as the mean, capped by their bound; iterated from the blocked ones' mean, which it
+    never exceeds). The blocked waits alone over-state it: a wait blocks because its message
+    was slow."""
+    seen = list(delivered.values())
+    bounds = [max(0.0, b) for key, b in done_by.items() if key not in delivered]
+    if not seen:
+        return 0.0
+    mean = statistics.mean(seen)
+    for _ in range(rounds):
+        mean = (sum(seen) + sum(min(mean, b) for b in bounds)) / (len(seen) + len(bounds))
+    return mean
 
 
 def planner_bubble(schedule: str, p: int, v: int, m: int,
@@ -491,7 +514,7 @@ def measure(schedule: str, pp: int, args: dict, tmp: Path) -> dict:
                "medians": medians, "earlier": earlier, "earlier_overhead": overhead,
                "earlier_latency": latency,
                **{x: h[x] for x in ("post", "dispatch", "latency", "starts", "n_latency",
-                                    "latency_median", "latency_recv_first",
+                                    "latency_median", "latency_blocked", "latency_recv_first",
                                     "latency_send_first", "n_recv_first", "n_send_first")}}
         for x in ("predicted", "replayed", "own", "drawn", "medians", "earlier"):
             row[f"{x}_error"] = (row[x] - bubble) / bubble
@@ -509,7 +532,8 @@ def measure(schedule: str, pp: int, args: dict, tmp: Path) -> dict:
            **{f"{x}_error": best[f"{x}_error"] for x in ("predicted", "replayed", "own",
                                                         "drawn", "medians", "earlier")},
            **{f"{x}_ms": best[x] * 1e3 for x in ("post", "dispatch", "latency",
-                                                 "latency_median", "earlier_overhead",
+                                                 "latency_median", "latency_blocked",
+                                                 "earlier_overhead",
                                                  "earlier_latency")},
            "start_spread_ms": max(best["starts"]) * 1e3,
            "steps": [{x: y for x, y in s.items() if x not in ("split", "per_rank")}

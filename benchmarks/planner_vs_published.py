@@ -509,6 +509,7 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                                           or (not _no(raw, "fp8_param_gather")
                                               and opts.get("fp8_param_gather", False))),
                         fp8_tp_gather=opts.get("fp8_tp_gather", False),
+                        fp8_rescale=opts.get("fp8_rescale", False),
                         dp_overlap=opts.get("dp_overlap", False),
                         pp_overlap=opts.get("pp_overlap", False),
                         experts_over_tp=opts.get("experts_over_tp", False))

@@ -81,6 +81,37 @@ def test_separate_casts_add_their_traffic_to_the_memory_bound_time() -> None:
     assert step_time(separate, LO, H100).step > step_time(fused, LO, H100).step
 
 
+def test_rowwise_backward_gemms_rescale_in_a_pass_of_their_own() -> None:
+    """torchao's rowwise scaling runs each float8 linear's two backward GEMMs as cuBLAS's
+    tensorwise kernel with unit scales, then scales the output in a kernel of its own: dx
+    (m x k) and dW (k x n) read and written once more in bf16, 4 bytes per element. Only the
+    stacks that run torchao's GEMMs, and only under rowwise scaling."""
+    fp8 = PRECISION["fp8"].with_rest("bf16")
+    m, k, n = 8192.0, 4096.0, 14336.0
+    assert fp8.rescale_traffic(m, k, n) == 4 * (m * k + k * n)
+    assert PRECISION["bf16"].rescale_traffic(m, k, n) == 0
+    for name in ("torchtitan", "torchtitan-compile", "meshlm"):
+        assert workload_options(STACKS[name], "fp8", fp8_recipe="rowwise")["fp8_rescale"]
+        assert not workload_options(STACKS[name], "fp8", fp8_recipe="current")["fp8_rescale"]
+        assert not workload_options(STACKS[name], "bf16", fp8_recipe="rowwise",
+                                    fp8=False)["fp8_rescale"]
+    assert not workload_options(STACKS["megatron-te"], "fp8", fp8_recipe="blockwise")[
+        "fp8_rescale"]  # Transformer Engine scales inside its GEMMs
+    rates = H100.rates()
+    plain = _work(dtype="fp8", fp8_recipe="rowwise")
+    rescaled = dataclasses.replace(plain, fp8_rescale=True)
+    a = layer_compute(plain, LO, H100, rates, False)
+    b = layer_compute(rescaled, LO, H100, rates, False)
+    assert a["gemm"] == b["gemm"]
+    cfg = PRESETS["llama3-8b"]
+    h, f, kv = cfg.dim, cfg.ffn_hidden, cfg.n_kv_heads * cfg.dim // cfg.n_heads
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    traffic = sum(4 * (8192 * k + k * n) for k, n in linears)
+    bw = rates.bandwidth(8192 * h * 2) * rates.eager_scale
+    assert b["memory-bound"] - a["memory-bound"] == pytest.approx(traffic / bw, rel=1e-9)
+    assert step_time(rescaled, LO, H100).step > step_time(plain, LO, H100).step
+
+
 def test_what_stays_in_16_bit_under_fp8() -> None:
     """The head runs in the rest dtype for every stack; a MoE layer's routed experts run in
     float8 only where the stack's grouped linears do (fp8_experts), faster there."""

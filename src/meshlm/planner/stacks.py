@@ -40,7 +40,9 @@ Stacks (the CSV's values):
 - ``torchtitan``: eager PyTorch, FSDP2 with ``reduce_dtype`` float32, a multi-stage pipeline
   schedule whose split is not given runs 2 stages per rank (``generate_split_points``),
   torchao float8 casts as separate kernels (an amax reduction, then the scaled cast); under
-  tensorwise scaling torchao's float8 tensor-parallel styles all-gather in float8.
+  tensorwise scaling torchao's float8 tensor-parallel styles all-gather in float8; under
+  rowwise scaling the two backward GEMMs run cuBLAS's tensorwise kernel with unit scales and
+  apply the row scales in a pass of their own (below).
 - ``torchtitan-compile``: the same under ``torch.compile``: memory-bound kernels and the
   float8 casts fused by Inductor.
 - ``nanotron``: flash-attn's fused RMSNorm and rotary kernels, gradients accumulated and
@@ -111,6 +113,15 @@ class Stack:
     # (per-tensor and MX-block scaling alike); torchao's Float8ColwiseParallel /
     # Float8RowwiseParallel do the same, for tensorwise scaling only
     fp8_tp_gather: tuple[str, ...] = ()
+    # the float8 scalings whose two backward GEMMs (dx, dW) apply their scales after the GEMM,
+    # in a pass of their own that reads and writes the output (Workload.fp8_rescale):
+    # torchao's ``addmm_float8_unwrapped`` runs rowwise GEMMs without fast accumulation --
+    # its backward ones -- as cuBLAS's tensorwise kernel with unit scales, then multiplies the
+    # output by the row scales (``output *= post_inverse_scale``; pytorch/ao #1325, since
+    # 2024-12): "the rowwise CUTLASS-based kernel is so slow without fast-accum"; under
+    # torch.compile Inductor still launches one extra kernel per GEMM for it (pytorch/ao
+    # #2184). Transformer Engine scales inside its GEMMs.
+    fp8_rescale: tuple[str, ...] = ()
 
     def fp32_grad_reduce(self, precision: str) -> bool:
         """Whether 16-bit training's gradients go over the wire in fp32 (``precision`` is the
@@ -133,13 +144,14 @@ for _stack in (
     Stack("deepspeed", "DeepSpeed ZeRO over an eager model", "eager", False, "16bit",
           fp8_casts="separate"),
     Stack("torchtitan", "torchtitan, eager", "eager", False, "fp32", interleaved_vpp=2,
-          fp8_casts="separate", fp8_tp_gather=("tensorwise",)),
+          fp8_casts="separate", fp8_tp_gather=("tensorwise",), fp8_rescale=("rowwise",)),
     Stack("torchtitan-compile", "torchtitan under torch.compile", "fused", False, "fp32",
-          interleaved_vpp=2, fp8_tp_gather=("tensorwise",)),
+          interleaved_vpp=2, fp8_tp_gather=("tensorwise",), fp8_rescale=("rowwise",)),
     Stack("nanotron", "nanotron", "fused", False, "fp32", grad_accum_pass=True),
     Stack("llm-foundry", "MosaicML llm-foundry (MPT)", "eager", False, "16bit", loss="fused",
           fp8_saved_inputs=True),
-    Stack("meshlm", "meshlm", "eager", False, "fp32", fp8_casts="separate"),
+    Stack("meshlm", "meshlm", "eager", False, "fp32", fp8_casts="separate",
+          fp8_rescale=("rowwise",)),
     Stack("in-house", "an unpublished, optimised stack", "fused", False, "fp32",
           fp8_experts=True, fp8_saved_inputs=True),
     Stack("maxtext", "MaxText (JAX / XLA)", "fused", False, "fp32"),
@@ -169,6 +181,7 @@ def workload_options(stack: Stack, precision: str, pipeline_split: bool = True,
             "fp8_casts": stack.fp8_casts if fp8 else "fused",
             "fp8_recipe": scaling if fp8 else "tensorwise",
             "fp8_tp_gather": fp8 and scaling in stack.fp8_tp_gather,
+            "fp8_rescale": fp8 and scaling in stack.fp8_rescale,
             "fp8_experts": fp8 and stack.fp8_experts,
             "p2p_split": pipeline_split and stack.p2p_split,
             "loss": stack.loss if loss else "torch",
