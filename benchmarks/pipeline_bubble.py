@@ -388,7 +388,8 @@ def censored_mean(delivered: dict, done_by: dict, rounds: int = 100) -> float:
     taken as the mean, capped by their bound; iterated from the blocked ones' mean, which it
     never exceeds). The blocked waits alone over-state it: a wait blocks because its message
     was slow."""
-    seen = list(delivered.values())
+    seen = [max(0.0, d) for d in delivered.values()]  # (a wait can end inside the later
+    # side's isend / irecv call, the data moved during it: nothing left to deliver)
     bounds = [max(0.0, b) for key, b in done_by.items() if key not in delivered]
     if not seen:
         return 0.0

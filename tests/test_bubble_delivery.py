@@ -35,6 +35,9 @@ def test_unseen_deliveries_are_the_mean_capped_by_their_bound(bubble) -> None:  
     assert bubble.censored_mean({("F", 0, 1): 1e-3, ("F", 1, 1): 3e-3}, {}) == \
         pytest.approx(2e-3)
     assert bubble.censored_mean({}, bounds) == 0.0
+    # a wait that ended inside the later side's posting call: delivered at once, not before
+    assert bubble.censored_mean({("F", 0, 1): -1e-3, ("F", 1, 1): 3e-3}, {}) == \
+        pytest.approx(1.5e-3)
     # every unseen message done at once (bound 0): the seen total spread over all of them
     assert bubble.censored_mean(seen, {("F", 1, 1): 0.0, ("F", 2, 1): -1e-6}) == \
         pytest.approx(2e-3 / 3)
