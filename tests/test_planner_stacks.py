@@ -64,21 +64,27 @@ def test_cast_traffic_counts_each_operand_by_how_the_casts_run() -> None:
     assert PRECISION["bf16"].cast_traffic("separate", "tensorwise", m, k, n) == 0
 
 
-def test_separate_casts_add_their_traffic_to_the_memory_bound_time() -> None:
+def _adds_traffic(before: Workload, after: Workload, per_linear) -> None:  # noqa: ANN001
+    """``after``'s layer moves ``per_linear(k, n)`` more bytes per linear of llama3-8b's
+    block (8192 tokens) than ``before``'s, at eager kernels' bandwidth, and no more GEMM."""
     rates = H100.rates()
-    fused = _work(dtype="fp8")
-    separate = dataclasses.replace(fused, fp8_casts="separate")
-    a = layer_compute(fused, LO, H100, rates, False)
-    b = layer_compute(separate, LO, H100, rates, False)
+    a = layer_compute(before, LO, H100, rates, False)
+    b = layer_compute(after, LO, H100, rates, False)
     assert a["gemm"] == b["gemm"]
     cfg = PRESETS["llama3-8b"]
     h, f, kv = cfg.dim, cfg.ffn_hidden, cfg.n_kv_heads * cfg.dim // cfg.n_heads
     linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
-    traffic = sum(fused.precision.cast_traffic("separate", "tensorwise", 8192, k, n)
-                  for k, n in linears)
+    traffic = sum(per_linear(k, n) for k, n in linears)
     bw = rates.bandwidth(8192 * h * 2) * rates.eager_scale  # eager kernels (the default)
     assert b["memory-bound"] - a["memory-bound"] == pytest.approx(traffic / bw, rel=1e-9)
-    assert step_time(separate, LO, H100).step > step_time(fused, LO, H100).step
+    assert step_time(after, LO, H100).step > step_time(before, LO, H100).step
+
+
+def test_separate_casts_add_their_traffic_to_the_memory_bound_time() -> None:
+    fused = _work(dtype="fp8")
+    _adds_traffic(fused, dataclasses.replace(fused, fp8_casts="separate"),
+                  lambda k, n: fused.precision.cast_traffic("separate", "tensorwise", 8192,
+                                                            k, n))
 
 
 def test_rowwise_backward_gemms_rescale_in_a_pass_of_their_own() -> None:
@@ -97,19 +103,9 @@ def test_rowwise_backward_gemms_rescale_in_a_pass_of_their_own() -> None:
                                     fp8=False)["fp8_rescale"]
     assert not workload_options(STACKS["megatron-te"], "fp8", fp8_recipe="blockwise")[
         "fp8_rescale"]  # Transformer Engine scales inside its GEMMs
-    rates = H100.rates()
     plain = _work(dtype="fp8", fp8_recipe="rowwise")
-    rescaled = dataclasses.replace(plain, fp8_rescale=True)
-    a = layer_compute(plain, LO, H100, rates, False)
-    b = layer_compute(rescaled, LO, H100, rates, False)
-    assert a["gemm"] == b["gemm"]
-    cfg = PRESETS["llama3-8b"]
-    h, f, kv = cfg.dim, cfg.ffn_hidden, cfg.n_kv_heads * cfg.dim // cfg.n_heads
-    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
-    traffic = sum(4 * (8192 * k + k * n) for k, n in linears)
-    bw = rates.bandwidth(8192 * h * 2) * rates.eager_scale
-    assert b["memory-bound"] - a["memory-bound"] == pytest.approx(traffic / bw, rel=1e-9)
-    assert step_time(rescaled, LO, H100).step > step_time(plain, LO, H100).step
+    _adds_traffic(plain, dataclasses.replace(plain, fp8_rescale=True),
+                  lambda k, n: 4 * (8192 * k + k * n))
 
 
 def test_what_stays_in_16_bit_under_fp8() -> None:
