@@ -7,9 +7,10 @@ both sides), looped BFS vs ``ScheduleLoopedBFS`` and interleaved zero bubble vs
 ``ScheduleInterleavedZeroBubble`` (2 chunks round robin); torch has no ZB-H1, so meshlm's is
 reported against ``Schedule1F1B``. Both sides split the same layers into the same stages
 (``partition_layers``), place them the same way, train the same weights on the same
-micro-batches with AdamW + clipping, and read the loss back every step. Protocol of
-``_harness.py``: own world per implementation, best of ``rounds`` runs, slowest rank, peak RSS
-growth over the rank's resident memory before building its model; the time ratio of a pair is
+micro-batches with AdamW + clipping by the gradient norm over all stages, and read the loss
+back every step. Protocol of ``_harness.py``: own world per implementation, best of
+``rounds`` runs, slowest rank, peak RSS growth over the rank's resident memory before
+building its model; the time ratio of a pair is
 the median over the rounds of its ratio within a round (the two run one after the other, so a
 load that comes and goes on a shared machine moves both alike).
 
@@ -141,7 +142,12 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
             schedule.step()
         total = torch.tensor([float(sum(float(v.detach()) for v in losses))])
         dist.all_reduce(total)  # every rank learns the loss, as meshlm reports it
-        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)  # (stage-local norm)
+        # clipped by the norm over every stage, as meshlm (and torchtitan's pp) do: each
+        # rank's squared norm summed over the pipeline
+        grads = [p.grad for p in params if p.grad is not None]
+        sq = torch.nn.utils.get_total_norm(grads) ** 2
+        dist.all_reduce(sq)
+        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, sq.sqrt())
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
