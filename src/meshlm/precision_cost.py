@@ -201,15 +201,6 @@ class PrecisionCost:
         return ((reads * a + writes) * (m * k + m * n)
                 + (reads * weight_bytes + writes) * weights * k * n)
 
-    def rescale_traffic(self, m: float, k: float, n: float) -> float:
-        """Bytes one float8 linear's backward moves where its two GEMMs apply their scales
-        in a pass of their own (``Workload.fp8_rescale``: torchao's rowwise scaling): ``dx``
-        (``m`` x ``k``) and ``dW`` (``k`` x ``n``) each read and written once more in the
-        compute dtype; 0 when the linears are not float8."""
-        if not self.float8_linears:
-            return 0.0
-        return 2 * self.act_bytes * (m * k + k * n)
-
     def cast_peak(self, m: float, k: float, n: float) -> float:
         """Peak bytes one decoder-block linear's float8 casts allocate in its forward or its
         backward (``m`` tokens, ``k`` input and ``n`` output features), outputs included

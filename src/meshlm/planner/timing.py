@@ -376,8 +376,10 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     gemm += sum(per_linear)
     casts += sum(work.precision.cast_traffic(work.fp8_casts, work.fp8_recipe, tokens, k, n)
                  for k, n in lin)
-    if work.fp8_rescale:
-        casts += sum(work.precision.rescale_traffic(tokens, k, n) for k, n in lin)
+    if work.fp8_rescale and work.precision.float8_linears:  # (Workload.fp8_rescale) the
+        # backward GEMMs' scales applied in a pass of their own: dx (m x k) and dW (k x n)
+        # read and written once more in the compute dtype
+        casts += sum(2 * a * (tokens * k + k * n) for k, n in lin)
     # Causal attention over the whole sequence: queries of this rank's s/cp tokens. Flash
     # kernels compute the kernel's share of the scores (models/attention_spec.py: the causal
     # half; all of them under a boolean mask; the unmasked tiles of a block-sparse kernel);

@@ -201,8 +201,8 @@ class Workload:
     fp8_tp_gather: bool = False
     # an FP8 run's two backward GEMMs per float8 linear apply their scales in a pass of their
     # own, reading and writing dx and dW once more in the compute dtype (torchao's rowwise
-    # scaling: cuBLAS's tensorwise kernel, then the row scales; planner/stacks.py,
-    # precision_cost.py). meshlm's planner leaves it off.
+    # scaling: cuBLAS's tensorwise kernel, then the row scales; planner/stacks.py; counted
+    # in planner/timing.py). meshlm's planner leaves it off.
     fp8_rescale: bool = False
     # the stack overlaps data-parallel reductions with a pipeline's backward too and ZeRO-1's
     # parameter all-gather with the next forward (Megatron-Core's overlap_grad_reduce /
