@@ -115,9 +115,11 @@ class Recorder:
     def straggler_record(self, step: int, times: list[float], waits: list[float]
                          ) -> dict[str, Any]:
         """Every rank's step and wait times (seconds, island order) for the record; rank 0
-        logs what its straggler detector decides and adds the slowest named rank."""
-        rec: dict[str, Any] = {"step_time_per_rank": [round(t, 6) for t in times],
-                               "wait_time_per_rank": [round(w, 6) for w in waits]}
+        logs what its straggler detector decides and adds the slowest named rank. The
+        detector reads the times as recorded (to the microsecond), so the metrics replay to
+        the same lines."""
+        times, waits = [round(t, 6) for t in times], [round(w, 6) for w in waits]
+        rec: dict[str, Any] = {"step_time_per_rank": times, "wait_time_per_rank": waits}
         if self.stragglers is None:
             return rec
         for line in self.stragglers.update(step, times, waits):
