@@ -489,6 +489,12 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                              overlap=rules.mcore_defaults)
             if stack else {})
     loss = (raw.get("loss_kernel") or "").strip().lower() or opts.get("loss", "torch")
+    # An expert group larger than dp x cp can only fold over tp as well (Megatron-Core's MoE
+    # parallel folding, expert tp 1): read from the row's numbers alone, a structural rule
+    ep = _int(raw, "ep") or 1
+    ep_over_tp = ep > 1 and (dp * cp) % ep != 0 and (tp * dp * cp) % ep == 0
+    if ep_over_tp:
+        row.rules.append(f"ep={ep} > dp x cp: the expert group folds over tp x dp x cp")
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
                         profile="megatron", flash=modern, loss=loss,
                         flash_kernel=(raw.get("attention_kernel") or "").strip() or "flash2",
@@ -512,14 +518,14 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                         fp8_rescale=opts.get("fp8_rescale", False),
                         dp_overlap=opts.get("dp_overlap", False),
                         pp_overlap=opts.get("pp_overlap", False),
-                        experts_over_tp=opts.get("experts_over_tp", False))
+                        experts_over_tp=opts.get("experts_over_tp", False) or ep_over_tp)
     zero_text = (raw.get("zero_stage_or_fsdp") or "").strip()
     defaults = layout_defaults(stack, rules.mcore_defaults) if stack else {}
     zero = zero_stage(zero_text) if zero_text else defaults.get("zero", 0)
     tpo_free = (tp > 1 and modern and defaults.get("tp_overlap", False)
                 and not (raw.get("tp_comm_overlap") or "").strip())
-    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=_int(raw, "ep") or 1, sp=sp_given,
-                        tp_overlap=_yes(raw, "tp_comm_overlap"),
+    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp_given,
+                        tp_overlap=_yes(raw, "tp_comm_overlap"), ep_over_tp=ep_over_tp,
                         zero=zero, micro_batch=mbs or 1,
                         recompute=rc or "none",
                         pp_schedule="interleaved" if vpp > 1 else "1f1b", pp_virtual=vpp)

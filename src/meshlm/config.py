@@ -439,8 +439,9 @@ class Config(Section):
 
     def with_layout(self, layout: Layout) -> Config:
         """A copy with ``layout`` in the ``[parallel]`` keys and ``train.micro_batch``."""
-        if layout.tp_overlap:
-            raise ConfigError(f"layout {layout.describe()}: tp overlap is not a config key")
+        if layout.tp_overlap or layout.ep_over_tp:
+            what = "tp overlap" if layout.tp_overlap else "an expert group folded over tp"
+            raise ConfigError(f"layout {layout.describe()}: {what} is not a config key")
         out = self.copy()
         for key in PARALLEL_KEYS:
             setattr(out.parallel, key, getattr(layout, key))

@@ -70,6 +70,12 @@ class Layout:
     # Megatron-LM --tp-comm-overlap, torchtitan async TP). meshlm does not do this, so the
     # search never sets it; it describes published runs that did.
     tp_overlap: bool = False
+    # The expert group folded over tp x dp x cp (Megatron-Core's MoE parallel folding with
+    # expert tensor parallelism 1): ep divides tp * dp * cp instead of dp * cp, each rank holds
+    # E / ep whole experts and dispatches its own 1 / tp of the routed rows, and an expert's
+    # copies are the tp * dp * cp / ep ranks ep apart. meshlm places ep inside dp x cp, so the
+    # search never sets it; it describes published runs that did.
+    ep_over_tp: bool = False
     # Where AdamW moments live: none (device) | cpu (host) | disk (a file per rank). The
     # planner counts offloaded moments off the device; its search never sets this.
     offload: str = "none"
@@ -126,6 +132,8 @@ class Layout:
         if self.hybrid:
             parts.append(f"dp_shard={self.shard_size}")
         parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1]
+        if self.ep_over_tp:
+            parts.append("ep_over_tp")
         if self.cp > 1 and self.cp_attention != "zigzag":
             parts.append(f"cp_attention={self.cp_attention}")
         parts += [f"zero={self.zero}", f"mbs={self.micro_batch}", f"recompute={self.recompute}"]
@@ -183,7 +191,11 @@ class Layout:
             out.append(f"{k('tp')}={self.tp} exceeds the {gpus_per_node} GPUs of a node")
         if self.sp and self.tp == 1:
             out.append(f"{k('sp')}=true needs {k('tp')} > 1")
-        if self.ep > 1 and (self.dp * self.cp) % self.ep:
+        if self.ep_over_tp and self.ep > 1 and (self.tp * self.dp * self.cp) % self.ep:
+            out.append(f"{k('ep')}={self.ep} must divide {k.product('tp', 'dp', 'cp')} = "
+                       f"{self.tp * self.dp * self.cp} (ep_over_tp: the expert group folds "
+                       "over tp)")
+        elif not self.ep_over_tp and self.ep > 1 and (self.dp * self.cp) % self.ep:
             out.append(f"{k('ep')}={self.ep} must divide {k.product('dp', 'cp')} = "
                        f"{self.dp * self.cp}")
         out += self._hybrid_problems(k)

@@ -127,7 +127,7 @@ class StageParams:
 
     layers: int
     dense: float  # sharded by ZeRO over dp x cp (hybrid: dp_shard x cp)
-    expert: float  # sharded by ZeRO over dp x cp / ep (hybrid: dp_shard x cp / ep)
+    expert: float  # sharded by ZeRO over dp x cp / ep (hybrid: dp_shard x cp / ep; folded: x tp)
     matmul: float  # weights that take part in matmuls (bf16 autocast copies)
     layer_unit: float  # one layer's parameters (ZeRO-3 gathers)
     root_unit: float  # embedding + final norm + head on this stage
@@ -192,6 +192,12 @@ def shard_ranks(lo: Layout) -> int:
     """Ranks ZeRO shards the states over: dp x cp, or one shard group of dp_shard x cp under
     hybrid sharding (its replicas hold the same shards)."""
     return lo.shard_size * lo.cp
+
+
+def expert_copies(lo: Layout, ranks: int) -> int:
+    """Ranks holding the same experts among ``ranks`` (dp x cp, or one shard group): ranks / ep,
+    or, with the expert group folded over tp (``Layout.ep_over_tp``), tp x ranks / ep."""
+    return max(1, ranks * (lo.tp if lo.ep_over_tp else 1) // lo.ep)
 
 
 def stage_layers(n_layers: int, lo: Layout, rank: int) -> list[int]:
@@ -292,7 +298,7 @@ def state_bytes(work: Workload, lo: Layout, p: StageParams) -> dict[str, float]:
     """Weights, gradients and optimizer states of one rank, as its ZeRO stage holds them."""
     n_dense = shard_ranks(lo)
     zero = ZERO[lo.zero]
-    out = zero.states(p.dense, p.expert, n_dense, max(1, n_dense // lo.ep),
+    out = zero.states(p.dense, p.expert, n_dense, expert_copies(lo, n_dense),
                       work.state_cost.bytes)
     if work.fp8_params and work.precision.float8_linears:
         # FP8 primary weights: the decoder-block linears held in float8, one byte each
@@ -310,7 +316,7 @@ def checkpoint_host_bytes(lo: Layout, p: StageParams) -> float:
     host copy of them."""
     zero = ZERO[lo.zero]
     n_dense = zero.owners(shard_ranks(lo))
-    n_expert = zero.owners(max(1, shard_ranks(lo) // lo.ep))
+    n_expert = zero.owners(expert_copies(lo, shard_ranks(lo)))
     per = CHECKPOINT_BYTES + (CHECKPOINT_OUTER_BYTES if lo.islands > 1 else 0)
     return per * (p.dense / n_dense + p.expert / n_expert)
 

@@ -94,7 +94,9 @@ do it:
   the two transfers is its time; an expert dispatcher that sends a token once per node
   (``Workload.ep_dispatch``, ``planner/dispatch.py``: DeepEP) puts fewer bytes on the
   network. The expert group's ranks are tp apart in meshlm's mesh, consecutive where the
-  stack folds experts over tp (``experts_over_tp``: Megatron-Core's expert rank order);
+  stack folds experts over tp (``experts_over_tp``: Megatron-Core's expert rank order) or
+  the layout folds the expert group over tp x dp x cp (``Layout.ep_over_tp``: an expert's
+  copies are then tp x dp x cp / ep ranks, ep apart);
 - on CPU (gloo) nothing overlaps: the transport uses the same cores.
 
 **Bubble**: the schedule's share of the other stages' micro-batch times
@@ -139,6 +141,7 @@ from ..precision_cost import (
 from .dispatch import shares as dispatch_shares
 from .hardware import Accelerator, Rates, _nearest
 from .memory import (
+    expert_copies,
     last_rank,
     layer_activations,
     layer_kinds,
@@ -292,6 +295,13 @@ def _gemm(m: float, k: float, n: float, a: int, rate: float, rates: Rates) -> fl
     return 3 * max(flops / rate, nbytes / rates.bandwidth(nbytes))
 
 
+def folds_tp(work: Workload, lo: Layout) -> bool:
+    """Whether a MoE layer's routed rows split over tp and its expert group's ranks are
+    consecutive: the stack does so (``Workload.experts_over_tp``), or the layout folds the
+    expert group over tp (``Layout.ep_over_tp``: each tp rank dispatches its own rows)."""
+    return work.experts_over_tp or lo.ep_over_tp
+
+
 def other_dtype(work: Workload) -> str:
     """The dtype of the matmuls outside the decoder-block linears (the LM head, the router,
     materialised attention scores, the extra heads' linears): the precision's compute dtype
@@ -353,7 +363,7 @@ def layer_compute(work: Workload, lo: Layout, hw: Accelerator, rates: Rates, moe
     if moe:
         # balanced router: each rank computes this many rows (1/tp of them where the stack
         # splits the routed rows over tensor parallelism: Workload.experts_over_tp)
-        routed = tokens * c.moe_topk / (t if work.experts_over_tp else 1)
+        routed = tokens * c.moe_topk / (t if folds_tp(work, lo) else 1)
         fe = c.expert_hidden
         # each local expert's rows by its own weights (models/moe_cost.py: the kernel family)
         kernel = EXPERT_KERNELS[work.experts]
@@ -485,7 +495,7 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
         dp_axis = "dp_shard_cp" if lo.cp > 1 else "dp_shard"
     ev: list[CommEvent] = []
     # expert parallelism: expert weights are reduced over their copies (edp), the rest over dp
-    n_edp = n_dp // lo.ep
+    n_edp = expert_copies(lo, n_dp)
     expert = p.expert if lo.ep > 1 else 0.0
     groups = [(dp_axis, n_dp, p.total - expert, p.dense + p.expert - expert - p.root_unit)]
     if expert:
@@ -509,8 +519,10 @@ def comm_events(work: Workload, lo: Layout, stage: int = 0) -> list[CommEvent]:
             if col.over == "replica":  # the ranks holding the same shard
                 ev.append(CommEvent("dp", col.op, "dp_rep", col.nbytes, col.calls, lo.dp_rep,
                                     lo.tp * n_dp, col.overlap))
-            else:  # an expert's copies: every ep-th rank
-                stride = lo.tp * (lo.ep if axis.startswith("edp") else 1)
+            else:  # an expert's copies: every ep-th rank (of the dp x cp ranks, tp apart;
+                # ep apart where the expert group folds over tp: Layout.ep_over_tp)
+                edp = axis.startswith("edp")
+                stride = (lo.ep if lo.ep_over_tp else lo.tp * lo.ep) if edp else lo.tp
                 ev.append(CommEvent("dp", col.op, axis, col.nbytes, col.calls, n, stride,
                                     col.overlap))
     if lo.dp * lo.cp > 1 and (zero.shards or lo.ep > 1):  # some gradients differ over dp: norm
@@ -583,7 +595,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
     fwd = RECOMPUTE[lo.recompute].forwards
     ev = []
     if lo.ep > 1:  # dispatch + combine, forward and backward; copies sent = copies received
-        routed = tokens * c.moe_topk * c.dim * a / (lo.tp if work.experts_over_tp else 1)
+        routed = tokens * c.moe_topk * c.dim * a / (lo.tp if folds_tp(work, lo) else 1)
         calls = 2 * (fwd + 1) * moe * m
         # hidden behind the other micro-batch's computation (attention, MLP, everything the
         # paired chunk runs: DeepSeek-V3 sec. 3.2.1): all of them where the run says so
@@ -594,7 +606,7 @@ def moe_events(work: Workload, lo: Layout, stage: int, tokens: float, m: int
         # the group's ranks: tp apart in meshlm's mesh (ep inside dp x cp); consecutive where
         # the stack folds the experts over tp x dp x cp (Megatron-Core's expert rank order
         # "tp-ep-dp-pp" with expert tp 1: ep innermost, so ep <= GPUs per node stays on NVLink)
-        stride = 1 if work.experts_over_tp else lo.tp
+        stride = 1 if folds_tp(work, lo) else lo.tp
         split = functools.partial(dispatch_shares, work.ep_dispatch, c)
         for share, how in ((hidden, "compute"), (1.0 - hidden, "exposed")):
             if share > 0:

@@ -93,7 +93,7 @@ def layout_items(layout: Layout) -> list[tuple[str, Any]]:
     for name in sorted(values, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER)):
         key, value = CONFIG_KEYS.get(name), values[name]
         if key is None:
-            continue  # (tp_overlap: not a config key; train_gaps says so)
+            continue  # (tp_overlap, ep_over_tp: not config keys; train_gaps says so)
         if (name in _ALWAYS or value != _config_default(key)
                 or (name == "pp_schedule" and layout.pp > 1)):
             out.append((key, value))
@@ -168,6 +168,9 @@ def train_gaps(work: Workload, layout: Layout) -> list[str]:
         out.append(f"model {work.model.name}: a two-matrix GELU MLP; meshlm's block is SwiGLU")
     if layout.tp_overlap:
         out.append("tp_overlap: meshlm does not overlap tensor-parallel collectives with GEMMs")
+    if layout.ep_over_tp:
+        out.append("ep_over_tp: meshlm places the expert group inside dp x cp (ep must divide "
+                   "dp * cp), not folded over tp")
     if work.doc_len > 0:
         out.append(f"documents of {work.doc_len:g} tokens: data.doc_mask=true masks the data's "
                    "own documents")

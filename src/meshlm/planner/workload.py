@@ -301,13 +301,13 @@ class Workload:
 
 
 _TEXT_KEYS = ("dp", "tp", "sp", "pp", "cp", "ep", "zero", "mbs", "recompute", "schedule", "vpp",
-              "tp_overlap", "cp_attention", "offload", "dp_shard")
+              "tp_overlap", "ep_over_tp", "cp_attention", "offload", "dp_shard")
 # --layout keys -> Layout fields: the short names, the config's names (micro_batch, pp_schedule,
 # pp_virtual) and "mb"
 _FIELD_OF = {**{k: {v: f for f, v in SHORT_KEYS.items()}.get(k, k) for k in _TEXT_KEYS},
              **{f: f for f in SHORT_KEYS}, "mb": "micro_batch"}
 _INT_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "pp_virtual", "dp_shard")
-_BOOL_FIELDS = ("sp", "tp_overlap")
+_BOOL_FIELDS = ("sp", "tp_overlap", "ep_over_tp")
 
 
 def parse_layout(text: str, world: int | None = None) -> Layout:
