@@ -20,7 +20,7 @@ from meshlm.models.presets import PRESETS
 from meshlm.planner import ModelSpec, Workload
 from meshlm.planner.memory import expert_copies, stage_params, state_bytes
 from meshlm.planner.timing import comm_events
-from meshlm.planner.train_args import train_gaps
+from meshlm.planner.train_args import layout_items, meshlm_ep, train_gaps
 from meshlm.planner.workload import parse_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,12 @@ def test_the_layout_key_and_what_meshlm_cannot_run() -> None:
     lo = parse_layout("tp=2,sp,pp=8,dp=16,ep=32,ep_over_tp,zero=1,schedule=interleaved,vpp=4")
     assert lo == FOLDED
     assert any(g.startswith("ep_over_tp: meshlm places the expert group inside dp x cp")
-               for g in train_gaps(_work(), lo))
+               and g.endswith("ep=16 for the plan's 32") for g in train_gaps(_work(), lo))
+    # the train line runs what meshlm can: ep 16 inside dp 16, a layout its rules accept
+    items = dict(layout_items(lo))
+    assert items["parallel.ep"] == 16
+    assert meshlm_ep(dataclasses.replace(lo, ep=8)) == 8
+    assert not dataclasses.replace(lo, ep=16, ep_over_tp=False).problems()
     cfg = load_config(None, [])
     with pytest.raises(ConfigError, match="an expert group folded over tp is not a config key"):
         cfg.with_layout(lo)

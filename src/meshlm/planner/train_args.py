@@ -84,12 +84,23 @@ def _config_default(key: str) -> Any:
     return getattr(getattr(Config(), section), name)
 
 
+def meshlm_ep(layout: Layout) -> int:
+    """The expert parallelism meshlm runs for ``layout``: its ep, or -- for an expert group
+    folded over tp (``Layout.ep_over_tp``) -- the largest group inside dp x cp that divides
+    it (meshlm carves ep from dp x cp)."""
+    if not layout.ep_over_tp:
+        return layout.ep
+    ranks = layout.dp * layout.cp
+    return max(d for d in range(1, layout.ep + 1) if layout.ep % d == 0 and ranks % d == 0)
+
+
 def layout_items(layout: Layout) -> list[tuple[str, Any]]:
     """The layout's config keys (:data:`~meshlm.layout.CONFIG_KEYS`): dp always, the others
     where they differ from the config's default (the micro-batch's is 0: derived), and the
     schedule whenever there is a pipeline."""
     out = []
     values = layout.as_dict()
+    values["ep"] = meshlm_ep(layout)
     for name in sorted(values, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER)):
         key, value = CONFIG_KEYS.get(name), values[name]
         if key is None:
@@ -169,8 +180,8 @@ def train_gaps(work: Workload, layout: Layout) -> list[str]:
     if layout.tp_overlap:
         out.append("tp_overlap: meshlm does not overlap tensor-parallel collectives with GEMMs")
     if layout.ep_over_tp:
-        out.append("ep_over_tp: meshlm places the expert group inside dp x cp (ep must divide "
-                   "dp * cp), not folded over tp")
+        out.append(f"ep_over_tp: meshlm places the expert group inside dp x cp, not folded over "
+                   f"tp: ep={meshlm_ep(layout)} for the plan's {layout.ep}")
     if work.doc_len > 0:
         out.append(f"documents of {work.doc_len:g} tokens: data.doc_mask=true masks the data's "
                    "own documents")
