@@ -16,6 +16,7 @@ load that comes and goes on a shared machine moves both alike).
 
     python benchmarks/pipeline.py [--world 2] [--layers 4] [--microbatches 8] [--steps 8]
         [--only meshlm-zbv,torch-zbv] [--json benchmarks/results/pipeline.json]
+        [--profile DIR]
 
 The 2-chunk schedules need 2 x world stages: ``--layers`` a multiple of 2 x world.
 """
@@ -165,8 +166,21 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
         keep_freed_memory()
         impl = impl.removesuffix(KEEP)
     cfg = config(args, impl, run_dir)
+    profile = None
+    if args.get("profile"):  # (--profile DIR: each rank's cProfile of its steps)
+        import cProfile
+
+        profile = cProfile.Profile()
+        profile.enable()
     times = (meshlm_step_times(cfg, args["steps"]) if impl.startswith("meshlm")
              else torch_side(impl, cfg, args["steps"]))
+    if profile is not None:
+        import torch.distributed as dist
+
+        profile.disable()
+        out = Path(args["profile"])
+        out.mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(out / f"{Path(run_dir).name}-rank{dist.get_rank()}.pstat")  # impl-round
     return summary(times, base)
 
 
@@ -190,6 +204,9 @@ def main() -> None:
     ap.add_argument("--json", default="benchmarks/results/pipeline.json")
     ap.add_argument("--only", default="", help="comma-separated implementations to run "
                     "(default: all)")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="write each rank's cProfile of its steps to DIR (one .pstat per "
+                         "implementation, round and rank; read with python -m pstats)")
     ap.add_argument("--keep-freed", action="store_true",
                     help="also run each implementation keeping freed memory in its processes "
                          "(glibc: run.malloc_keep's policy), as NAME+keep in the same rounds")

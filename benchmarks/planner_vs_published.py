@@ -489,12 +489,16 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
                              overlap=rules.mcore_defaults)
             if stack else {})
     loss = (raw.get("loss_kernel") or "").strip().lower() or opts.get("loss", "torch")
-    # An expert group larger than dp x cp can only fold over tp as well (Megatron-Core's MoE
-    # parallel folding, expert tp 1): read from the row's numbers alone, a structural rule
+    # The expert group folds over tp x dp x cp (Megatron-Core's MoE parallel folding, expert
+    # tp 1) where the row says so (``ep_over_tp``), or where it is larger than dp x cp: then
+    # it can only have run so (read from the row's numbers alone, a structural rule)
     ep = _int(raw, "ep") or 1
-    ep_over_tp = ep > 1 and (dp * cp) % ep != 0 and (tp * dp * cp) % ep == 0
+    forced = (dp * cp) % ep != 0
+    ep_over_tp = (ep > 1 and (tp * dp * cp) % ep == 0
+                  and (forced or (tp > 1 and _yes(raw, "ep_over_tp"))))
     if ep_over_tp:
-        row.rules.append(f"ep={ep} > dp x cp: the expert group folds over tp x dp x cp")
+        row.rules.append(f"ep={ep} > dp x cp: the expert group folds over tp x dp x cp"
+                         if forced else "the expert group folds over tp x dp x cp (ep_over_tp)")
     row.work = Workload(spec, _int(raw, "seq_len") or 0, gb, dtype=dtype, states="mixed",
                         profile="megatron", flash=modern, loss=loss,
                         flash_kernel=(raw.get("attention_kernel") or "").strip() or "flash2",
@@ -524,7 +528,16 @@ def build_row(index: int, raw: dict[str, str], kernels: str = "eager",
     zero = zero_stage(zero_text) if zero_text else defaults.get("zero", 0)
     tpo_free = (tp > 1 and modern and defaults.get("tp_overlap", False)
                 and not (raw.get("tp_comm_overlap") or "").strip())
-    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp_given,
+    # Megatron-Core's account-for-embedding / loss in the pipeline split (``pp_split``): the
+    # embedding and the loss count as a layer each, the (layers + 2) units spread evenly over
+    # the pp x vpp stages -- the first and the last stage hold one decoder layer fewer
+    pp_layers = ""
+    units, n_stages = spec.config.n_layers + 2, pp * vpp
+    if ((raw.get("pp_split") or "").strip() == "embedding+loss" and pp > 1
+            and units % n_stages == 0):
+        u = units // n_stages
+        pp_layers = ",".join(map(str, [u - 1] + [u] * (n_stages - 2) + [u - 1]))
+    row.layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sp=sp_given, pp_layers=pp_layers,
                         tp_overlap=_yes(raw, "tp_comm_overlap"), ep_over_tp=ep_over_tp,
                         zero=zero, micro_batch=mbs or 1,
                         recompute=rc or "none",

@@ -83,7 +83,7 @@ def test_toml_file_and_round_trip(tmp_path: Path) -> None:
         ("--profile.steps=a-b", "profile.steps='a-b': expected a step or a range"),
         ("--precision.loss_scale=0", "precision.loss_scale=0.0 must be positive"),
         ("--parallel.pp=2 --parallel.pp_layers=3,,1", "parallel.pp_layers='3,,1' must be a comma"),
-        ("--parallel.pp=2 --parallel.pp_layers=4,0", "must be a comma list of layer counts >= 1"),
+        ("--parallel.pp=3 --parallel.pp_layers=2,0,2", "must be a comma list of layer counts >= 1"),
         ("--parallel.pp=2 --parallel.pp_layers=1,2", "must list 2 counts summing to model.n_layers=4"),
         ("--run.resume=maybe", "run.resume='maybe': expected one of false, true, auto"),
         ("--run.resume=true", "run.resume=true needs run.dir"),

@@ -126,3 +126,22 @@ def test_tied_embeddings_across_stages(references, tmp_path: Path) -> None:  # n
         norms = [r["grad_norm"] for r in read_metrics(run_dir / "metrics.jsonl")]
         for got, want in zip(norms, ref_norms, strict=True):
             assert abs(got - want) / want < 1e-5  # the tied gradient counts once
+
+
+def test_end_stages_without_decoder_layers(references) -> None:  # noqa: ANN001
+    """An explicit split whose first stage holds only the embedding and whose last holds only
+    the final norm, head and loss (Megatron-Core's account-for-embedding / loss in the pipeline
+    split): 1F1B and ZB over 4 stages, and interleaved over 8 chunks on 4 ranks."""
+    base, root, refs = references
+    runs = [
+        ["--model.n_layers=5", "--parallel.pp=4", "--parallel.pp_schedule=1f1b",
+         "--parallel.pp_virtual=1", "--train.micro_batch=2", "--parallel.pp_layers=0,3,2,0",
+         f"--run.dir={root / 'pp4-1f1b-ends'}"],
+        ["--model.n_layers=5", "--parallel.pp=4", "--parallel.pp_schedule=zb",
+         "--parallel.pp_virtual=1", "--train.micro_batch=1", "--parallel.pp_layers=0,2,3,0",
+         f"--run.dir={root / 'pp4-zb-ends'}"],
+        ["--model.n_layers=8", "--parallel.pp=4", "--parallel.pp_schedule=interleaved",
+         "--parallel.pp_virtual=2", "--train.micro_batch=2",
+         "--parallel.pp_layers=0,2,1,1,1,1,2,0", f"--run.dir={root / 'pp4-interleaved-ends'}"],
+    ]
+    check(runs, run_world(4, train_runs, base, runs)[0], refs)

@@ -1,7 +1,9 @@
 """MoE parallel folding in the planner (``Layout.ep_over_tp``): an expert group folded over
 tp x dp x cp, as Megatron-Core runs it with expert tensor parallelism 1 -- the layout rule, the
 experts' copies (ZeRO shards and gradient reduction), the all-to-all's group and rows, the
-``--layout`` key, and the published rows it lets the planner predict. Torch-free arithmetic.
+``--layout`` key, and the published rows it lets the planner predict -- with Megatron-Core's
+pipeline split that counts the embedding and the loss as layers (``pp_split``). Torch-free
+arithmetic.
 
 Communication: none (the planner's arithmetic). Memory: none to speak of.
 """
@@ -113,3 +115,37 @@ def test_published_rows_with_ep_beyond_dp_are_predicted_folded(import_benchmark)
         assert not any("ep=" in p for p in plan.problems)  # (others: e.g. 96 stages, 94 layers)
         predicted += not plan.problems
     assert predicted >= 8
+
+
+def test_a_pipeline_split_that_counts_the_embedding_and_the_loss(import_benchmark) -> None:  # noqa: ANN001
+    """``pp_split = embedding+loss`` (Megatron-Core's account-for-embedding / loss in the
+    pipeline split): the first and the last stage hold one decoder layer fewer -- none, for
+    Qwen3-235B's 94 layers over pp 32 x vpp 3 = 96 stages, which an even split cannot fill."""
+    from meshlm.layout import partition_layers
+
+    bench = import_benchmark("planner_vs_published")
+    with (ROOT / "benchmarks" / "data" / "published_runs.csv").open(newline="") as f:
+        raws = list(csv.DictReader(f))
+    split = [i for i, r in enumerate(raws) if r.get("pp_split") == "embedding+loss"]
+    assert split
+    seen_empty = False
+    for i in split:
+        row = bench.build_row(i, raws[i])
+        lo = row.layout
+        if lo.pp == 1:
+            assert not lo.pp_layers  # (nothing to split)
+            continue
+        counts = [int(c) for c in lo.pp_layers.split(",")]
+        stages = lo.pp * lo.pp_virtual
+        u = (row.work.model.config.n_layers + 2) // stages
+        assert counts == [u - 1] + [u] * (stages - 2) + [u - 1]
+        seen_empty |= counts[0] == 0
+        plan = bench.predict(row)
+        assert not plan.problems and plan.time.step > 0
+        if u > 1:  # where an even split can fill the stages it is the same split
+            even = [len(s) for s in partition_layers(row.work.model.config.n_layers, stages)]
+            assert counts == even
+    assert seen_empty
+    # without the column the 96-stage row is refused, as before
+    raw = next(dict(raws[i], pp_split="") for i in split if raws[i]["pp"] == "32")
+    assert any("96 stages exceed" in p for p in bench.predict(bench.build_row(0, raw)).problems)

@@ -229,7 +229,8 @@ class ParallelSection(Section):
             "dualpipev: 2)")
     pp_layers: str = declare(
         _LAYOUT["pp_layers"],
-        doc="explicit layers per stage, e.g. \"3,3,2\"; \"\" -> balanced by count")
+        doc="explicit layers per stage, e.g. \"3,3,2\"; the first and the last may be 0 "
+            "(only the embedding / only the head and loss); \"\" -> balanced by count")
     cp: int = declare(_LAYOUT["cp"], Range(ge=1), doc="context-parallel ranks")
     cp_attention: str = declare(
         _LAYOUT["cp_attention"], Choice(CP_MODES),

@@ -366,11 +366,15 @@ def micro_batch_problem(schedule: str, pp: int, m: int, keys: Mapping[str, str] 
 
 
 def _split_problem(explicit: str, n_layers: int, n_stages: int, k: _Names) -> str | None:
-    """What is wrong with an explicit split of ``n_layers`` layers into ``n_stages`` stages."""
+    """What is wrong with an explicit split of ``n_layers`` layers into ``n_stages`` stages.
+    The first and the last stage may hold no decoder layer -- only the embedding, only the
+    final norm, head and loss (Megatron-Core's ``--account-for-embedding-in-pipeline-split``
+    and ``--account-for-loss-in-pipeline-split``: each counts as a layer)."""
     items = explicit.split(",")
-    if not all(c.strip().isdigit() and int(c) >= 1 for c in items):
-        return (f"{k('pp_layers')}={explicit!r} must be a comma list of layer counts >= 1, "
-                'e.g. "3,3,2"')
+    inner = items[1:-1] if len(items) > 1 else items  # (the end stages may be empty)
+    if not all(c.strip().isdigit() for c in items) or any(int(c) < 1 for c in inner):
+        return (f"{k('pp_layers')}={explicit!r} must be a comma list of layer counts >= 1 "
+                '(0 allowed for the first and the last stage), e.g. "3,3,2" or "0,4,4,0"')
     if len(items) != n_stages or sum(int(c) for c in items) != n_layers:
         return (f"{k('pp_layers')}={explicit!r} must list {n_stages} counts summing to "
                 f"{k('n_layers')}={n_layers}")
