@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshlm.testing import run_world
+from meshlm.train.process import set_process_policies
 from meshlm.train.trainer import Trainer
 
 COMPILED = "-compiled"
@@ -45,7 +46,9 @@ def peak_rss_bytes() -> int:
 
 
 def meshlm_step_times(cfg, steps: int) -> list[float]:  # noqa: ANN001
-    """Wall time of the trainer's own steps 1..steps."""
+    """Wall time of the trainer's own steps 1..steps, under the process policies ``meshlm
+    train`` sets (malloc, threads; a policy the process set before stays)."""
+    set_process_policies(cfg.run)
     trainer = Trainer(cfg, log=lambda _m: None, progress=False)
     times = []
     for step in range(1, steps + 1):

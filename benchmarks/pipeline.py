@@ -12,11 +12,14 @@ back every step. Protocol of ``_harness.py``: own world per implementation, best
 ``rounds`` runs, slowest rank, peak RSS growth over the rank's resident memory before
 building its model; the time ratio of a pair is
 the median over the rounds of its ratio within a round (the two run one after the other, so a
-load that comes and goes on a shared machine moves both alike).
+load that comes and goes on a shared machine moves both alike). meshlm's side runs under the
+process policies ``meshlm train`` sets, its malloc cache (``run.malloc_cache_mb``) included;
+torch's under glibc's own policy, and with ``--torch-cache`` also under meshlm's (the ratio
+with the same allocator policy on both sides).
 
     python benchmarks/pipeline.py [--world 2] [--layers 4] [--microbatches 8] [--steps 8]
         [--only meshlm-zbv,torch-zbv] [--json benchmarks/results/pipeline.json]
-        [--profile DIR]
+        [--profile DIR] [--torch-cache] [--keep-freed]
 
 The 2-chunk schedules need 2 x world stages: ``--layers`` a multiple of 2 x world.
 """
@@ -156,15 +159,21 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
 
 
 KEEP = "+keep"  # suffix: the side keeps freed memory in its processes (run.malloc_keep's policy)
+# suffix of a torch side run under meshlm's default malloc policy (run.malloc_cache_mb), which
+# meshlm's side runs under as ``meshlm train`` does
+CACHE = "+cache"
 
 
 def worker(impl: str, args: dict, run_dir: str) -> dict:
     base = rss_bytes()
-    if impl.endswith(KEEP):  # (before anything is allocated, on both sides alike)
-        from meshlm.train.process import keep_freed_memory
+    from meshlm.train.process import cache_freed_memory, keep_freed_memory
 
+    if impl.endswith(KEEP):  # (before anything is allocated, on both sides alike)
         keep_freed_memory()
         impl = impl.removesuffix(KEEP)
+    elif impl.endswith(CACHE):
+        cache_freed_memory()
+        impl = impl.removesuffix(CACHE)
     cfg = config(args, impl, run_dir)
     profile = None
     if args.get("profile"):  # (--profile DIR: each rank's cProfile of its steps)
@@ -210,6 +219,10 @@ def main() -> None:
     ap.add_argument("--keep-freed", action="store_true",
                     help="also run each implementation keeping freed memory in its processes "
                          "(glibc: run.malloc_keep's policy), as NAME+keep in the same rounds")
+    ap.add_argument("--torch-cache", action="store_true",
+                    help="also run each torch side under meshlm's default malloc policy "
+                         "(run.malloc_cache_mb, which meshlm's side runs under), as NAME+cache "
+                         "in the same rounds: the ratio with the same allocator policy")
     a = ap.parse_args()
     if a.steps < 3:  # the first two steps are warm-up: the time is the median of steps 3..N
         ap.error(f"--steps {a.steps}: at least 3 (steps 1-2 are warm-up)")
@@ -223,6 +236,8 @@ def main() -> None:
         impls = [i for i in impls if i in a.only.split(",")]
     if a.keep_freed:
         impls = [x for i in impls for x in (i, i + KEEP)]
+    if a.torch_cache:
+        impls = [x for i in impls for x in ((i, i + CACHE) if i.startswith("torch") else (i,))]
     best, runs = rounds_of(a.world, impls, args, a.rounds)
     tokens = a.batch * a.seq
     rows = []
@@ -233,16 +248,29 @@ def main() -> None:
         # the pair's ratio in each round (run one after the other), the median of the rounds:
         # a load that comes and goes on a shared machine moves both sides of a round alike
         ratios = [x / y for x, y in zip(runs[impl], runs[peer], strict=True)] if ref else []
+        same = best.get(peer + CACHE) if peer and impl.startswith("meshlm") else None
+        same_ratios = ([x / y for x, y in zip(runs[impl], runs[peer + CACHE], strict=True)]
+                       if same else [])
         rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], vs=peer or None,
                          time_ratio=statistics.median(ratios) if ratios else None,
                          round_ratios=ratios,
                          memory_ratio=b["peak_rss_growth"] / ref["peak_rss_growth"] if ref
-                         else None))
+                         else None,
+                         same_malloc_time_ratio=(statistics.median(same_ratios) if same_ratios
+                                                 else None),
+                         same_malloc_round_ratios=same_ratios,
+                         same_malloc_memory_ratio=(b["peak_rss_growth"] / same["peak_rss_growth"]
+                                                   if same else None)))
     print(f"model {a.preset} ({a.layers} layers, untied), pp {a.world} (gloo, 1 thread/rank), "
           f"batch {a.batch} x {a.seq} in {a.microbatches} micro-batches, fp32, median of steps "
           f"3..{a.steps}, best of {a.rounds} runs; time ratio: the median over the rounds of "
           "the pair's ratio in a round")
     print_rows(rows, 18)
+    for r in rows:
+        if r["same_malloc_time_ratio"] is not None:
+            print(f"{r['impl']} vs {r['vs']}{CACHE} (the same malloc policy on both sides): time "
+                  f"ratio {r['same_malloc_time_ratio']:.3f}, memory ratio "
+                  f"{r['same_malloc_memory_ratio']:.3f}")
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": args, "rows": rows}, indent=1))

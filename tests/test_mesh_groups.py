@@ -6,6 +6,8 @@ ep = cp, ``inner`` the dp group of two islands of two), except the pipeline's: t
 the embedding group are shared with nothing, even where their ranks are the same (pp = 2); an
 axis of size 1 has no group, the number of groups torch creates is the number of distinct
 rank sets (plus those two), and a collective over every group sums over exactly its ranks.
+The embedding group is made only when asked for (``Mesh.build_embed_group``, which the pipeline
+model calls when it keeps an embedding table on both ends): a mesh alone makes none.
 (Sharing pp with the embedding group deadlocks a pipeline with tied embeddings: the pp = 2
 training runs of test_pipeline and test_expert_parallel hang then.) The grouping bookkeeping
 is also checked in one process, without torch.distributed.
@@ -28,6 +30,8 @@ LAYOUTS = {
     "islands2-dp2": ({"islands": 2, "dp": 2}, 4),  # island {0,2} {1,3}, inner = dp
     "pp4": ({"pp": 4}, 1),  # pp = world; embed {0, 3} is the only new set
 }
+# the embedding group's new_group calls among them (made by build_embed_group only)
+EMBED_SETS = {"pp2-dp2": 2, "islands2-pp2": 2, "pp4": 1}
 
 
 def groups_body(layouts: dict[str, dict]) -> dict[str, dict]:
@@ -44,6 +48,10 @@ def groups_body(layouts: dict[str, dict]) -> dict[str, dict]:
     for name, kw in layouts.items():
         before = distributed_c10d._world.group_count
         mesh = Mesh(Layout(**kw))
+        plain = distributed_c10d._world.group_count - before
+        plain_embed = mesh.group("embed")
+        mesh.build_embed_group()
+        mesh.build_embed_group()  # (again: a no-op)
         made = distributed_c10d._world.group_count - before
         groups = {a: mesh.group(a) for a in mesh._groups}
         ranks = mesh.group_ranks()
@@ -60,7 +68,8 @@ def groups_body(layouts: dict[str, dict]) -> dict[str, dict]:
                 comm.all_reduce(t, axis)
                 sums[axis] = t.item()
         out[name] = {
-            "made": made, "ranks": ranks, "sets": {k: len(v) for k, v in by_set.items()},
+            "made": made, "plain": plain, "plain_embed": plain_embed is not None,
+            "ranks": ranks, "sets": {k: len(v) for k, v in by_set.items()},
             "none": sorted(a for a, g in groups.items() if g is None),
             "same": {a: [b for b in groups if groups[b] is not None and groups[b] is groups[a]]
                      for a in groups if groups[a] is not None},
@@ -77,6 +86,8 @@ def test_equal_rank_sets_share_one_group() -> None:
         for name, (_, made) in LAYOUTS.items():
             r = res[name]
             assert r["made"] == made, (name, rank, r["made"])
+            assert r["plain"] == made - EMBED_SETS.get(name, 0), (name, rank, r["plain"])
+            assert not r["plain_embed"], name
             assert all(n == 1 for n in r["sets"].values()), (name, rank, r["sets"])
             assert r["world"]
             if "embed" in r["same"]:
@@ -121,3 +132,36 @@ def test_group_maker_reuses_known_sets(monkeypatch: pytest.MonkeyPatch) -> None:
     own = maker.partition([[0, 1], [2, 3]], share=False)  # groups of its own
     assert own == (0, 1) and made[-2:] == [[0, 1], [2, 3]]
     assert maker.partition([[1, 3]]) == "DP"  # the shared ones are still handed out
+
+
+@pytest.mark.parametrize(("tied", "schedule", "v", "asked"), [
+    (True, "1f1b", 1, True),  # both ends keep the table: the group is made
+    (False, "1f1b", 1, False),  # untied: no communicator for nothing
+    (True, "zbv", 2, False),  # a V puts both ends on rank 0: one table, no group
+])
+def test_pipeline_asks_for_the_embedding_group_only_when_it_uses_it(
+        tied: bool, schedule: str, v: int, asked: bool) -> None:
+    """Every rank of a pipeline makes the same call (whichever stage it holds): the group is
+    made collectively, and only when the table is on two ranks."""
+    from dataclasses import replace
+
+    from meshlm.distributed.mesh import Mesh
+    from meshlm.distributed.spec import attach_specs
+    from meshlm.layout import Layout
+    from meshlm.models import build_model
+    from meshlm.models.presets import PRESETS
+    from meshlm.parallel.pipeline import PipelineModel
+
+    class Recorder(Mesh):  # (one process: no groups; counts the pipeline's requests)
+        calls = 0
+
+        def build_embed_group(self) -> None:
+            self.calls += 1
+
+    cfg = replace(PRESETS["tiny"], tie_embeddings=tied, n_layers=4)
+    for rank in range(2):
+        mesh = Recorder(Layout())
+        model = build_model(cfg, 0)
+        attach_specs(model, mesh)
+        PipelineModel(model, rank, 2, v, schedule=schedule, mesh=mesh)
+        assert mesh.calls == int(asked), (rank, mesh.calls)

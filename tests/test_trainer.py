@@ -173,3 +173,49 @@ def test_malloc_keep_reuses_pages_instead_of_faulting_them_in() -> None:
     assert keep["heap_free"] >= 64 * mib, keep
     assert keep["heap_again"] == keep["heap_freed"], keep
     assert len(set(keep["arenas"][-8:])) == 1, keep["arenas"]  # steady: no growth per round
+
+
+def _heap_rounds(policy: str) -> dict[str, list[int]]:
+    """glibc's heap size (``mallinfo2().arena``) in a fresh process under ``policy`` ("default":
+    glibc's own; "cache": ``run.malloc_cache_mb``'s), round after round of a micro-batch's
+    worth of buffers (3 x 8 MiB) allocated, then freed: its size with them live and freed."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import ctypes, json, torch\n"
+        "from meshlm.train.process import cache_freed_memory\n"
+        f"if {policy == 'cache'}: cache_freed_memory()\n"
+        "class Info(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd '\n"
+        "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "libc.mallinfo2.restype = Info\n"
+        "live, freed = [], []\n"
+        "for _ in range(12):\n"
+        "    ts = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]\n"
+        "    live.append(libc.mallinfo2().arena)\n"
+        "    del ts\n"
+        "    freed.append(libc.mallinfo2().arena)\n"
+        "print(json.dumps({'live': live, 'freed': freed}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_malloc_cache_keeps_a_micro_batch_of_freed_memory_for_the_next() -> None:
+    """The default policy (``run.malloc_cache_mb``): glibc's own gives the top of the heap back
+    once more than twice its largest freed buffer is free there, so a pipeline stage that frees
+    a micro-batch's activations after its backward shrinks the heap and faults the pages in
+    again for the next forward, every micro-batch; held at glibc's ceiling (32 / 64 MiB) the
+    heap keeps them and every round reuses the same pages."""
+    mib = 1 << 20
+    default, cache = _heap_rounds("default"), _heap_rounds("cache")
+    steady = slice(4, None)  # (the first rounds move glibc's thresholds)
+    shrunk = [a - b for a, b in zip(default["live"][steady], default["freed"][steady],
+                                    strict=True)]
+    assert all(x >= 8 * mib for x in shrunk), default  # trimmed: given back, faulted in again
+    assert cache["freed"][steady] == cache["live"][steady], cache  # kept: reused every round
+    assert len(set(cache["live"][steady])) == 1, cache  # and the heap does not grow

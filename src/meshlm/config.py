@@ -346,6 +346,7 @@ class CheckpointSection(Section):
 
 
 RESUME_MODES = ("false", "true", "auto")
+MALLOC_CACHE_MB = 64  # run.malloc_cache_mb's default (train/process.py)
 RESUME_RULE = Choice(RESUME_MODES, booleans=True)
 
 
@@ -362,6 +363,13 @@ class RunSection(Section):
         doc="tokens sampled at the end of training (0: none)")
     sample_prompt: str = declare("def ", doc="prompt of the sample printed at the end of training")
     tensorboard: bool = declare(False, doc="also write TensorBoard scalars")
+    malloc_cache_mb: int = declare(
+        MALLOC_CACHE_MB, Range(ge=0, note="0: malloc's own policy"),
+        doc="CPU memory (glibc), the default policy: buffers below 32 MiB come from the heap and "
+            "up to N MiB freed at its top stay for reuse (glibc's own dynamic policy held at its "
+            "ceiling), so a step reuses the pages its micro-batches freed instead of faulting in "
+            "fresh ones; 0 -> glibc's policy as it comes. run.malloc_mmap_kb and run.malloc_keep "
+            "replace it")
     malloc_mmap_kb: int = declare(
         0, Range(ge=0, note="0: malloc's own policy"),
         doc="CPU memory (glibc): 0 -> malloc's own policy (fast); N -> every buffer above N KiB is"
@@ -785,6 +793,11 @@ def validate(cfg: Config, check_paths: bool = True) -> None:
     _check(not (cfg.run.malloc_keep and cfg.run.malloc_mmap_kb),
            f"run.malloc_keep=true and run.malloc_mmap_kb={cfg.run.malloc_mmap_kb} contradict "
            "each other (keep freed memory vs return it): set one")
+    _check(cfg.run.malloc_cache_mb in (0, MALLOC_CACHE_MB)
+           or not (cfg.run.malloc_keep or cfg.run.malloc_mmap_kb),
+           f"run.malloc_cache_mb={cfg.run.malloc_cache_mb} and "
+           f"{'run.malloc_keep=true' if cfg.run.malloc_keep else 'run.malloc_mmap_kb'} "
+           "contradict each other (each sets the malloc policy): set one")
     skip_batches(t.skip_batches)  # (raises ConfigError)
     if t.compile:
         import torch

@@ -205,6 +205,7 @@ class Mesh:
         self.world_size = world
         self.device_mesh = None
         self._groups: dict[str, dist.ProcessGroup | None] = {a: None for a in AXES}
+        self._built: set[str] = set()  # groups made after construction (build_embed_group)
         self.islands = layout.islands
         self.island = self.rank // layout.inner_size
         if self.distributed:
@@ -218,25 +219,36 @@ class Mesh:
         over the axes of size > 1, then the derived groups, which reuse those they equal.
 
         Except around the pipeline: the pp group carries its point-to-point transfers and is
-        shared with no derived group, and the embedding group gets its own. The tied
-        embedding's gradient all-reduce runs while pp transfers are in flight, and in another
-        order on the first stage (after its last receive) than on the last (before its last
-        send); a communicator runs its operations in the order issued, so one communicator
-        for both would deadlock (NCCL; gloo too)."""
+        shared with no derived group, and the embedding group (:meth:`build_embed_group`) gets
+        its own. The tied embedding's gradient all-reduce runs while pp transfers are in
+        flight, and in another order on the first stage (after its last receive) than on the
+        last (before its last send); a communicator runs its operations in the order issued,
+        so one communicator for both would deadlock (NCCL; gloo too)."""
         maker = GroupMaker(self.rank, can_split(device_type))
         maker.register([list(range(self.world_size))], dist.group.WORLD)
         self._groups["world"] = dist.group.WORLD
         self._build_device_mesh(device_type, maker)
-        grids = self._islands_grids()
-        d = self.layout
         self._groups["inner"] = (maker.partition(self.rank_sets("inner")) if self.islands > 1
                                  else dist.group.WORLD)
-        self._groups["embed"] = maker.partition(
-            [[int(g[0, c]), int(g[-1, c])] for g in (i.reshape(d.pp, -1) for i in grids)
-             for c in range(g.shape[1])], share=False) if d.pp > 1 else None
+        self._maker = maker  # (the embedding group is made later, where it is needed)
         hybrid = HYBRID_AXES if self.layout.hybrid else ()
         for axis in (*DERIVED, *hybrid):  # (one partition each, the same order on every rank)
             self._groups[axis] = maker.partition(self.rank_sets(axis))
+
+    def build_embed_group(self) -> None:
+        """The "embed" groups: the first and the last pipeline rank of each (dp, cp, tp)
+        coordinate, a communicator of their own. Collective: every rank calls it, at the same
+        point, when the model keeps an embedding table on both pipeline ends (a tied head, or
+        a training head's lookups); a model without one gets none, so it costs no
+        communicator (and no idle gloo threads waking with the others). Again: a no-op."""
+        if "embed" in self._built or not self.distributed or self.layout.pp == 1:
+            return
+        d = self.layout
+        self._groups["embed"] = self._maker.partition(
+            [[int(g[0, c]), int(g[-1, c])] for g in (i.reshape(d.pp, -1)
+                                                      for i in self._islands_grids())
+             for c in range(g.shape[1])], share=False)
+        self._built.add("embed")
 
     def _build_device_mesh(self, device_type: str, maker: GroupMaker) -> None:
         """torch's DeviceMesh over the axes of size > 1 (none for a size-1 axis: a group of
