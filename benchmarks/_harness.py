@@ -45,23 +45,36 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def meshlm_step_times(cfg, steps: int) -> list[float]:  # noqa: ANN001
+def minor_faults() -> int:
+    """Minor page faults of this process so far (each a page the kernel mapped, and zeroed, on
+    first touch: what a buffer given back to the OS costs when it is allocated again)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def meshlm_step_times(cfg, steps: int, faults: list[int] | None = None  # noqa: ANN001
+                      ) -> list[float]:
     """Wall time of the trainer's own steps 1..steps, under the process policies ``meshlm
-    train`` sets (malloc, threads; a policy the process set before stays)."""
+    train`` sets (malloc, threads; a policy the process set before stays); ``faults`` (when
+    given) gets each step's minor page faults."""
     set_process_policies(cfg.run)
     trainer = Trainer(cfg, log=lambda _m: None, progress=False)
     times = []
     for step in range(1, steps + 1):
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), minor_faults()
         trainer.train_step(step)
         times.append(time.perf_counter() - t0)
+        if faults is not None:
+            faults.append(minor_faults() - f0)
     return times
 
 
-def summary(times: list[float], base_rss: int) -> dict:
+def summary(times: list[float], base_rss: int, faults: list[int] | None = None) -> dict:
     # the first two steps allocate buffers and warm the thread pool
-    return {"step_time_s": statistics.median(times[2:]),
-            "peak_rss_growth": peak_rss_bytes() - base_rss}
+    out = {"step_time_s": statistics.median(times[2:]),
+           "peak_rss_growth": peak_rss_bytes() - base_rss}
+    if faults:
+        out["faults_per_step"] = statistics.median(faults[2:])
+    return out
 
 
 def best_of(world: int, worker: Callable[..., dict], impls: list[str], args: dict,
@@ -78,6 +91,9 @@ def best_of(world: int, worker: Callable[..., dict], impls: list[str], args: dic
             mem = max(x["peak_rss_growth"] for x in res)
             if runs is not None:
                 runs.setdefault(impl, []).append(step)
+                if "faults_per_step" in res[0]:  # (each rank's, per round)
+                    runs.setdefault(f"{impl}/faults", []).append(
+                        [x["faults_per_step"] for x in res])
             mem = min(mem, best.get(impl, {}).get("peak_rss_growth", mem))
             if impl not in best or step < best[impl]["step_time_s"]:
                 best[impl] = {"impl": impl, "step_time_s": step, "peak_rss_growth": mem}

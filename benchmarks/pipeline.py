@@ -19,7 +19,7 @@ with the same allocator policy on both sides).
 
     python benchmarks/pipeline.py [--world 2] [--layers 4] [--microbatches 8] [--steps 8]
         [--only meshlm-zbv,torch-zbv] [--json benchmarks/results/pipeline.json]
-        [--profile DIR] [--torch-cache] [--keep-freed]
+        [--profile DIR] [--torch-cache] [--meshlm-glibc] [--keep-freed]
 
 The 2-chunk schedules need 2 x world stages: ``--layers`` a multiple of 2 x world.
 """
@@ -34,7 +34,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import best_of, meshlm_step_times, print_rows, rss_bytes, split_compiled, summary
+from _harness import (
+    best_of,
+    meshlm_step_times,
+    minor_faults,
+    print_rows,
+    rss_bytes,
+    split_compiled,
+    summary,
+)
 from torch import nn
 
 from meshlm.config import load_config
@@ -68,6 +76,8 @@ IMPLS = ["meshlm-afab", "torch-gpipe", "meshlm-1f1b", "torch-1f1b", "meshlm-inte
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
     impl, extra = split_compiled(impl)
+    if impl.endswith(GLIBC):  # meshlm's side under glibc's malloc policy as it comes
+        impl, extra = impl.removesuffix(GLIBC), [*extra, "--run.malloc_cache_mb=0"]
     schedule = MESHLM.get(impl) or TORCH_AS[impl]
     v = 2 if schedule in (*V_SCHEDULES, *LOOPED_SCHEDULES) else 1
     return load_config(None, [
@@ -100,7 +110,7 @@ class TorchStage(nn.Module):
         return self.head(self.norm(h)) if self.head is not None else h
 
 
-def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
+def torch_side(impl: str, cfg, steps: int, faults: list[int]) -> list[float]:  # noqa: ANN001
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
 
@@ -131,7 +141,7 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
     sampler = StepSampler(data.train_tokens, cfg.data.seq_len, t.global_batch, t.seed)
     times = []
     for step in range(1, steps + 1):
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), minor_faults()
         batch = sampler.global_batch_at(step)
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         losses: list = []
@@ -155,6 +165,7 @@ def torch_side(impl: str, cfg, steps: int) -> list[float]:  # noqa: ANN001
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        faults.append(minor_faults() - f0)
     return times
 
 
@@ -162,6 +173,7 @@ KEEP = "+keep"  # suffix: the side keeps freed memory in its processes (run.mall
 # suffix of a torch side run under meshlm's default malloc policy (run.malloc_cache_mb), which
 # meshlm's side runs under as ``meshlm train`` does
 CACHE = "+cache"
+GLIBC = "+glibc"  # suffix of a meshlm side run under glibc's own policy (run.malloc_cache_mb=0)
 
 
 def worker(impl: str, args: dict, run_dir: str) -> dict:
@@ -181,8 +193,9 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
 
         profile = cProfile.Profile()
         profile.enable()
-    times = (meshlm_step_times(cfg, args["steps"]) if impl.startswith("meshlm")
-             else torch_side(impl, cfg, args["steps"]))
+    faults: list[int] = []
+    times = (meshlm_step_times(cfg, args["steps"], faults) if impl.startswith("meshlm")
+             else torch_side(impl, cfg, args["steps"], faults))
     if profile is not None:
         import torch.distributed as dist
 
@@ -190,7 +203,7 @@ def worker(impl: str, args: dict, run_dir: str) -> dict:
         out = Path(args["profile"])
         out.mkdir(parents=True, exist_ok=True)
         profile.dump_stats(out / f"{Path(run_dir).name}-rank{dist.get_rank()}.pstat")  # impl-round
-    return summary(times, base)
+    return summary(times, base, faults)
 
 
 def rounds_of(world: int, impls: list[str], args: dict, rounds: int
@@ -219,6 +232,9 @@ def main() -> None:
     ap.add_argument("--keep-freed", action="store_true",
                     help="also run each implementation keeping freed memory in its processes "
                          "(glibc: run.malloc_keep's policy), as NAME+keep in the same rounds")
+    ap.add_argument("--meshlm-glibc", action="store_true",
+                    help="also run each meshlm side under glibc's malloc policy as it comes "
+                         "(run.malloc_cache_mb=0), as NAME+glibc in the same rounds")
     ap.add_argument("--torch-cache", action="store_true",
                     help="also run each torch side under meshlm's default malloc policy "
                          "(run.malloc_cache_mb, which meshlm's side runs under), as NAME+cache "
@@ -236,13 +252,15 @@ def main() -> None:
         impls = [i for i in impls if i in a.only.split(",")]
     if a.keep_freed:
         impls = [x for i in impls for x in (i, i + KEEP)]
+    if a.meshlm_glibc:
+        impls = [x for i in impls for x in ((i, i + GLIBC) if i.startswith("meshlm") else (i,))]
     if a.torch_cache:
         impls = [x for i in impls for x in ((i, i + CACHE) if i.startswith("torch") else (i,))]
     best, runs = rounds_of(a.world, impls, args, a.rounds)
     tokens = a.batch * a.seq
     rows = []
     for impl in impls:
-        b, peer = best[impl], PAIRS.get(impl.removesuffix(KEEP), "")
+        b, peer = best[impl], PAIRS.get(impl.removesuffix(KEEP).removesuffix(GLIBC), "")
         peer = peer + KEEP if peer and impl.endswith(KEEP) else peer
         ref = best.get(peer)
         # the pair's ratio in each round (run one after the other), the median of the rounds:
@@ -260,7 +278,9 @@ def main() -> None:
                                                  else None),
                          same_malloc_round_ratios=same_ratios,
                          same_malloc_memory_ratio=(b["peak_rss_growth"] / same["peak_rss_growth"]
-                                                   if same else None)))
+                                                   if same else None),
+                         # minor page faults a step (median of steps 3..), per round, per rank
+                         faults_per_step=runs.get(f"{impl}/faults")))
     print(f"model {a.preset} ({a.layers} layers, untied), pp {a.world} (gloo, 1 thread/rank), "
           f"batch {a.batch} x {a.seq} in {a.microbatches} micro-batches, fp32, median of steps "
           f"3..{a.steps}, best of {a.rounds} runs; time ratio: the median over the rounds of "

@@ -371,8 +371,8 @@ class RunSection(Section):
             "fresh ones; 0 -> glibc's policy as it comes. run.malloc_mmap_kb and run.malloc_keep "
             "replace it")
     malloc_mmap_kb: int = declare(
-        0, Range(ge=0, note="0: malloc's own policy"),
-        doc="CPU memory (glibc): 0 -> malloc's own policy (fast); N -> every buffer above N KiB is"
+        0, Range(ge=0, note="0: run.malloc_cache_mb's policy"),
+        doc="CPU memory (glibc): 0 -> run.malloc_cache_mb's policy; N -> every buffer above N KiB is"
             " mmapped and returned to the OS when freed, so peak RSS measures live memory and "
             "stays flat step after step, at the cost of page faults (small CPU runs: ~1.6x slower "
             "steps)")
