@@ -117,6 +117,28 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert all(a >= b for a, b in zip(values, values[1:], strict=False))
 
 
+# glibc's allocator statistics (mallinfo2, bytes), for the scripts below
+_MALLINFO = (
+    "import ctypes, json, torch\n"
+    "class Info(ctypes.Structure):\n"
+    "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd '\n"
+    "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
+    "libc = ctypes.CDLL('libc.so.6')\n"
+    "libc.mallinfo2.restype = Info\n"
+)
+
+
+def _fresh_process(code: str) -> dict:
+    """The JSON ``code`` prints last, run after ``_MALLINFO`` in a fresh Python process."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MALLINFO + code], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _allocator_state(policy: str) -> dict[str, int]:
     """glibc's view (``mallinfo2``, bytes) of a 64 MiB buffer allocated, freed and allocated
     again, round after round (24), in a fresh process under ``policy`` ("default" or "keep");
@@ -128,19 +150,9 @@ def _allocator_state(policy: str) -> dict[str, int]:
     between two rounds, the freed buffer is a few bytes short of the next request and the heap
     grows by one buffer (seen for 1 to 7 rounds here). Once the small bins are stocked, every
     round reuses the freed buffer: that steady state is what ``run.malloc_keep`` buys."""
-    import json
-    import subprocess
-    import sys
-
-    code = (
-        "import ctypes, json, torch\n"
+    return _fresh_process(
         "from meshlm.train.trainer import keep_freed_memory\n"
         f"if {policy == 'keep'}: keep_freed_memory()\n"
-        "class Info(ctypes.Structure):\n"
-        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd '\n"
-        "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
-        "libc = ctypes.CDLL('libc.so.6')\n"
-        "libc.mallinfo2.restype = Info\n"
         "arenas = []\n"
         "for _ in range(24):\n"
         "    t = torch.empty(16 << 20).fill_(1.0)\n"
@@ -154,9 +166,6 @@ def _allocator_state(policy: str) -> dict[str, int]:
         "                  'heap_free': freed.fordblks, 'heap_freed': freed.arena,\n"
         "                  'heap_again': again.arena, 'arenas': arenas}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_malloc_keep_reuses_pages_instead_of_faulting_them_in() -> None:
@@ -179,19 +188,9 @@ def _heap_rounds(policy: str) -> dict[str, list[int]]:
     """glibc's heap size (``mallinfo2().arena``) in a fresh process under ``policy`` ("default":
     glibc's own; "cache": ``run.malloc_cache_mb``'s), round after round of a micro-batch's
     worth of buffers (3 x 8 MiB) allocated, then freed: its size with them live and freed."""
-    import json
-    import subprocess
-    import sys
-
-    code = (
-        "import ctypes, json, torch\n"
+    return _fresh_process(
         "from meshlm.train.process import cache_freed_memory\n"
         f"if {policy == 'cache'}: cache_freed_memory()\n"
-        "class Info(ctypes.Structure):\n"
-        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd '\n"
-        "                'usmblks fsmblks uordblks fordblks keepcost').split()]\n"
-        "libc = ctypes.CDLL('libc.so.6')\n"
-        "libc.mallinfo2.restype = Info\n"
         "live, freed = [], []\n"
         "for _ in range(12):\n"
         "    ts = [torch.empty(2 << 20).fill_(1.0) for _ in range(3)]\n"
@@ -200,9 +199,6 @@ def _heap_rounds(policy: str) -> dict[str, list[int]]:
         "    freed.append(libc.mallinfo2().arena)\n"
         "print(json.dumps({'live': live, 'freed': freed}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_malloc_cache_keeps_a_micro_batch_of_freed_memory_for_the_next() -> None:
