@@ -75,9 +75,10 @@ IMPLS = ["meshlm-afab", "torch-gpipe", "meshlm-1f1b", "torch-1f1b", "meshlm-inte
 
 
 def config(args: dict, impl: str, run_dir: str):  # noqa: ANN201
-    impl, extra = split_compiled(impl)
-    if impl.endswith(GLIBC):  # meshlm's side under glibc's malloc policy as it comes
-        impl, extra = impl.removesuffix(GLIBC), [*extra, "--run.malloc_cache_mb=0"]
+    glibc = impl.endswith(GLIBC)  # meshlm's side under glibc's malloc policy as it comes
+    impl, extra = split_compiled(impl.removesuffix(GLIBC))
+    if glibc:
+        extra = [*extra, "--run.malloc_cache_mb=0"]
     schedule = MESHLM.get(impl) or TORCH_AS[impl]
     v = 2 if schedule in (*V_SCHEDULES, *LOOPED_SCHEDULES) else 1
     return load_config(None, [
@@ -242,6 +243,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.steps < 3:  # the first two steps are warm-up: the time is the median of steps 3..N
         ap.error(f"--steps {a.steps}: at least 3 (steps 1-2 are warm-up)")
+    if a.keep_freed and (a.torch_cache or a.meshlm_glibc):  # (one malloc suffix a run)
+        ap.error("--keep-freed runs both sides under one policy: not with --torch-cache or "
+                 "--meshlm-glibc")
     args = vars(a)
     build_data(config(args, "meshlm-1f1b", "unused").data)
     impls = list(IMPLS)
@@ -266,7 +270,8 @@ def main() -> None:
         # the pair's ratio in each round (run one after the other), the median of the rounds:
         # a load that comes and goes on a shared machine moves both sides of a round alike
         ratios = [x / y for x, y in zip(runs[impl], runs[peer], strict=True)] if ref else []
-        same = best.get(peer + CACHE) if peer and impl.startswith("meshlm") else None
+        same = (best.get(peer + CACHE) if peer and impl.startswith("meshlm")
+                and not impl.endswith(GLIBC) else None)  # (+glibc: not the same policy)
         same_ratios = ([x / y for x, y in zip(runs[impl], runs[peer + CACHE], strict=True)]
                        if same else [])
         rows.append(dict(b, tokens_per_s=tokens / b["step_time_s"], vs=peer or None,

@@ -50,8 +50,12 @@ def groups_body(layouts: dict[str, dict]) -> dict[str, dict]:
         mesh = Mesh(Layout(**kw))
         plain = distributed_c10d._world.group_count - before
         plain_embed = mesh.group("embed")
+        mesh.set_timeout(1234.0)  # (a group made later gets the timeout the others have)
         mesh.build_embed_group()
         mesh.build_embed_group()  # (again: a no-op)
+        embed = mesh.group("embed")
+        embed_timeout = (embed._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                         if embed is not None else None)
         made = distributed_c10d._world.group_count - before
         groups = {a: mesh.group(a) for a in mesh._groups}
         ranks = mesh.group_ranks()
@@ -69,6 +73,7 @@ def groups_body(layouts: dict[str, dict]) -> dict[str, dict]:
                 sums[axis] = t.item()
         out[name] = {
             "made": made, "plain": plain, "plain_embed": plain_embed is not None,
+            "embed_timeout": embed_timeout,
             "ranks": ranks, "sets": {k: len(v) for k, v in by_set.items()},
             "none": sorted(a for a, g in groups.items() if g is None),
             "same": {a: [b for b in groups if groups[b] is not None and groups[b] is groups[a]]
@@ -88,6 +93,7 @@ def test_equal_rank_sets_share_one_group() -> None:
             assert r["made"] == made, (name, rank, r["made"])
             assert r["plain"] == made - EMBED_SETS.get(name, 0), (name, rank, r["plain"])
             assert not r["plain_embed"], name
+            assert r["embed_timeout"] in (None, 1234.0), (name, r["embed_timeout"])
             assert all(n == 1 for n in r["sets"].values()), (name, rank, r["sets"])
             assert r["world"]
             if "embed" in r["same"]:
@@ -109,6 +115,7 @@ def test_equal_rank_sets_share_one_group() -> None:
         assert sorted(same["pp4"]["world"]) == ["inner", "pp", "world"]  # (torch's own pp)
         # the embedding group joins the first and last stage only
         assert ("embed" in res["pp4"]["none"]) == (rank in (1, 2))
+        assert (res["pp4"]["embed_timeout"] == 1234.0) == (rank in (0, 3))
         if rank in (0, 3):
             assert res["pp4"]["ranks"]["embed"] == [0, 3]
 
@@ -145,6 +152,7 @@ def test_pipeline_asks_for_the_embedding_group_only_when_it_uses_it(
     made collectively, and only when the table is on two ranks."""
     from dataclasses import replace
 
+    from meshlm.distributed.comm import Comm
     from meshlm.distributed.mesh import Mesh
     from meshlm.distributed.spec import attach_specs
     from meshlm.layout import Layout
@@ -152,7 +160,7 @@ def test_pipeline_asks_for_the_embedding_group_only_when_it_uses_it(
     from meshlm.models.presets import PRESETS
     from meshlm.parallel.pipeline import PipelineModel
 
-    class Recorder(Mesh):  # (one process: no groups; counts the pipeline's requests)
+    class Recorder(Comm):  # (one process: no groups; counts the pipeline's requests)
         calls = 0
 
         def build_embed_group(self) -> None:
@@ -160,8 +168,35 @@ def test_pipeline_asks_for_the_embedding_group_only_when_it_uses_it(
 
     cfg = replace(PRESETS["tiny"], tie_embeddings=tied, n_layers=4)
     for rank in range(2):
-        mesh = Recorder(Layout())
+        comm = Recorder(Mesh(Layout()))
         model = build_model(cfg, 0)
-        attach_specs(model, mesh)
-        PipelineModel(model, rank, 2, v, schedule=schedule, mesh=mesh)
-        assert mesh.calls == int(asked), (rank, mesh.calls)
+        attach_specs(model, comm.mesh)
+        PipelineModel(model, rank, 2, v, schedule=schedule, comm=comm)
+        assert comm.calls == int(asked), (rank, comm.calls)
+
+
+def test_a_group_made_later_reaches_the_flight_recorder(tmp_path) -> None:  # noqa: ANN001
+    """The embedding group is made after the flight recorder opened: its ranks are written to
+    the recorder's metadata then, so a stall diagnosis knows the peers of a tied all-reduce."""
+    import json
+
+    from meshlm.distributed.comm import Comm
+    from meshlm.distributed.flight import FlightRecorder
+    from meshlm.distributed.mesh import Mesh
+    from meshlm.layout import Layout
+
+    class Later(Mesh):  # (one process: the group's ranks as a two-stage pipeline would have)
+        made = False
+
+        def build_embed_group(self) -> None:
+            self.made = True
+
+        def group_ranks(self) -> dict[str, list[int]]:
+            return {"pp": [0, 1], **({"embed": [0, 1]} if self.made else {})}
+
+    comm = Comm(Later(Layout()))
+    comm.flight = FlightRecorder(tmp_path, 0, 2, 8, {"pp": 0}, comm.mesh.group_ranks())
+    meta = tmp_path / "rank_00000.meta.json"
+    assert "embed" not in json.loads(meta.read_text())["groups"]
+    comm.build_embed_group()
+    assert json.loads(meta.read_text())["groups"] == {"pp": [0, 1], "embed": [0, 1]}

@@ -364,14 +364,14 @@ class RunSection(Section):
     sample_prompt: str = declare("def ", doc="prompt of the sample printed at the end of training")
     tensorboard: bool = declare(False, doc="also write TensorBoard scalars")
     malloc_cache_mb: int = declare(
-        MALLOC_CACHE_MB, Range(ge=0, note="0: malloc's own policy"),
+        MALLOC_CACHE_MB, Range(ge=0, le=2047, note="0: malloc's own policy; mallopt takes an int"),
         doc="CPU memory (glibc), the default policy: buffers below 32 MiB come from the heap and "
             "up to N MiB freed at its top stay for reuse (glibc's own dynamic policy held at its "
             "ceiling), so a step reuses the pages its micro-batches freed instead of faulting in "
             "fresh ones; 0 -> glibc's policy as it comes. run.malloc_mmap_kb and run.malloc_keep "
             "replace it")
     malloc_mmap_kb: int = declare(
-        0, Range(ge=0, note="0: run.malloc_cache_mb's policy"),
+        0, Range(ge=0, le=2097151, note="0: run.malloc_cache_mb's policy; mallopt takes an int"),
         doc="CPU memory (glibc): 0 -> run.malloc_cache_mb's policy; N -> every buffer above N KiB is"
             " mmapped and returned to the OS when freed, so peak RSS measures live memory and "
             "stays flat step after step, at the cost of page faults (small CPU runs: ~1.6x slower "

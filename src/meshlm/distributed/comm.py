@@ -311,6 +311,13 @@ class Comm:
                 self.monitor.track(slot, seq, handle)
         return handle
 
+    def build_embed_group(self) -> None:
+        """The mesh's embedding group (collective: :meth:`Mesh.build_embed_group`), with the
+        flight recorder told of it."""
+        self.mesh.build_embed_group()
+        if self.flight is not None:
+            self.flight.set_groups(self.mesh.group_ranks())
+
     def close(self) -> None:
         """End the NCCL-semantics point-to-point stream (if one was started)."""
         if self._stream is not None:

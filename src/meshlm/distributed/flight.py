@@ -85,13 +85,22 @@ class FlightRecorder:
         self._ring = np.frombuffer(self._map, dtype=RECORD)
         self._counts = np.zeros(len(AXES), dtype=np.int64)  # per-axis collectives so far
         self.seq = 0
-        meta = {"rank": rank, "world": world, "slots": slots, "pid": os.getpid(),
-                "host": socket.gethostname(), "coords": dict(coords),
-                "groups": {a: list(r) for a, r in groups.items()}, "ops": OPS, "axes": AXES,
-                "started": time.time()}
-        tmp = folder / f"rank_{rank:05d}.meta.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        tmp.replace(folder / f"rank_{rank:05d}.meta.json")
+        self._meta = {"rank": rank, "world": world, "slots": slots, "pid": os.getpid(),
+                      "host": socket.gethostname(), "coords": dict(coords),
+                      "groups": {a: list(r) for a, r in groups.items()}, "ops": OPS,
+                      "axes": AXES, "started": time.time()}
+        self._write_meta()
+
+    def set_groups(self, groups: Mapping[str, list[int]]) -> None:
+        """The world ranks of this rank's group on every axis, again (a group made after the
+        recorder opened: the pipeline's embedding group)."""
+        self._meta["groups"] = {a: list(r) for a, r in groups.items()}
+        self._write_meta()
+
+    def _write_meta(self) -> None:
+        tmp = self.folder / f"rank_{self.rank:05d}.meta.json.tmp"
+        tmp.write_text(json.dumps(self._meta))
+        tmp.replace(self.folder / f"rank_{self.rank:05d}.meta.json")
 
     def enter(self, op: str, axis: str, nbytes: int, async_op: bool = False) -> int:
         """Record that this rank enters a collective; returns its slot (for :meth:`done`)."""

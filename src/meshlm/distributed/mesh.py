@@ -133,6 +133,14 @@ def _key(ranks: list[int]) -> tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
+def _set_timeout(group: dist.ProcessGroup, seconds: float) -> None:
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
 def can_split(device_type: str) -> bool:
     """Whether process groups can be split from the default communicator in one call per
     partition (``dist.split_group``, ncclCommSplit): NCCL with a device bound to the default
@@ -206,6 +214,7 @@ class Mesh:
         self.device_mesh = None
         self._groups: dict[str, dist.ProcessGroup | None] = {a: None for a in AXES}
         self._built: set[str] = set()  # groups made after construction (build_embed_group)
+        self._timeout_s: float | None = None  # the last set_timeout (a later group gets it)
         self.islands = layout.islands
         self.island = self.rank // layout.inner_size
         if self.distributed:
@@ -244,11 +253,13 @@ class Mesh:
         if "embed" in self._built or not self.distributed or self.layout.pp == 1:
             return
         d = self.layout
-        self._groups["embed"] = self._maker.partition(
+        group = self._groups["embed"] = self._maker.partition(
             [[int(g[0, c]), int(g[-1, c])] for g in (i.reshape(d.pp, -1)
                                                       for i in self._islands_grids())
              for c in range(g.shape[1])], share=False)
         self._built.add("embed")
+        if group is not None and self._timeout_s is not None:  # (the others' timeout)
+            _set_timeout(group, self._timeout_s)
 
     def _build_device_mesh(self, device_type: str, maker: GroupMaker) -> None:
         """torch's DeviceMesh over the axes of size > 1 (none for a size-1 axis: a group of
@@ -325,15 +336,12 @@ class Mesh:
         """How long every collective of this rank's groups waits for its peers from now on."""
         if not self.distributed:
             return
-        from datetime import timedelta
-
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
+        self._timeout_s = seconds
         seen: set[int] = set()
         for group in [dist.group.WORLD, *self._groups.values()]:
             if group is not None and id(group) not in seen:
                 seen.add(id(group))
-                _set_pg_timeout(timedelta(seconds=seconds), group)
+                _set_timeout(group, seconds)
 
     def size(self, axis: str) -> int:
         if axis == "embed":

@@ -120,7 +120,7 @@ def parallelize(model: Transformer, comm: Comm, parallel: ParallelSection,
         attach_count_reducers(model, comm)
     pipelined = comm.size("pp") > 1
     pipe = (PipelineModel(model, comm.rank("pp"), comm.size("pp"), parallel.pp_virtual,
-                          parallel.pp_layers, parallel.pp_schedule, mesh=comm.mesh)
+                          parallel.pp_layers, parallel.pp_schedule, comm=comm)
             if pipelined else None)
     # converted modules bound to their shards, attention kernel, recomputation, compile: named
     # choices applied together, in the fixed order of extensions.py, to this rank's layers

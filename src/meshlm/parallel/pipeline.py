@@ -85,7 +85,6 @@ from .schedules import (
 from .split_linear import DefersWeightGrad, capture_into, split_linears
 
 if TYPE_CHECKING:
-    from ..distributed.mesh import Mesh
     from .objective import ExtraObjective
 
 AXIS = "pp"
@@ -95,7 +94,7 @@ class PipelineModel:
     """This rank's stages of a plain model (the other modules are deleted)."""
 
     def __init__(self, model: Transformer, pp_rank: int, pp: int, v: int, explicit: str = "",
-                 schedule: str = "1f1b", *, mesh: Mesh):
+                 schedule: str = "1f1b", *, comm: Comm):
         self.model, self.n_stages = model, pp * v
         self.layers = partition_layers(model.cfg.n_layers, self.n_stages, explicit)
         self.stages = rank_stages(schedule, pp_rank, pp, v)  # (the schedule's placement)
@@ -121,7 +120,7 @@ class PipelineModel:
         both_ends = 0 in rank_stages(schedule, 0, pp, v) and self.n_stages - 1 in rank_stages(
             schedule, 0, pp, v)
         if (model.cfg.tie_embeddings or lookups) and pp > 1 and not both_ends:
-            mesh.build_embed_group()  # (every rank, the same decision: collective)
+            comm.build_embed_group()  # (every rank, the same decision: collective)
         if (model.cfg.tie_embeddings or lookups) and pp > 1 and (first != last):
             self.tied = (model.tok_embeddings.weight if first or not model.cfg.tie_embeddings
                          else model.output.weight)  # (tied: the same tensor)
