@@ -213,7 +213,7 @@ class Mesh:
         self.world_size = world
         self.device_mesh = None
         self._groups: dict[str, dist.ProcessGroup | None] = {a: None for a in AXES}
-        self._built: set[str] = set()  # groups made after construction (build_embed_group)
+        self._embed_built = False  # (build_embed_group, made after construction)
         self._timeout_s: float | None = None  # the last set_timeout (a later group gets it)
         self.islands = layout.islands
         self.island = self.rank // layout.inner_size
@@ -250,14 +250,14 @@ class Mesh:
         point, when the model keeps an embedding table on both pipeline ends (a tied head, or
         a training head's lookups); a model without one gets none, so it costs no
         communicator (and no idle gloo threads waking with the others). Again: a no-op."""
-        if "embed" in self._built or not self.distributed or self.layout.pp == 1:
+        if self._embed_built or not self.distributed or self.layout.pp == 1:
             return
         d = self.layout
         group = self._groups["embed"] = self._maker.partition(
             [[int(g[0, c]), int(g[-1, c])] for g in (i.reshape(d.pp, -1)
                                                       for i in self._islands_grids())
              for c in range(g.shape[1])], share=False)
-        self._built.add("embed")
+        self._embed_built = True
         if group is not None and self._timeout_s is not None:  # (the others' timeout)
             _set_timeout(group, self._timeout_s)
 

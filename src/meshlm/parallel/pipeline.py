@@ -117,8 +117,8 @@ class PipelineModel:
         # rank (the V schedules' rank 0) there is one table, as in one process.
         self.tied: nn.Parameter | None = None
         # the placement puts both ends on one rank (the V schedules' rank 0), or on two
-        both_ends = 0 in rank_stages(schedule, 0, pp, v) and self.n_stages - 1 in rank_stages(
-            schedule, 0, pp, v)
+        on_rank0 = rank_stages(schedule, 0, pp, v)  # (stage 0 is always rank 0's)
+        both_ends = self.n_stages - 1 in on_rank0
         if (model.cfg.tie_embeddings or lookups) and pp > 1 and not both_ends:
             comm.build_embed_group()  # (every rank, the same decision: collective)
         if (model.cfg.tie_embeddings or lookups) and pp > 1 and (first != last):

@@ -34,11 +34,6 @@ MMAP_CEILING = 32 << 20
 _policy: str | None = None  # the malloc policy this process set ("cache", "pin", "keep")
 
 
-def malloc_policy() -> str | None:
-    """The malloc policy set in this process (None: glibc's own)."""
-    return _policy
-
-
 def set_process_policies(run: RunSection) -> None:
     """The malloc policy of ``run`` and the thread count of this process. The default cache
     (``run.malloc_cache_mb``) is not applied over a policy the process already set (a memory
@@ -92,7 +87,7 @@ def cache_freed_memory(nbytes: int = 64 << 20) -> None:
     the largest buffers are a micro-batch's 8 MiB logits, it settles at 8 / 16 MiB, and a
     pipeline stage that frees a micro-batch's activations after its backward (meshlm's, which
     keeps its peak at about half of torch's pipelining) gives the heap's top back and faults
-    it in again for the next forward: ~1.1 us a page, 10-30k pages a step on the last stage
+    it in again for the next forward: ~1.1 us a page, 10-40k pages a step on the last stage
     of ``benchmarks/pipeline.py`` (``small``, pp 2). Held at the ceiling instead (32 / 64
     MiB), the same stage takes a few hundred faults a step. Buffers of 32 MiB and more are
     still mmapped and returned, so what stays is bounded: at most ``nbytes`` freed at the
